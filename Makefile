@@ -1,0 +1,34 @@
+# Muser: two entry points on a fresh machine.
+#   make run   -> sets up .venv and runs `muser generate` on the embedded default model
+#   make test  -> sets up .venv (+ the pinned llama.cpp comparator) and runs the test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Portable CPU build of the pinned comparator: the native build crashes in ggml's AMX path here.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+PYTEST_ARGS ?=
+
+.PHONY: setup comparator run test clean
+
+$(VENV)/.stamp-base: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+$(VENV)/.stamp-comparator: $(VENV)/.stamp-base
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install -q --no-binary llama-cpp-python llama-cpp-python==0.3.36
+	touch $@
+
+setup: $(VENV)/.stamp-base
+
+comparator: $(VENV)/.stamp-comparator
+
+run: setup
+	$(BIN)/muser generate
+
+test: setup comparator
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""Benchmarks as commands: harness, comparator runners, receipts."""

@@ -1,0 +1,1 @@
+"""`muser bench <kind>`: one module per kind, each exposing register(subparsers)."""

@@ -1,0 +1,101 @@
+"""`muser inspect FILE [--json]`: geometry, dtype mix, bytes, identities, KV footprint, verdict."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="validate a Muse Glimmer GGUF and describe it")
+    p.add_argument("file", help="path to a GGUF file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-hash", action="store_true", help="skip the streamed artifact SHA-256")
+    p.set_defaults(func=run)
+
+
+KV_CONTEXTS = (2048, 32768, 131072)
+
+
+def describe(path: str, hash_artifact: bool = True) -> dict:
+    from ..gguf.identity import template_sha256, tokenizer_sha256
+    from ..model.loader import open_model
+
+    m = open_model(path)
+    try:
+        cfg = m.config
+        mix: dict[str, dict] = {}
+        for name, dt in m.contract.dtypes.items():
+            e = mix.setdefault(dt, {"tensors": 0, "bytes": 0})
+            e["tensors"] += 1
+            e["bytes"] += m.gguf.tensors[name].nbytes
+        kv = {str(c): {"per_slot_bytes": cfg.kv_bytes(c), "four_slots_bytes": 4 * cfg.kv_bytes(c)}
+              for c in KV_CONTEXTS}
+        ident = {
+            "tokenizer_sha256": tokenizer_sha256(m.gguf),
+            "template_sha256": template_sha256(m.gguf),
+            "eog_ids": sorted(cfg.eog_ids),
+        }
+        if hash_artifact:
+            ident["artifact_sha256"] = m.identity.artifact_sha256
+        return {
+            "file": str(path),
+            "file_bytes": m.gguf.size,
+            "gguf_version": m.gguf.version,
+            "alignment": m.gguf.alignment,
+            "config": cfg.describe(),
+            "q_scale": m.contract.q_scale,
+            "parameters": m.n_params,
+            "dtype_mix": mix,
+            "bytes_by_class": m.bytes_by_class(),
+            "weight_bytes_per_token": m.weight_bytes_per_token(),
+            "kv_bytes_per_row_all_layers": cfg.kv_bytes(1),
+            "kv": kv,
+            "identity": ident,
+            "weight_precision": m.gguf.get("muser.weight_precision"),
+            "verdict": "valid",
+        }
+    finally:
+        m.close()
+
+
+def _human(d: dict) -> str:
+    c = d["config"]
+    lines = [
+        f"file            {d['file']} ({d['file_bytes']:,} B, GGUF v{d['gguf_version']}, align {d['alignment']})",
+        f"geometry        {c['n_layers']} layers, hidden {c['hidden']}, {c['n_heads']} q heads / {c['n_kv_heads']} kv heads, "
+        f"head_dim {c['head_dim']}, ffn {c['ffn']}, vocab {c['vocab']}",
+        f"derived         attn_dim {c['attn_dim']}, kv_dim {c['kv_dim']}, heads_per_kv {c['heads_per_kv']}, "
+        f"attn_scale {c['attn_scale']:.7g}",
+        f"collar          [{c['collar']}]  ({c['n_swa']} sliding RoPE, {c['n_full']} full NoPE), window {c['sliding_window']}",
+        f"rope            freq_base_swa {c['rope_base_swa']:g} (sliding only), freq_base {c['rope_base']:g} (unused: NoPE)",
+        f"norms           eps {c['rms_eps']:g}, post-norm eps {c['post_norm_eps']:g}, q_norm constant {d['q_scale']:.7g}",
+        f"logits          x {c['logit_scale']:.6g}, then {c['softcap']:g}*tanh(l/{c['softcap']:g})",
+        f"context         {c['context_length']:,}; BOS {c['bos_id']}, EOS {c['eos_id']}, EOT {c['eot_id']}, EOG {c['eog_ids']}",
+        f"parameters      {d['parameters']:,}",
+        "dtype mix",
+    ]
+    for dt, e in sorted(d["dtype_mix"].items()):
+        lines.append(f"  {dt:<11} {e['tensors']:>5} tensors  {e['bytes']:>16,} B")
+    lines.append("bytes by class")
+    for k, v in sorted(d["bytes_by_class"].items()):
+        lines.append(f"  {k:<11} {v:>22,} B")
+    lines.append(f"per token       {d['weight_bytes_per_token']:,} B of weights streamed per decoded token")
+    lines.append(f"KV (f16)        {d['kv_bytes_per_row_all_layers']:,} B per position across all layers (until the window fills)")
+    for ctx, e in d["kv"].items():
+        lines.append(f"  context {int(ctx):>7,}: {e['per_slot_bytes']:>16,} B per slot, {e['four_slots_bytes']:>16,} B for 4 slots")
+    ident = d["identity"]
+    if "artifact_sha256" in ident:
+        lines.append(f"artifact        sha256 {ident['artifact_sha256']}")
+    lines.append(f"tokenizer       sha256 {ident['tokenizer_sha256']}")
+    lines.append(f"template        sha256 {ident['template_sha256']}")
+    if d.get("weight_precision"):
+        lines.append(f"precision       {d['weight_precision']}")
+    lines.append(f"verdict         {d['verdict']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    d = describe(args.file, hash_artifact=not args.no_hash)
+    print(json.dumps(d, indent=2) if args.json else _human(d))
+    return 0

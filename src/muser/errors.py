@@ -1,0 +1,104 @@
+"""Typed errors. Every refusal in Muser is one of these, and its message names the offending value.
+
+The CLI prints ``str(err)`` on one line and exits non-zero; no traceback for bad input.
+"""
+
+from __future__ import annotations
+
+
+class MuserError(Exception):
+    """Base of every error Muser raises on purpose."""
+
+    exit_code = 2
+
+
+# --- files and metadata -------------------------------------------------------------------
+
+
+class GGUFError(MuserError):
+    """The file is not a well-formed GGUF (structure, bounds, types)."""
+
+
+class GGUFTruncated(GGUFError):
+    """A read would run past the end of the file."""
+
+
+class GGUFLimitError(GGUFError):
+    """A count or length is larger than the bytes left could ever hold."""
+
+
+class MetadataError(MuserError):
+    """A metadata key is missing, has the wrong type, or holds an invalid value."""
+
+
+class MissingKey(MetadataError):
+    pass
+
+
+class WrongKeyType(MetadataError):
+    pass
+
+
+class ContractError(MuserError):
+    """A tensor is missing, unknown, misshapen, or of a dtype not admitted for its class."""
+
+
+class IdentityMismatch(MuserError):
+    """A pin does not match the artifact; the message names the field and both values."""
+
+
+class FormatError(MuserError):
+    """Bad quantized data (NaN scale, pairing rule broken, unsupported conversion)."""
+
+
+# --- runtime -------------------------------------------------------------------------------
+
+
+class CacheDiscontinuity(MuserError):
+    """A KV append at a position other than origin_logical + len (book 15.5)."""
+
+    def __init__(self, layer: int, expected: int, got: int):
+        self.layer, self.expected, self.got = layer, expected, got
+        super().__init__(
+            f"cache discontinuity at layer {layer}: expected position {expected}, got {got}"
+        )
+
+
+class ContextOverflow(MuserError):
+    """A position at or past the session's max_context."""
+
+
+class TokenOutOfRange(MuserError):
+    """A token id outside [0, vocab)."""
+
+
+class EmptyInput(MuserError):
+    """No tokens where at least one is required."""
+
+
+class NonFiniteLogits(MuserError):
+    """NaN or infinite logits: no distribution is installed (book 10.9)."""
+
+
+class LaneError(MuserError):
+    """A device/lane/KV choice the engine cannot serve (exactly)."""
+
+
+class SamplingError(MuserError):
+    """An invalid sampling parameter."""
+
+
+class TokenizerError(MuserError):
+    """Tokenizer metadata the engine cannot honour exactly."""
+
+
+class TemplateError(MuserError):
+    """The chat template failed to render."""
+
+
+class TemplateSecurityError(TemplateError):
+    """The chat template tried to leave its sandbox or exceeded its bounds."""
+
+
+class ComparatorError(MuserError):
+    """The pinned llama.cpp comparator is unavailable or failed."""

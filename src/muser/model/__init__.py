@@ -1,0 +1,1 @@
+"""Model contract (config, tensor shapes, dtype admission), the validated model file, the oracle."""
