@@ -173,7 +173,7 @@ def check_contract(f: GGUFFile, cfg: MuseConfig) -> ContractReport:
             )
     report.q_scale = float(q_scale) if q_scale is not None else float("nan")
 
-    if report.nvfp4 or "muser.weight_precision" in f:
+    if report.nvfp4 or "muser.weight_precision" in f or "muser.activation_precision" in f:
         from ..quant.nvfp4 import validate_nvfp4_pairing  # rules of book 7.3
 
         validate_nvfp4_pairing(f, report.nvfp4)

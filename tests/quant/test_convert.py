@@ -1,0 +1,154 @@
+"""`muser quantize`: every target from the CLI; metadata and identities preserved; ggml outputs
+byte-equal to the codecs and loadable by the pinned llama.cpp; refusals before any work;
+atomic output (an interrupted run leaves no OUT)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llama_cpp
+
+from muser.cli import main
+from muser.gguf.identity import identity_of, template_sha256, tokenizer_sha256
+from muser.gguf.reader import read_gguf
+from muser.gguf.types import GgmlType as G
+from muser.model.loader import open_model
+from muser.model.synth import SynthSpec, q4_k_xl_type
+from muser.quant import quantize
+
+TARGETS = ["q8_0", "q4_k", "q4_k_xl", "nvfp4", "nvfp4-w4a4", "nvfp4-ggml"]
+CHANGED_KEYS = {"general.file_type", "muser.weight_precision", "muser.activation_precision"}
+
+
+def expected_type(target: str, name: str, ndim: int) -> G:
+    if ndim == 1:
+        return G.F32
+    if target == "q8_0":
+        return G.Q8_0
+    if target == "q4_k":
+        return G.Q4_K
+    if target == "q4_k_xl":
+        return q4_k_xl_type(name)
+    if name in ("token_embd.weight", "output.weight"):
+        return G.F16
+    return G.NVFP4 if target == "nvfp4-ggml" else G.NVFP4_E2M1
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_gguf, tmp_path_factory):
+    d = tmp_path_factory.mktemp("convert")
+    out = {}
+    for t in TARGETS:
+        out[t] = d / f"{t}.gguf"
+        assert main(["quantize", str(tiny_gguf), str(out[t]), "--to", t, "--quiet"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_output_contract_and_identities(target, converted, tiny_gguf):
+    p = converted[target]
+    m = open_model(p)  # the full loader: contract + NVFP4 pairing
+    try:
+        with read_gguf(tiny_gguf) as src:
+            f = m.gguf
+            assert tokenizer_sha256(f) == tokenizer_sha256(src)
+            assert template_sha256(f) == template_sha256(src)
+            ia, ib = identity_of(f, m.config.eog_ids), identity_of(src, m.config.eog_ids)
+            assert (ia.tokenizer_sha256, ia.template_sha256, ia.eog_ids) == (ib.tokenizer_sha256, ib.template_sha256, ib.eog_ids)
+            for k, fld in src.fields.items():
+                if k in CHANGED_KEYS:
+                    continue
+                got = f.field(k)
+                assert (got.vtype, got.elem_type) == (fld.vtype, fld.elem_type), k
+                if isinstance(fld.value, np.ndarray):
+                    assert np.array_equal(got.value, fld.value), k
+                else:
+                    assert got.value == fld.value, k
+            assert set(f.fields) - set(src.fields) <= CHANGED_KEYS
+            assert f.get_str("muser.weight_precision") == ("nvfp4" if target == "nvfp4-w4a4" else target)
+            assert (f.get("muser.activation_precision") == "nvfp4") == (target == "nvfp4-w4a4")
+            for name, s in src.tensors.items():
+                want = expected_type(target, name, len(s.shape))
+                assert f.tensors[name].type.ggml_type == want, name
+                assert f.tensors[name].shape == s.shape
+                if len(s.shape) == 1:
+                    assert np.array_equal(f.raw(name), src.raw(name))
+                elif want != G.NVFP4_E2M1:
+                    vals = np.ascontiguousarray(src.array(name))
+                    ref = np.ascontiguousarray(quantize(vals, want) if want != G.F16 else vals.astype("<f2"))
+                    assert np.array_equal(f.raw(name).reshape(-1), ref.view(np.uint8).reshape(-1)), name
+    finally:
+        m.close()
+
+
+@pytest.mark.comparator
+@pytest.mark.parametrize("target", ["q8_0", "q4_k", "q4_k_xl", "nvfp4-ggml"])
+def test_ggml_outputs_run_in_pinned_llama_cpp(target, converted):
+    llm = llama_cpp.Llama(str(converted[target]), n_ctx=64, n_threads=2, verbose=False, logits_all=True)
+    try:
+        llm.eval([0, 10, 20, 30, 40])
+        logits = np.array(llm.scores[:5, : llm.n_vocab()])
+        assert np.isfinite(logits).all() and np.abs(logits).max() > 1.0
+    finally:
+        llm.close()
+
+
+def test_progress_on_stderr(tiny_gguf, tmp_path, capsys):
+    assert main(["quantize", str(tiny_gguf), str(tmp_path / "o.gguf"), "--to", "q8_0"]) == 0
+    err = capsys.readouterr().err
+    assert "blk.0.attn_q.weight" in err and "F32 -> Q8_0" in err and "wrote" in err
+
+
+def test_f16_source(make_gguf, tmp_path):
+    src = make_gguf(SynthSpec(dtype="F16"))
+    out = tmp_path / "q.gguf"
+    assert main(["quantize", str(src), str(out), "--to", "q8_0", "--quiet"]) == 0
+    with read_gguf(src) as s, read_gguf(out) as q:
+        name = "blk.1.ffn_down.weight"
+        vals = np.ascontiguousarray(s.array(name)).astype(np.float32)
+        assert np.array_equal(q.raw(name).reshape(-1), quantize(vals, G.Q8_0).reshape(-1))
+
+
+def _one_line_error(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("muser: error:") and needle in err[0], err
+
+
+def test_refusals_before_any_work(converted, tiny_gguf, make_gguf, tmp_path, capsys):
+    out = tmp_path / "never.gguf"
+    _one_line_error(capsys, ["quantize", str(converted["q4_k"]), str(out), "--to", "q8_0"],
+                    "input tensor 'token_embd.weight' is already Q4_K")
+    _one_line_error(capsys, ["quantize", str(tiny_gguf), str(tiny_gguf), "--to", "q8_0"], "is the input file")
+    narrow = make_gguf(SynthSpec(hidden=256, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256, vocab_target=300))
+    _one_line_error(capsys, ["quantize", str(narrow), str(out), "--to", "q4_k"],
+                    "tensor 'blk.0.attn_output.weight': row length 128 is not a multiple of the Q4_K block of 256")
+    _one_line_error(capsys, ["quantize", str(tiny_gguf), str(out), "--to", "q8_0", "--input-scale-inv", "2"],
+                    "applies only to --to nvfp4-w4a4")
+    _one_line_error(capsys, ["quantize", str(tiny_gguf), str(tmp_path / "no" / "x.gguf"), "--to", "q8_0"],
+                    "does not exist")
+    _one_line_error(capsys, ["quantize", str(tmp_path / "missing.gguf"), str(out), "--to", "q8_0"], "missing.gguf")
+    assert not out.exists()
+    with pytest.raises(SystemExit):
+        main(["quantize", str(tiny_gguf), str(out), "--to", "q3_k"])
+
+
+def test_interrupted_run_leaves_no_output(tiny_gguf, tmp_path, monkeypatch, capsys):
+    import muser.quant.convert as conv
+
+    calls = {"n": 0}
+    real = conv.quantize
+
+    def flaky(values, t):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return real(values, t)
+
+    monkeypatch.setattr(conv, "quantize", flaky)
+    out = tmp_path / "out.gguf"
+    assert main(["quantize", str(tiny_gguf), str(out), "--to", "q8_0", "--quiet"]) == 130
+    assert calls["n"] == 6
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []  # the temp file is gone too
