@@ -1,0 +1,359 @@
+#!/usr/bin/env python3
+"""The micro model's corpus and tokenizer: the CPython 3.11 standard-library sources.
+
+    tools/corpus.py build [--root DIR] [--out .device/micro]   corpus + tokenizer + uint16 token streams
+    tools/corpus.py hashes [--root DIR]                         print the split hashes (no tokenizer)
+
+Corpus rule (reproducible on any machine of our kind; the pyenv 3.11.7 install):
+- every regular `*.py` file under ROOT = <python 3.11.7>/lib/python3.11, symlinks not followed;
+- excluded directories: site-packages (third-party), __pycache__, lib-dynload, config-3.11-* (build
+  files); excluded files: `_sysconfigdata_*.py` (paths of the machine that built Python) and
+  `pydoc_data/topics.py` (generated from the HTML docs, not source);
+- test/, idlelib/, lib2to3/, tkinter/, turtledemo/, distutils/ ARE included: they are ordinary Python
+  source and double the corpus (a 12.6M-parameter model trained for minutes is data-bound);
+- a file that is not strict UTF-8 is excluded (4 deliberately mis-encoded test inputs in 3.11.7);
+- order: relative POSIX paths sorted by code point;
+- split by the first byte b of SHA-256(relative path, UTF-8): b < 16 -> held-out (1/16 = 6.25% of
+  files expected), 16 <= b < 24 -> val (checkpoint selection during training), else train.
+
+Split hash framing: SHA-256 over the files of the split in order, each framed as
+    relpath (UTF-8) + b"\\n" + str(len(content_bytes)) (ASCII decimal) + b"\\n" + content_bytes
+(length-prefixed, so the framing is unambiguous).
+
+Token streams: each file becomes [BOS] + ids(text) + [EOS]; the split's stream is the files in order,
+stored little-endian uint16 (`<split>.u16`).
+
+Tokenizer: byte-level BPE trained with `tokenizers` on the train split only; 8,192 tokens = 6 specials
+(ids 0..5: BOS, EOS, EOT, MASK, START_HEADER, END_HEADER) + 256 byte symbols + merges. Pre-tokenizer:
+Split(llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT4O regex, "isolated") then ByteLevel(use_regex=False); the GGUF
+names it `tokenizer.ggml.pre = "llama4"`, which the pinned llama.cpp maps to that same regex
+(src/llama-vocab.cpp), so both split identically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_ROOT = Path("/root/.pyenv/versions/3.11.7/lib/python3.11")
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / ".device" / "micro"
+
+EXCLUDED_DIRS = ("site-packages", "__pycache__", "lib-dynload")
+EXCLUDED_DIR_PREFIXES = ("config-3.11-",)
+EXCLUDED_FILES = ("pydoc_data/topics.py",)
+EXCLUDED_FILE_PREFIXES = ("_sysconfigdata_",)
+
+HELDOUT_BELOW = 16  # first SHA-256 byte < 16 -> held-out
+VAL_BELOW = 24  # 16 <= byte < 24 -> val
+SPLITS = ("train", "val", "heldout")
+
+VOCAB_SIZE = 8192
+MIN_FREQUENCY = 2
+
+# Special tokens, ids 0..5 in this order (the same set and order as muser.model.synth).
+BOS, EOS, EOT, MASK, START_HEADER, END_HEADER = (
+    "<|begin_of_text|>", "<|end_of_text|>", "<|eot|>", "<|mask|>", "<|start_header|>", "<|end_header|>",
+)
+SPECIALS = (BOS, EOS, EOT, MASK, START_HEADER, END_HEADER)
+TOKENIZER_PRE = "llama4"
+
+# llama.cpp's pre-tokenizer regex for LLAMA_VOCAB_PRE_TYPE_GPT4O ("llama4"), verbatim from
+# src/llama-vocab.cpp (regex_exprs[0] of that case): the rewrite of the tokenizer.json original
+# without \p{Lu}/\p{Ll} classes ([^a-z] / [^A-Z] under a letter lookahead). Oniguruma (tokenizers)
+# reads the same syntax, so mirroring this string makes both splitters agree.
+GPT4O_REGEX = (
+    "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+"
+    "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+    "|[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))+((?=[\\p{L}])([^A-Z]))*"
+    "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+    "|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+
+
+class CorpusError(Exception):
+    """The corpus cannot be built as specified (missing root, bad file, hash mismatch)."""
+
+
+@dataclass(frozen=True)
+class Doc:
+    relpath: str
+    data: bytes  # the file's bytes (valid UTF-8)
+    split: str
+
+    @property
+    def text(self) -> str:
+        return self.data.decode("utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# the corpus rule
+
+
+def split_of(relpath: str) -> str:
+    b = hashlib.sha256(relpath.encode("utf-8")).digest()[0]
+    if b < HELDOUT_BELOW:
+        return "heldout"
+    if b < VAL_BELOW:
+        return "val"
+    return "train"
+
+
+def _excluded_dir(rel_dir: str, name: str) -> bool:
+    return name in EXCLUDED_DIRS or (rel_dir == "" and name.startswith(EXCLUDED_DIR_PREFIXES))
+
+
+def _excluded_file(relpath: str) -> bool:
+    return relpath in EXCLUDED_FILES or os.path.basename(relpath).startswith(EXCLUDED_FILE_PREFIXES)
+
+
+def list_sources(root: Path = DEFAULT_ROOT) -> tuple[list[str], list[str]]:
+    """(included relpaths sorted, excluded non-UTF-8 relpaths sorted)."""
+    root = Path(root)
+    if not (root / "os.py").is_file() or not (root / "test").is_dir():
+        raise CorpusError(f"{str(root)!r} is not a CPython standard-library directory (no os.py / test/)")
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        rel_dir = os.path.relpath(dirpath, root)
+        rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/")
+        dirnames[:] = [d for d in dirnames if not _excluded_dir(rel_dir, d)]
+        for fn in filenames:
+            if not fn.endswith(".py"):
+                continue
+            full = os.path.join(dirpath, fn)
+            if os.path.islink(full) or not os.path.isfile(full):
+                continue
+            rel = f"{rel_dir}/{fn}" if rel_dir else fn
+            if not _excluded_file(rel):
+                found.append(rel)
+    found.sort()
+    included, non_utf8 = [], []
+    for rel in found:
+        try:
+            (root / rel).read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            non_utf8.append(rel)
+            continue
+        included.append(rel)
+    return included, non_utf8
+
+
+def load_docs(root: Path = DEFAULT_ROOT) -> list[Doc]:
+    root = Path(root)
+    rels, _ = list_sources(root)
+    docs = [Doc(r, (root / r).read_bytes(), split_of(r)) for r in rels]
+    for d in docs:
+        for s in SPECIALS:
+            if s.encode() in d.data:
+                raise CorpusError(f"{d.relpath!r} contains the special token text {s!r}")
+    return docs
+
+
+def split_docs(docs: list[Doc], split: str) -> list[Doc]:
+    if split not in SPLITS:
+        raise CorpusError(f"unknown split {split!r} (expected one of {SPLITS})")
+    return [d for d in docs if d.split == split]
+
+
+def split_sha256(docs: list[Doc]) -> str:
+    h = hashlib.sha256()
+    for d in docs:
+        h.update(d.relpath.encode("utf-8") + b"\n" + str(len(d.data)).encode("ascii") + b"\n")
+        h.update(d.data)
+    return h.hexdigest()
+
+
+def corpus_summary(docs: list[Doc], non_utf8: list[str], root: Path) -> dict:
+    out = {
+        "root": str(root),
+        "rule": {
+            "files": "*.py regular files, symlinks not followed",
+            "excluded_dirs": list(EXCLUDED_DIRS) + [p + "*" for p in EXCLUDED_DIR_PREFIXES],
+            "excluded_files": list(EXCLUDED_FILES) + [p + "*.py" for p in EXCLUDED_FILE_PREFIXES],
+            "excluded_non_utf8": non_utf8,
+            "order": "relative POSIX path, sorted by code point",
+            "split": f"sha256(relpath)[0] < {HELDOUT_BELOW}: heldout; < {VAL_BELOW}: val; else train",
+            "hash_framing": "sha256 of concat(relpath + '\\n' + str(len(bytes)) + '\\n' + bytes)",
+        },
+        "splits": {},
+    }
+    n_all = len(docs)
+    for s in SPLITS:
+        ds = split_docs(docs, s)
+        out["splits"][s] = {
+            "files": len(ds),
+            "file_fraction": round(len(ds) / n_all, 5),
+            "bytes": sum(len(d.data) for d in ds),
+            "sha256": split_sha256(ds),
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def new_tokenizer():
+    """An empty byte-level BPE with the llama4 (GPT-4o) pre-tokenizer of the pinned llama.cpp."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(GPT4O_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE):
+    from tokenizers import pre_tokenizers, trainers
+
+    tok = new_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=MIN_FREQUENCY,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise CorpusError(f"BPE training produced {tok.get_vocab_size()} tokens, asked for {vocab_size}")
+    for i, s in enumerate(SPECIALS):
+        if tok.token_to_id(s) != i:
+            raise CorpusError(f"special {s!r} has id {tok.token_to_id(s)}, expected {i}")
+    return tok
+
+
+def tokenizer_from_vocab(tokens: list[str], merges: list[str]):
+    """Rebuild the HF tokenizer from a GGUF's tokens (by id) and merges ("a b", by priority)."""
+    from tokenizers import AddedToken, models
+
+    tok = new_tokenizer()
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ")) for m in merges]
+    tok.model = models.BPE(vocab=vocab, merges=pairs)
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS if s in vocab])
+    return tok
+
+
+def vocab_and_merges(tok) -> tuple[list[str], list[str]]:
+    model = json.loads(tok.to_str())["model"]
+    vocab: dict[str, int] = model["vocab"]
+    tokens: list[str] = [""] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    merges = [m if isinstance(m, str) else f"{m[0]} {m[1]}" for m in model["merges"]]
+    return tokens, merges
+
+
+def encode_docs(tok, docs: list[Doc]) -> np.ndarray:
+    """[BOS] + ids + [EOS] per file, concatenated, as uint16."""
+    bos, eos = SPECIALS.index(BOS), SPECIALS.index(EOS)
+    encs = tok.encode_batch([d.text for d in docs], add_special_tokens=False)
+    parts = []
+    for e in encs:
+        parts.append(np.asarray([bos] + e.ids + [eos], dtype=np.uint32))
+    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+    if ids.size and int(ids.max()) >= 65536:
+        raise CorpusError(f"token id {int(ids.max())} does not fit uint16")
+    return ids.astype("<u2")
+
+
+# ---------------------------------------------------------------------------------------------
+# build
+
+
+def _sha_file(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def build(root: Path = DEFAULT_ROOT, out: Path = DEFAULT_OUT, vocab_size: int = VOCAB_SIZE,
+          max_files: int | None = None, log=print) -> dict:
+    """Build everything the device run needs into `out`; returns the manifest (also corpus.json).
+    `max_files` keeps only the first N files of each split (small test corpora)."""
+    root, out = Path(root), Path(out)
+    t0 = time.time()
+    rels, non_utf8 = list_sources(root)
+    docs = load_docs(root)
+    if max_files is not None:
+        docs = [d for s in SPLITS for d in split_docs(docs, s)[:max_files]]
+        docs.sort(key=lambda d: d.relpath)
+    summary = corpus_summary(docs, non_utf8, root)
+    summary["subset_max_files"] = max_files
+    held = summary["splits"]["heldout"]["file_fraction"]
+    if max_files is None and held < 0.05:
+        raise CorpusError(f"held-out split holds {held:.2%} of files, need >= 5%")
+    log(f"corpus: {len(docs)} files ({len(non_utf8)} non-UTF-8 excluded) in {time.time() - t0:.1f}s")
+    for s in SPLITS:
+        d = summary["splits"][s]
+        log(f"  {s:8s} {d['files']:5d} files {d['bytes']:>10,d} bytes  sha256 {d['sha256']}")
+
+    t1 = time.time()
+    train_texts = [d.text for d in split_docs(docs, "train")]
+    tok = train_tokenizer(train_texts, vocab_size)
+    log(f"tokenizer: {tok.get_vocab_size()} tokens trained in {time.time() - t1:.1f}s")
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok_path = out / "tokenizer.json"
+    tok.save(str(tok_path))
+    tokens, merges = vocab_and_merges(tok)
+    summary["tokenizer"] = {
+        "vocab_size": len(tokens),
+        "n_merges": len(merges),
+        "specials": list(SPECIALS),
+        "pre": TOKENIZER_PRE,
+        "regex": GPT4O_REGEX,
+        "min_frequency": MIN_FREQUENCY,
+        "vocab_sha256": hashlib.sha256(json.dumps([tokens, merges]).encode()).hexdigest(),
+    }
+    summary["streams"] = {}
+    for s in SPLITS:
+        ids = encode_docs(tok, split_docs(docs, s))
+        p = out / f"{s}.u16"
+        tmp = p.with_suffix(".tmp")
+        ids.tofile(tmp)
+        os.replace(tmp, p)
+        summary["streams"][s] = {"file": p.name, "tokens": int(ids.size), "sha256": _sha_file(p),
+                                 "bytes_per_token": round(summary["splits"][s]["bytes"] / max(1, ids.size), 4)}
+        log(f"  stream {s:8s} {ids.size:>10,d} tokens ({summary['streams'][s]['bytes_per_token']} bytes/token)")
+    summary["framing"] = "per file: [BOS] + ids(text, no specials parsed) + [EOS]; files in corpus order; <u2"
+    man = out / "corpus.json"
+    man.write_text(json.dumps(summary, indent=1) + "\n")
+    log(f"wrote {out} in {time.time() - t0:.1f}s")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="corpus + tokenizer + token streams into OUT")
+    b.add_argument("--root", type=Path, default=DEFAULT_ROOT)
+    b.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    b.add_argument("--vocab", type=int, default=VOCAB_SIZE)
+    h = sub.add_parser("hashes", help="print the corpus summary (split hashes) as JSON")
+    h.add_argument("--root", type=Path, default=DEFAULT_ROOT)
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "build":
+            build(a.root, a.out, a.vocab)
+        else:
+            rels, non_utf8 = list_sources(a.root)
+            print(json.dumps(corpus_summary(load_docs(a.root), non_utf8, a.root), indent=1))
+    except CorpusError as e:
+        print(f"corpus: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
