@@ -102,3 +102,8 @@ class TemplateSecurityError(TemplateError):
 
 class ComparatorError(MuserError):
     """The pinned llama.cpp comparator is unavailable or failed."""
+
+
+class KvStateError(MuserError):
+    """A KV checkpoint, snapshot or detached install that does not fit the live cache
+    (expired checkpoint, geometry mismatch, incomplete install, rows of the wrong shape)."""

@@ -1,0 +1,317 @@
+"""The two-class KV cache: one plane per layer, checkpoint/rollback, snapshot/restore, detached
+install (book 9.7, 10.6, 10.7, 15).
+
+- Capacity by layer kind: SWA rings min(max_context, W) token-major, NoPE planes max_context
+  head-major, all zero-filled (book 15.2).
+- `checkpoint(block)` / `rollback(cp, keep=0)`: NoPE planes rewind metadata only; SWA rings keep
+  the <= block rows a speculative block may overwrite (book 10.6, decode.rs:208-212). A rollback
+  after more than `block` appends on a ring is refused (the rows needed are gone).
+- `snapshot()` / `restore()`: rows in logical order plus origins; restore installs them at the
+  rotation a sequentially built ring holds (origin_physical = origin_logical % capacity), because
+  physical scan order is numerically observable (book 15.6).
+- `begin_install(n_tokens)` / `commit(install)`: planes built beside the live ones and swapped in
+  whole only when every expected row arrived (book 10.7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import ContextOverflow, KvStateError
+from .backend import ArrayBackend, NumpyBackend, check_kv_dtype
+from .plane import BatchPlacement, KvPlane, PlaneGeometry, PlaneView, fresh_epoch
+
+# Verify width of one speculative block (book 10.1: MAX_DFLASH_BLOCK = 16).
+DEFAULT_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class _PlaneMark:
+    epoch: int
+    appended: int
+    state: tuple[int, int, int]  # (len, origin_logical, origin_physical)
+    slots: np.ndarray  # int64: ring slots holding live rows the next `block` appends overwrite
+    keys: Any  # saved rows at `slots` (token-major)
+    values: Any
+
+
+@dataclass
+class KvCheckpoint:
+    """A rollback point. Valid while every plane is still in the history it was taken in and no
+    ring took more than `block` appends since."""
+
+    block: int
+    marks: list[_PlaneMark]
+
+    @property
+    def n_tokens(self) -> int:
+        length, ol, _ = self.marks[0].state
+        return ol + length
+
+
+@dataclass(frozen=True)
+class PlaneSnapshot:
+    geometry: PlaneGeometry
+    origin_logical: int
+    keys: Any  # [len, kv_dim] in logical order
+    values: Any
+
+    @property
+    def len(self) -> int:
+        return int(np.shape(self.keys)[0])
+
+
+@dataclass(frozen=True)
+class KvSnapshot:
+    n_tokens: int
+    planes: tuple[PlaneSnapshot, ...]
+
+
+def geometries(n_layers: int, sliding: Sequence[bool], window: int, max_context: int,
+               n_kv_heads: int, head_dim: int, dtype: str) -> tuple[PlaneGeometry, ...]:
+    if len(sliding) != n_layers:
+        raise KvStateError(f"{len(sliding)} layer kinds for {n_layers} layers")
+    return tuple(
+        PlaneGeometry.build(il, bool(s), window, max_context, n_kv_heads, head_dim, dtype)
+        for il, s in enumerate(sliding)
+    )
+
+
+class KvCache:
+    """Per-layer KV planes for one sequence."""
+
+    def __init__(self, geometry: Sequence[PlaneGeometry], backend: ArrayBackend | None = None):
+        self.backend = backend if backend is not None else NumpyBackend()
+        self.geometry = tuple(geometry)
+        self._planes: tuple[KvPlane, ...] = tuple(KvPlane(g, self.backend) for g in self.geometry)
+
+    @classmethod
+    def for_config(cls, config: Any, max_context: int, dtype: str = "f16",
+                   backend: ArrayBackend | None = None) -> "KvCache":
+        """Planes for a MuseConfig: SWA rings on sliding layers, NoPE planes on full ones."""
+        if max_context > config.context_length:
+            raise ContextOverflow(
+                f"max_context {max_context} exceeds the model's context_length {config.context_length}"
+            )
+        return cls(geometries(config.n_layers, config.swa_pattern, config.sliding_window, max_context,
+                              config.n_kv_heads, config.head_dim, check_kv_dtype(dtype)), backend)
+
+    # -- access --------------------------------------------------------------------------------
+    @property
+    def planes(self) -> tuple[KvPlane, ...]:
+        return self._planes
+
+    @property
+    def n_layers(self) -> int:
+        return len(self._planes)
+
+    @property
+    def dtype(self) -> str:
+        return self.geometry[0].dtype
+
+    @property
+    def max_context(self) -> int:
+        return self.geometry[0].max_context
+
+    def plane(self, layer: int) -> KvPlane:
+        if not 0 <= layer < len(self._planes):
+            raise KvStateError(f"layer {layer} is outside [0, {len(self._planes)})")
+        return self._planes[layer]
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens every plane holds (planes agree between forward passes)."""
+        ns = {p.next_position for p in self._planes}
+        if len(ns) != 1:
+            raise KvStateError(f"planes disagree on their next position: {sorted(ns)}")
+        return ns.pop()
+
+    def append(self, layer: int, position: int, keys: Any, values: Any) -> int:
+        return self.plane(layer).append(position, keys, values)
+
+    def append_batch(self, layer: int, start: int, keys: Any, values: Any) -> BatchPlacement:
+        return self.plane(layer).append_batch(start, keys, values)
+
+    def view(self, layer: int, order: str = "logical") -> PlaneView:
+        return self.plane(layer).view(order)
+
+    # -- speculation ---------------------------------------------------------------------------
+    def checkpoint(self, block: int = DEFAULT_BLOCK) -> KvCheckpoint:
+        """Mark the current state; a later rollback may undo up to `block` appended rows."""
+        if block < 1:
+            raise KvStateError(f"checkpoint block must be >= 1, got {block}")
+        marks = []
+        for p in self._planes:
+            slots = np.zeros(0, dtype=np.int64)
+            if p.geometry.sliding:
+                cap = p.capacity
+                # The i-th next append writes slot (op + len + i) % cap; it holds a live row
+                # once len + i >= cap. Only those rows can be lost.
+                i = np.arange(max(0, cap - p.len), min(block, cap), dtype=np.int64)
+                slots = (p.origin_physical + p.len + i) % cap
+            k, v = p.read(slots)
+            marks.append(_PlaneMark(p.epoch, p.appended, p.state(), slots, k, v))
+        return KvCheckpoint(block, marks)
+
+    def _check_rollback(self, cp: KvCheckpoint, keep: int) -> None:
+        if len(cp.marks) != len(self._planes):
+            raise KvStateError(f"checkpoint has {len(cp.marks)} planes, the cache {len(self._planes)}")
+        for p, m in zip(self._planes, cp.marks):
+            if p.epoch != m.epoch:
+                raise KvStateError(
+                    f"layer {p.layer}: checkpoint at {cp.n_tokens} tokens belongs to an earlier cache "
+                    "history (a rollback, restore or install happened since)"
+                )
+            since = p.appended - m.appended
+            if not 0 <= keep <= since:
+                raise KvStateError(
+                    f"layer {p.layer}: cannot keep {keep} rows, {since} were appended since the checkpoint"
+                )
+            if p.geometry.sliding and since > cp.block:
+                raise KvStateError(
+                    f"layer {p.layer}: {since} rows were appended since the checkpoint, more than its "
+                    f"block of {cp.block}; the overwritten ring rows are gone"
+                )
+            if p.geometry.sliding and keep and since > p.capacity:
+                raise KvStateError(
+                    f"layer {p.layer}: cannot keep {keep} of {since} rows on a ring of capacity "
+                    f"{p.capacity}: later rows overwrote kept ones"
+                )
+
+    def rollback(self, cp: KvCheckpoint, keep: int = 0) -> None:
+        """Return to `cp`, keeping the first `keep` rows appended since (an accepted prefix,
+        book 10.6). All planes are checked before any is touched."""
+        self._check_rollback(cp, keep)
+        for p, m in zip(self._planes, cp.marks):
+            p.len, p.origin_logical, p.origin_physical = m.state
+            if keep:
+                p.reserve_batch(p.next_position, keep)  # kept rows stay where they were written
+            if m.slots.size:
+                # Restore live rows the discarded appends overwrote: append i (i >= keep) wrote
+                # slot (op + len + i) % cap in the checkpoint's frame.
+                length, _, op = m.state
+                i = (m.slots - op - length) % p.capacity
+                lost = i >= keep
+                if lost.any():
+                    g = p.geometry
+                    sel = np.flatnonzero(lost)
+                    k = m.keys[sel] if len(sel) != len(m.slots) else m.keys
+                    v = m.values[sel] if len(sel) != len(m.slots) else m.values
+                    self.backend.write_rows(p.keys, m.slots[sel], k, g.head_major, g.n_kv_heads, g.head_dim)
+                    self.backend.write_rows(p.values, m.slots[sel], v, g.head_major, g.n_kv_heads, g.head_dim)
+            p.epoch = fresh_epoch()
+            p.appended = keep
+        # The checkpoint now describes the new history (so it can be rolled back to again).
+        cp.marks = [
+            _PlaneMark(p.epoch, 0, m.state, m.slots, m.keys, m.values) for p, m in zip(self._planes, cp.marks)
+        ]
+
+    # -- snapshot / restore --------------------------------------------------------------------
+    def snapshot(self) -> KvSnapshot:
+        """Visible rows of every plane in logical order, with the origins (book 15.6)."""
+        n = self.n_tokens
+        planes = []
+        for p in self._planes:
+            view = p.view("logical")
+            planes.append(PlaneSnapshot(p.geometry, p.origin_logical, view.keys, view.values))
+        return KvSnapshot(n, tuple(planes))
+
+    def restore(self, snap: KvSnapshot) -> None:
+        """Replace the live planes with `snap`, at the rotation a sequential build holds; the live
+        cache is untouched unless the whole snapshot fits (built detached, swapped atomically)."""
+        if len(snap.planes) != len(self.geometry):
+            raise KvStateError(f"snapshot has {len(snap.planes)} planes, the cache {len(self.geometry)}")
+        install = self.begin_install(snap.n_tokens)
+        for g, ps in zip(self.geometry, snap.planes):
+            if ps.geometry != g:
+                raise KvStateError(f"layer {g.layer}: snapshot geometry {ps.geometry} != cache geometry {g}")
+            if ps.len:
+                install.put(g.layer, ps.origin_logical, ps.keys, ps.values)
+        self.commit(install)
+
+    # -- detached install ----------------------------------------------------------------------
+    def begin_install(self, n_tokens: int) -> "DetachedInstall":
+        return DetachedInstall(self, n_tokens)
+
+    def commit(self, install: "DetachedInstall") -> None:
+        """Swap the installed planes in (one assignment); refuses an incomplete install."""
+        if install.cache is not self:
+            raise KvStateError("this install was begun on a different cache")
+        if install.committed:
+            raise KvStateError("this install was already committed")
+        install.validate_complete()
+        for p in install.planes:
+            p.epoch, p.appended = fresh_epoch(), 0
+        self._planes = install.planes
+        install.committed = True
+
+
+@dataclass
+class DetachedInstall:
+    """Planes holding `n_tokens` tokens, filled row range by row range beside the live cache."""
+
+    cache: KvCache
+    n_tokens: int
+    planes: tuple[KvPlane, ...] = field(init=False)
+    committed: bool = field(default=False, init=False)
+    _filled: list[np.ndarray] = field(init=False)
+
+    def __post_init__(self) -> None:
+        c = self.cache
+        if not 0 <= self.n_tokens <= c.max_context:
+            raise ContextOverflow(f"install of {self.n_tokens} tokens does not fit max_context {c.max_context}")
+        planes = []
+        for g in c.geometry:
+            p = KvPlane(g, c.backend)
+            p.len = min(self.n_tokens, g.capacity)
+            p.origin_logical = self.n_tokens - p.len
+            p.origin_physical = p.origin_logical % g.capacity  # a sequential build's rotation
+            planes.append(p)
+        self.planes = tuple(planes)
+        self._filled = [np.zeros(p.len, dtype=bool) for p in self.planes]
+
+    def expected(self, layer: int) -> tuple[int, int]:
+        """The logical range [a, b) of rows layer `layer` must receive."""
+        p = self.planes[layer]
+        return p.origin_logical, p.next_position
+
+    def put(self, layer: int, start: int, keys: Any, values: Any) -> None:
+        """Write rows for logical positions [start, start + n) of one layer."""
+        if self.committed:
+            raise KvStateError("this install was already committed")
+        if not 0 <= layer < len(self.planes):
+            raise KvStateError(f"layer {layer} is outside [0, {len(self.planes)})")
+        p = self.planes[layer]
+        shape = self.cache.backend.rows_shape(keys)
+        if len(shape) != 2 or shape[0] == 0:
+            raise KvStateError(f"layer {layer}: install rows must be [n >= 1, kv_dim], got {list(shape)}")
+        n = shape[0]
+        a, b = self.expected(layer)
+        if start < a or start + n > b:
+            raise KvStateError(
+                f"layer {layer}: rows [{start}, {start + n}) fall outside the expected range [{a}, {b})"
+            )
+        p._check_rows(keys, values, n)
+        off = np.arange(start - a, start - a + n)
+        if self._filled[layer][off].any():
+            first = int(off[np.flatnonzero(self._filled[layer][off])[0]]) + a
+            raise KvStateError(f"layer {layer}: position {first} was already installed")
+        p._write(p.physical_of(np.arange(start, start + n, dtype=np.int64)), keys, values)
+        self._filled[layer][off] = True
+
+    def missing(self) -> dict[int, int]:
+        return {p.layer: int((~f).sum()) for p, f in zip(self.planes, self._filled) if not f.all()}
+
+    def validate_complete(self) -> None:
+        miss = self.missing()
+        if miss:
+            layer = next(iter(miss))
+            a, _ = self.expected(layer)
+            first = a + int(np.flatnonzero(~self._filled[layer])[0])
+            raise KvStateError(
+                f"install incomplete: layer {layer} lacks {miss[layer]} rows (first missing position "
+                f"{first}); {len(miss)} layer(s) incomplete"
+            )
