@@ -1,0 +1,58 @@
+"""The accelerated forward on torch (CUDA + CPU): weights kept quantized on the device, sessions
+on muser.kv planes with device storage, CUDA graphs for decode/verify, two lanes.
+
+    from muser.engine import Engine
+    eng = Engine.open(path, device="cuda", lane="exact", kv="f16")
+    s = eng.session(max_context=4096)
+    s.prefill(ids); s.decode(tok); s.verify(block); cp = s.checkpoint(); s.rollback(cp)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+
+from ..model.loader import ModelFile, open_model
+from .forward import Forward, ModelWeights
+from .lanes import Lane, parse_device, parse_kv
+from .session import MAX_VERIFY, PREFILL_CHUNK, WAITING_CHUNK, Session, SessionCheckpoint
+
+
+class Engine:
+    """One model on one device, one lane, one KV element type; sessions share its weights."""
+
+    def __init__(self, mf: ModelFile, device: str = "cpu", lane: str = "exact", kv: str = "f16",
+                 progress=None):
+        self.lane = Lane.parse(lane)
+        self.kv = parse_kv(kv)
+        self.device = parse_device(device)
+        self.model_file = mf
+        self.cfg = mf.config
+        self.weights = ModelWeights.load(mf, self.device, progress=progress)
+        self.forward = Forward(self.cfg, self.weights, self.lane, self.device)
+        # RoPE table for every position the model admits, built once (graphs read it by address)
+        self.forward.ensure_positions(self.cfg.context_length)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, device: str = "cpu", lane: str = "exact", kv: str = "f16",
+             pin=None, progress=None) -> "Engine":
+        # Cheap refusals first: unknown lane/device/kv before the file is even read.
+        Lane.parse(lane)
+        parse_kv(kv)
+        parse_device(device)
+        return cls(open_model(path, pin=pin), device, lane, kv, progress=progress)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weights.nbytes
+
+    def session(self, max_context: int | None = None, chunk: int = PREFILL_CHUNK,
+                capture: Iterable[int] = (), graphs: bool | None = None) -> Session:
+        """A new sequence with its own KV planes (max_context defaults to context_length)."""
+        return Session(self, self.cfg.context_length if max_context is None else max_context,
+                       chunk, capture, graphs)
+
+
+__all__ = ["Engine", "Lane", "Session", "SessionCheckpoint", "MAX_VERIFY", "PREFILL_CHUNK", "WAITING_CHUNK"]

@@ -1,0 +1,260 @@
+"""The Muse Glimmer forward on torch, in llama.cpp's `muse-glimmer` graph order (book 9, 10;
+src/models/muse-glimmer.cpp):
+
+    embedding row -> weightless RMSNorm (eps) -> per layer:
+        attn_norm -> Q, K, V, gate projections -> per-head QK-norm (eps; q weight = the
+        constant qk_scale_factor, k weight = 1) -> RoPE (NORM pairing, theta from
+        rope.freq_base_swa) on sliding layers only -> attention (scale 1/sqrt(head_dim), causal,
+        p1 - p0 < W on sliding layers) -> sigmoid(gate) * attn -> o_proj -> RMSNorm eps 1e-8 *
+        post_attention_norm -> + residual -> ffn_norm -> down(silu(gate x) * up x) -> RMSNorm
+        eps 1e-8 * post_ffw_norm -> + residual
+    final RMSNorm * output_norm -> LM head -> * logit_scale -> cap * tanh(l * (1/cap))
+
+One forward serves prefill chunks, decode and verify; the KV side (attend over the plane, then
+store the chunk's rows) is a strategy object, so the same code runs eagerly and inside a CUDA
+graph. Lanes (engine/lanes.py) decide only how projections are computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ..errors import LaneError
+from ..model.config import POST_NORM_EPS, MuseConfig
+from ..model.loader import ModelFile
+from .lanes import Lane, Linear
+from .weights import QWeight, upload, vector
+
+
+# ---------------------------------------------------------------------------------------------
+# weights
+
+
+@dataclass
+class LayerWeights:
+    sliding: bool
+    attn_norm: torch.Tensor  # [hidden]
+    wq: QWeight  # [attn_dim, hidden]
+    wk: QWeight  # [kv_dim, hidden]
+    wv: QWeight
+    q_norm: torch.Tensor  # [head_dim]: the qk_scale_factor broadcast (book 9.9)
+    k_norm: torch.Tensor  # [head_dim]: ones
+    wgate: QWeight  # [attn_dim, hidden]
+    wo: QWeight  # [hidden, attn_dim]
+    post_attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    ffn_gate: QWeight  # [ffn, hidden]
+    ffn_up: QWeight
+    ffn_down: QWeight  # [hidden, ffn]
+    post_ffw_norm: torch.Tensor
+
+    def matrices(self) -> list[QWeight]:
+        return [self.wq, self.wk, self.wv, self.wgate, self.wo, self.ffn_gate, self.ffn_up, self.ffn_down]
+
+
+@dataclass
+class ModelWeights:
+    embd: QWeight  # token_embd [vocab, hidden]
+    out_norm: torch.Tensor
+    lm_head: QWeight  # output [vocab, hidden] (untied, book 9.11)
+    layers: list[LayerWeights] = field(default_factory=list)
+
+    def matrices(self) -> list[QWeight]:
+        out = [self.embd, self.lm_head]
+        for L in self.layers:
+            out += L.matrices()
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes on the device: repacked matrices plus the f32 vectors."""
+        n = sum(w.nbytes for w in self.matrices()) + self.out_norm.numel() * 4
+        for L in self.layers:
+            n += 4 * sum(t.numel() for t in (L.attn_norm, L.q_norm, L.k_norm, L.post_attn_norm,
+                                             L.ffn_norm, L.post_ffw_norm))
+        return n
+
+    @classmethod
+    def load(cls, mf: ModelFile, device: torch.device, progress=None) -> "ModelWeights":
+        g, cfg = mf.gguf, mf.config
+        # Refuse before uploading anything: every matrix must have an exact device decoder.
+        from .weights import DEVICE_FORMATS
+        for name, dt in mf.contract.dtypes.items():
+            t = g.tensors[name]
+            if len(t.shape) == 2 and t.type.ggml_type not in DEVICE_FORMATS:
+                raise LaneError(
+                    f"tensor {name!r}: dtype {dt} has no exact decoder in the engine "
+                    f"(served: {', '.join(f.name for f in DEVICE_FORMATS)}); use the oracle"
+                )
+
+        def mat(name: str) -> QWeight:
+            w = upload(g, name, device)
+            if progress:
+                progress(name)
+            return w
+
+        def vec(name: str) -> torch.Tensor:
+            return vector(g, name, device)
+
+        layers = []
+        for il in range(cfg.n_layers):
+            b = f"blk.{il}."
+            layers.append(LayerWeights(
+                sliding=cfg.swa_pattern[il],
+                attn_norm=vec(b + "attn_norm.weight"),
+                wq=mat(b + "attn_q.weight"), wk=mat(b + "attn_k.weight"), wv=mat(b + "attn_v.weight"),
+                q_norm=vec(b + "attn_q_norm.weight"), k_norm=vec(b + "attn_k_norm.weight"),
+                wgate=mat(b + "attn_gate.weight"), wo=mat(b + "attn_output.weight"),
+                post_attn_norm=vec(b + "post_attention_norm.weight"),
+                ffn_norm=vec(b + "ffn_norm.weight"),
+                ffn_gate=mat(b + "ffn_gate.weight"), ffn_up=mat(b + "ffn_up.weight"),
+                ffn_down=mat(b + "ffn_down.weight"),
+                post_ffw_norm=vec(b + "post_ffw_norm.weight"),
+            ))
+        return cls(embd=mat("token_embd.weight"), out_norm=vec("output_norm.weight"),
+                   lm_head=mat("output.weight"), layers=layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# ops (f32; one rounding per op, ggml's order)
+
+
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """ggml_rms_norm: x * (1 / sqrt(mean(x^2) + eps)) over the last dim (book 12)."""
+    ms = (x * x).mean(-1, keepdim=True)
+    return x * torch.sqrt(ms + eps).reciprocal_()  # scale = 1.0f / sqrtf(mean + eps); x * scale
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + torch.exp(-x))  # ggml_vec_sigmoid_f32: 1 / (1 + expf(-x))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1.0 + torch.exp(-x))  # ggml_silu_f32: x / (1 + expf(-x))
+
+
+def rope_tables(n_pos: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin f32 [n_pos, head_dim/2] for positions 0..n_pos-1, built as ggml does
+    (ggml-cpu ops.cpp ggml_rope_cache_init): theta_scale = powf(base, -2/n_dims) in f32,
+    theta_i = p * theta_scale^i by repeated f32 multiplication; cos/sin of that f32 angle
+    (evaluated in f64, rounded once to f32)."""
+    half = head_dim // 2
+    ts = np.float32(np.power(np.float32(base), np.float32(-2.0) / np.float32(head_dim)))
+    theta = np.empty((n_pos, half), dtype=np.float32)
+    theta[:, 0] = np.arange(n_pos, dtype=np.float32)
+    for i in range(1, half):
+        theta[:, i] = theta[:, i - 1] * ts
+    t64 = theta.astype(np.float64)
+    return np.cos(t64).astype(np.float32), np.sin(t64).astype(np.float32)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NORM (GPT-J) pairing: dims (2i, 2i+1) rotate together (book 9.7, rope.metal NORM).
+    x [T, heads, D]; cos, sin [T, D/2]."""
+    T, nh, D = x.shape
+    p = x.view(T, nh, D // 2, 2)
+    x0, x1 = p[..., 0], p[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), -1).view(T, nh, D)
+
+
+def softcap_logits(l: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
+    """* logit_scale, then cap * tanh(l * (1/cap)): scale first, cap second (book 9.10;
+    muse-glimmer.cpp: ggml_scale, ggml_scale(1/cap), ggml_tanh, ggml_scale(cap))."""
+    l = l * scale
+    if cap > 0:
+        l = torch.tanh(l * float(np.float32(1.0) / np.float32(cap))) * cap
+    return l
+
+
+# ---------------------------------------------------------------------------------------------
+# the forward
+
+
+class KvStep(Protocol):
+    """Attend T new rows over layer il's plane, then store them (see kernels/attention.py)."""
+
+    def attend(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class Forward:
+    """Model weights on a device plus the graph. Stateless across calls; the KV lives in the
+    session's planes."""
+
+    def __init__(self, cfg: MuseConfig, weights: ModelWeights, lane: Lane, device: torch.device):
+        self.cfg = cfg
+        self.w = weights
+        self.lane = lane
+        self.device = device
+        self.linear = Linear(lane, device)
+        self._cos = torch.empty((0, cfg.head_dim // 2), dtype=torch.float32, device=device)
+        self._sin = self._cos
+
+    # RoPE table on the device, grown on demand (book 10.8: built once, read by position)
+    def ensure_positions(self, n: int) -> None:
+        if self._cos.shape[0] >= n:
+            return
+        n = max(n, 2 * self._cos.shape[0], 256)
+        c, s = rope_tables(n, self.cfg.head_dim, self.cfg.rope_base_swa)
+        self._cos = torch.from_numpy(c).to(self.device)
+        self._sin = torch.from_numpy(s).to(self.device)
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KvStep, out_rows: str,
+            capture: tuple[int, ...] = (), captured: dict | None = None,
+            logits_out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """tokens, positions: int64 [T] on the device. out_rows: 'last' | 'all' | 'none'.
+        capture: layers whose input residual is recorded into `captured` (n_layers = the
+        residual leaving the last layer). Returns logits f32 [R, vocab] (R = 1 or T) or None.
+        Capture-safe: no host sync, no host-built tensors."""
+        cfg, W, lin = self.cfg, self.w, self.linear
+        T = tokens.shape[0]
+        H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        eps = cfg.rms_eps
+        post_eps = float(POST_NORM_EPS)
+        cos = self._cos.index_select(0, positions)  # [T, D/2]
+        sin = self._sin.index_select(0, positions)
+        h = W.embd.decode(tokens)  # [T, hidden]: the quantized table row, decoded exactly (ch 11)
+        h = rms_norm(h, eps)  # entry norm, weightless (muse-glimmer.cpp build_norm(.., nullptr))
+        last = len(W.layers) - 1
+        final_capture = captured is not None and len(W.layers) in capture
+        for il, L in enumerate(W.layers):
+            if il in capture and captured is not None:
+                captured[il] = h  # the layer's input residual (t_layer_inp), what DFlash reads
+            x = rms_norm(h, eps) * L.attn_norm
+            q = lin(L.wq, x).view(T, H, D)
+            k = lin(L.wk, x).view(T, KV, D)
+            v = lin(L.wv, x).view(T, KV, D)
+            g = lin(L.wgate, x)  # [T, attn_dim], from the same normed input (book 9.8)
+            q = rms_norm(q, eps) * L.q_norm  # per-head QK-norm (book 14)
+            k = rms_norm(k, eps) * L.k_norm
+            if L.sliding:
+                q = rope(q, cos, sin)
+                k = rope(k, cos, sin)
+            a = kv.attend(il, q.contiguous(), k.contiguous(), v.contiguous())  # [T, H, D]
+            a = a.reshape(T, H * D) * sigmoid(g)  # gate before o_proj (book 9.8)
+            o = rms_norm(lin(L.wo, a), post_eps) * L.post_attn_norm  # sandwich, eps 1e-8 (9.9)
+            h = o + h
+            if il == last and out_rows != "all" and not final_capture:
+                if out_rows == "none":
+                    return None
+                h = h[T - 1:]  # llama.cpp inp_out_ids: only output rows past this point
+            x = rms_norm(h, eps) * L.ffn_norm
+            f = silu(lin(L.ffn_gate, x)) * lin(L.ffn_up, x)
+            f = rms_norm(lin(L.ffn_down, f), post_eps) * L.post_ffw_norm
+            h = f + h
+        if final_capture:
+            captured[len(W.layers)] = h  # the residual leaving the last layer
+            if out_rows == "none":
+                return None
+            if out_rows == "last":
+                h = h[T - 1:]
+        x = rms_norm(h, eps) * W.out_norm
+        logits = softcap_logits(lin(W.lm_head, x), cfg.logit_scale, cfg.softcap)
+        if logits_out is not None:
+            logits_out.copy_(logits)
+            return logits_out
+        return logits

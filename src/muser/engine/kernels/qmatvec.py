@@ -1,0 +1,179 @@
+"""Fused dequant + matvec for 1..16 activation rows (decode and the speculative verify shape),
+reading the repacked weight fields of engine/weights.py, and a dequant-only kernel that shares
+the same tile decoder (so the decoder is tested bit-exact on its own).
+
+The tile decoder forms every product in f32 in ggml's order (`d1 = d * sc; w = d1 * q - m1`)
+and the kernels are launched with `enable_fp_fusion=False`, so no multiply-add is contracted
+into an FMA: the decoded weight is the reference codec's value bit for bit. The dot itself
+accumulates in f32 (the exact lane's contract: f32 activations and accumulation; summation
+order differs from the oracle only at the ulp level, which Gate 2 bounds).
+
+Reference beside it: `matvec_ref(w, x) = x @ w.decode().T` (torch, f32).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..weights import FMT_CODE, QK, QWeight
+
+try:  # Triton is optional on the CPU; the CUDA backend requires it.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAVE_TRITON = False
+
+MAX_ROWS = 16
+
+
+def matvec_ref(w: QWeight, x: torch.Tensor) -> torch.Tensor:
+    """x [T, n_in] f32 -> [T, n_out] f32 with the torch decoder (the reference)."""
+    return x @ w.decode().T
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _tile(FMT: tl.constexpr, p0, p1, p2, p3, p4, p5, n, nmask, kb, K):
+        """Decode tile kb (256 elements) of rows n [BLOCK_N] -> f32 [BLOCK_N, 256]."""
+        e = tl.arange(0, 256)
+        row = n.to(tl.int64)
+        k = kb * 256 + e
+        if FMT <= 2:  # F32 / F16 / BF16: w [N, K]
+            m2 = nmask[:, None] & (k[None, :] < K)
+            w = tl.load(p0 + row[:, None] * K + k[None, :], mask=m2, other=0.0).to(tl.float32)
+        elif FMT == 3:  # Q8_0: qs int8 [N, K], d f16 [N, K/32]; y = q * d
+            m2 = nmask[:, None] & (k[None, :] < K)
+            q = tl.load(p0 + row[:, None] * K + k[None, :], mask=m2, other=0).to(tl.float32)
+            d = tl.load(p1 + row[:, None] * (K // 32) + (k // 32)[None, :], mask=m2, other=0.0)
+            w = q * d.to(tl.float32)
+        elif FMT == 4:  # Q4_0: qs u8 [N, K/2] (16 bytes per 32-block), d f16 [N, K/32]
+            m2 = nmask[:, None] & (k[None, :] < K)
+            j = k % 32
+            byte = (k // 32) * 16 + j % 16
+            b = tl.load(p0 + row[:, None] * (K // 2) + byte[None, :], mask=m2, other=0).to(tl.int32)
+            q = ((b >> (4 * (j // 16))[None, :]) & 0xF) - 8
+            d = tl.load(p1 + row[:, None] * (K // 32) + (k // 32)[None, :], mask=m2, other=0.0)
+            w = q.to(tl.float32) * d.to(tl.float32)
+        elif FMT <= 6:  # Q4_K / Q5_K: qs [N, nb*128], d, dmin [N, nb], sc, m [N, nb*8], (qh [N, nb*32])
+            nb = K // 256
+            blk = row * nb + kb
+            m2 = nmask[:, None] & (e[None, :] < 256)
+            g = e // 64
+            half = (e // 32) % 2
+            l = e % 32
+            b = tl.load(p0 + blk[:, None] * 128 + (g * 32 + l)[None, :], mask=m2, other=0).to(tl.int32)
+            q = (b >> (4 * half)[None, :]) & 0xF
+            if FMT == 6:
+                h = tl.load(p5 + blk[:, None] * 32 + l[None, :], mask=m2, other=0).to(tl.int32)
+                q = q + (((h >> (2 * g + half)[None, :]) & 1) << 4)
+            sub = e // 32
+            sc = tl.load(p3 + blk[:, None] * 8 + sub[None, :], mask=m2, other=0).to(tl.float32)
+            mn = tl.load(p4 + blk[:, None] * 8 + sub[None, :], mask=m2, other=0).to(tl.float32)
+            d = tl.load(p1 + blk, mask=nmask, other=0.0).to(tl.float32)
+            dmin = tl.load(p2 + blk, mask=nmask, other=0.0).to(tl.float32)
+            d1 = d[:, None] * sc  # ggml: d1 = d * sc
+            m1 = dmin[:, None] * mn  # ggml: m1 = min * m
+            w = d1 * q.to(tl.float32) - m1
+        else:  # Q6_K: ql [N, nb*128], qh [N, nb*64], sc int8 [N, nb*16], d f16 [N, nb]
+            nb = K // 256
+            blk = row * nb + kb
+            m2 = nmask[:, None] & (e[None, :] < 256)
+            hn = e // 128
+            quarter = (e % 128) // 32
+            l = e % 32
+            lb = tl.load(p0 + blk[:, None] * 128 + (hn * 64 + l + 32 * (quarter % 2))[None, :],
+                         mask=m2, other=0).to(tl.int32)
+            hb = tl.load(p1 + blk[:, None] * 64 + (hn * 32 + l)[None, :], mask=m2, other=0).to(tl.int32)
+            lo = (lb >> (4 * (quarter // 2))[None, :]) & 0xF
+            hi = (hb >> (2 * quarter)[None, :]) & 3
+            q = (lo | (hi << 4)) - 32
+            sc = tl.load(p2 + blk[:, None] * 16 + (hn * 8 + l // 16 + 2 * quarter)[None, :],
+                         mask=m2, other=0).to(tl.float32)
+            d = tl.load(p3 + blk, mask=nmask, other=0.0).to(tl.float32)
+            w = (d[:, None] * sc) * q.to(tl.float32)  # ggml: y = d * sc[is] * q
+        return w
+
+    @triton.jit
+    def _dequant_kernel(out, p0, p1, p2, p3, p4, p5, N, K, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid_n = tl.program_id(0)
+        kb = tl.program_id(1)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < N
+        w = _tile(FMT, p0, p1, p2, p3, p4, p5, n, nmask, kb, K)
+        k = kb * 256 + tl.arange(0, 256)
+        tl.store(out + n.to(tl.int64)[:, None] * K + k[None, :], w, mask=nmask[:, None] & (k[None, :] < K))
+
+    @triton.jit(do_not_specialize=["T"])  # one binary per (format, row bucket), whatever T
+    def _matvec_kernel(x, y, p0, p1, p2, p3, p4, p5, N, K, sx, sy, T,
+                       FMT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid = tl.program_id(0)
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < N
+        r = tl.arange(0, ROWS)
+        rmask = r < T
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, (K + 255) // 256):
+            w = _tile(FMT, p0, p1, p2, p3, p4, p5, n, nmask, kb, K)  # [BLOCK_N, 256]
+            k = kb * 256 + tl.arange(0, 256)
+            xv = tl.load(x + r[:, None] * sx + k[None, :], mask=rmask[:, None] & (k[None, :] < K), other=0.0)
+            acc += tl.sum(w[None, :, :] * xv[:, None, :], axis=2)  # f32 accumulation
+        tl.store(y + r[:, None] * sy + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+
+
+def _ptrs(w: QWeight) -> list[torch.Tensor]:
+    p = list(w.pointers())
+    while len(p) < 6:
+        p.append(p[0])  # unused slots: any valid pointer (never dereferenced)
+    return p
+
+
+def _rows_bucket(t: int) -> int:
+    r = 1
+    while r < t:
+        r *= 2
+    return r
+
+
+def dequant_triton(w: QWeight, block_n: int = 4) -> torch.Tensor:
+    """The Triton tile decoder over the whole weight: f32 [n_out, n_in] (tests compare it
+    bit-exact with `w.decode()`)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    out = torch.empty((w.n_out, w.n_in), dtype=torch.float32, device=w.device)
+    grid = (triton.cdiv(w.n_out, block_n), w.n_tiles)
+    _dequant_kernel[grid](out, *_ptrs(w), w.n_out, w.n_in, FMT=FMT_CODE[w.fmt], BLOCK_N=block_n,
+                          enable_fp_fusion=False)
+    return out
+
+
+def matvec_triton(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, n_in] f32 (T <= 16, rows contiguous) -> [T, n_out] f32, weights decoded in-kernel."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    if os.environ.get("MUSER_MATVEC") == "v2":  # the streamed kernel (qmatvec_v2), read per call
+        from . import qmatvec_v2
+
+        if qmatvec_v2.supports(w.fmt):
+            return qmatvec_v2.matvec_v2(w, x, out)
+    T, K = x.shape
+    assert K == w.n_in, f"matvec: x has {K} columns, weight {w.name} has n_in {w.n_in}"
+    assert 1 <= T <= MAX_ROWS, f"matvec: {T} rows (1..{MAX_ROWS})"
+    assert x.dtype == torch.float32 and x.stride(1) == 1, "matvec: x must be f32 with unit column stride"
+    if out is None:
+        out = torch.empty((T, w.n_out), dtype=torch.float32, device=x.device)
+    assert out.shape == (T, w.n_out) and out.stride(1) == 1 and out.dtype == torch.float32
+    rows = _rows_bucket(T)
+    block_n = max(1, 16 // rows)  # keep the [ROWS, BLOCK_N, 256] product tile at 4K elements
+    grid = (triton.cdiv(w.n_out, block_n),)
+    _matvec_kernel[grid](x, out, *_ptrs(w), w.n_out, w.n_in, x.stride(0), out.stride(0), T,
+                         FMT=FMT_CODE[w.fmt], ROWS=rows, BLOCK_N=block_n, num_warps=4,
+                         enable_fp_fusion=False)
+    return out
+
+
+__all__ = ["HAVE_TRITON", "MAX_ROWS", "QK", "matvec_ref", "matvec_triton", "dequant_triton"]

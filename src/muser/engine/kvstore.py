@@ -1,0 +1,82 @@
+"""Device storage for the muser.kv planes: a torch `ArrayBackend` (book 15).
+
+The ring arithmetic, checkpoints, snapshots and detached installs live once, in muser.kv; this
+backend only allocates zero-filled torch tensors on the engine's device and moves rows. SWA
+rings are token-major [capacity, kv_dim]; NoPE planes head-major [n_kv, capacity, head_dim]
+(book 15.3). f32 -> f16 conversion rounds to nearest even, like ggml_cpu_fp32_to_fp16 and
+numpy's astype, so the engine's f16 planes hold the oracle's bits for the same f32 rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..kv import KvCache
+from ..kv.backend import check_kv_dtype
+
+TORCH_KV = {"f16": torch.float16, "f32": torch.float32}
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+
+    def _idx(self, physical: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(physical, dtype=np.int64)).to(self.device)
+
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        return torch.zeros(shape, dtype=TORCH_KV[check_kv_dtype(dtype)], device=self.device)
+
+    def as_rows(self, rows: Any) -> torch.Tensor:
+        if isinstance(rows, torch.Tensor):
+            return rows.to(self.device)
+        return torch.from_numpy(np.ascontiguousarray(rows)).to(self.device)
+
+    def write_rows(self, plane: torch.Tensor, physical: np.ndarray, rows: Any, head_major: bool,
+                   n_kv_heads: int, head_dim: int) -> None:
+        if len(physical) == 0:
+            return
+        idx = self._idx(physical)
+        self.write_rows_at(plane, idx, self.as_rows(rows), head_major, n_kv_heads, head_dim)
+
+    @staticmethod
+    def write_rows_at(plane: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, head_major: bool,
+                      n_kv_heads: int, head_dim: int) -> None:
+        """Store rows [n, kv_dim] at device slot indices idx [n] (graph-capturable)."""
+        r = rows.to(plane.dtype)  # RNE f32 -> f16
+        if head_major:
+            plane.index_copy_(1, idx, r.reshape(-1, n_kv_heads, head_dim).transpose(0, 1))
+        else:
+            plane.index_copy_(0, idx, r.reshape(-1, n_kv_heads * head_dim))
+
+    def read_rows(self, plane: torch.Tensor, physical: np.ndarray, head_major: bool,
+                  n_kv_heads: int, head_dim: int) -> torch.Tensor:
+        if len(physical) == 0:  # (a checkpoint of a ring that is not full yet): no device work
+            return torch.empty((0, n_kv_heads * head_dim), dtype=plane.dtype, device=plane.device)
+        idx = self._idx(physical)
+        if head_major:
+            return plane.index_select(1, idx).transpose(0, 1).reshape(len(physical), n_kv_heads * head_dim)
+        return plane.index_select(0, idx)
+
+    def rows_shape(self, rows: Any) -> tuple[int, ...]:
+        return tuple(rows.shape)
+
+    def round_to(self, rows: Any, dtype: str) -> torch.Tensor:
+        r = self.as_rows(rows).to(torch.float32)
+        return r.to(TORCH_KV[check_kv_dtype(dtype)]).to(torch.float32)
+
+
+def device_cache(config, max_context: int, dtype: str, device: torch.device | str) -> KvCache:
+    """KvCache for a MuseConfig with torch planes on `device` (exact capacity formula of muser.kv)."""
+    return KvCache.for_config(config, max_context, dtype=dtype, backend=TorchBackend(device))
+
+
+def resident_bytes(cache: KvCache) -> int:
+    """Bytes the planes hold on the device (K and V of every layer)."""
+    return sum(p.keys.numel() * p.keys.element_size() + p.values.numel() * p.values.element_size()
+               for p in cache.planes)

@@ -1,0 +1,119 @@
+"""Lanes and how a projection is computed on each (DESIGN.md "Exactness contract").
+
+* exact: f32 activations and f32 accumulation against weights decoded bit-exactly from their
+  stored blocks. Decode-shaped calls (<= 16 rows) on CUDA use the fused Triton dequant-matvec;
+  wider calls decode row chunks and run an f32 GEMM with TF32 off.
+* fast: as exact for <= 16 rows; wider calls (prefill) use bf16 operands on tensor cores with
+  f32 output. Its drift is measured and reported, never called exact.
+
+On the CPU the decoded f32 (or bf16) matrices are cached once per weight within a byte budget
+(the CPU has no bandwidth to save by decoding per call; the decode is the same bit-exact
+decoder), beyond it each call decodes row chunks.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+from ..errors import LaneError
+from .kernels import qmatvec
+from .weights import QWeight
+
+
+class Lane(str, Enum):
+    EXACT = "exact"
+    FAST = "fast"
+
+    @classmethod
+    def parse(cls, value: str) -> "Lane":
+        try:
+            return cls(value)
+        except ValueError:
+            raise LaneError(f"unknown lane {value!r} (expected 'exact' or 'fast')") from None
+
+
+DEVICES = ("cpu", "cuda")
+KV_TYPES = ("f16", "f32")
+
+
+def parse_device(value: str) -> torch.device:
+    if value not in DEVICES:
+        raise LaneError(f"unknown device {value!r} (expected 'cpu' or 'cuda')")
+    if value == "cuda":
+        if not torch.cuda.is_available():
+            raise LaneError("device 'cuda' was requested but torch sees no CUDA device")
+        if not qmatvec.HAVE_TRITON:
+            raise LaneError("device 'cuda' needs Triton for the engine's kernels; it is not installed")
+        # Exact lane: no TF32 anywhere (f32 GEMMs stay f32).
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def parse_kv(value: str) -> str:
+    if value not in KV_TYPES:
+        raise LaneError(f"unknown KV type {value!r} (expected 'f16' or 'f32')")
+    return value
+
+
+CHUNK_BYTES = 256 << 20  # decoded temporary per GEMM chunk on the GPU
+CPU_CACHE_BYTES = 8 << 30  # decoded-weight cache budget on the CPU
+
+
+class Linear:
+    """y = x @ W^T for a QWeight, by lane and device. x: f32 [T, n_in] -> f32 [T, n_out]."""
+
+    def __init__(self, lane: Lane, device: torch.device):
+        self.lane = lane
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.triton_rows = self.cuda  # fused dequant-matvec for <= 16 rows (CUDA)
+        self._cache: dict[int, torch.Tensor] = {}
+        self._cached_bytes = 0
+
+    def __call__(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        if self.triton_rows and T <= qmatvec.MAX_ROWS:
+            return qmatvec.matvec_triton(w, x.contiguous())
+        wide = self.lane is Lane.FAST and T > qmatvec.MAX_ROWS
+        dt = torch.bfloat16 if wide else torch.float32
+        if not self.cuda:
+            wd = self._cpu_decoded(w, dt)
+            if wd is not None:
+                return self._mm(x, wd, dt)
+        out = torch.empty((T, w.n_out), dtype=torch.float32, device=x.device)
+        rows = max(1, CHUNK_BYTES // (4 * w.n_in))
+        for n0 in range(0, w.n_out, rows):
+            n1 = min(w.n_out, n0 + rows)
+            wd = decode_range(w, n0, n1).to(dt)
+            out[:, n0:n1] = self._mm(x, wd, dt)
+        return out
+
+    @staticmethod
+    def _mm(x: torch.Tensor, wd: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        if dt == torch.float32:
+            return x @ wd.T
+        return (x.to(dt) @ wd.T).to(torch.float32)
+
+    def _cpu_decoded(self, w: QWeight, dt: torch.dtype) -> torch.Tensor | None:
+        key = (id(w), dt)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        size = w.n_out * w.n_in * (4 if dt == torch.float32 else 2)
+        if self._cached_bytes + size > CPU_CACHE_BYTES:
+            return None
+        wd = w.decode().to(dt).contiguous()
+        self._cache[key] = wd
+        self._cached_bytes += size
+        return wd
+
+
+def decode_range(w: QWeight, n0: int, n1: int) -> torch.Tensor:
+    """Decode rows [n0, n1) through row views of the fields (no gather copy)."""
+    from .weights import decode_fields
+
+    return decode_fields(w.fmt, {k: v[n0:n1] for k, v in w.fields.items()}, w.n_in)

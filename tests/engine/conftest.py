@@ -1,0 +1,71 @@
+"""Engine test fixtures. Triton kernels run here under the Triton interpreter (TRITON_INTERPRET=1,
+set per kernel test) on tiny shapes; the same kernels run compiled on the GPU machine."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+# The interpreter must be chosen before triton itself is imported (triton.language's own helpers
+# are decorated at import). Only on machines without CUDA: there the kernels cannot run compiled.
+if "triton" not in sys.modules:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _interpreter_index_compat() -> None:
+    """Triton 3.6's interpreter turns a scalar kernel argument used as a loop bound into
+    `int(array_of_shape_(1,))`, which numpy >= 2.4 refuses; read the single element instead."""
+    try:
+        from triton.runtime import interpreter as it
+    except ImportError:
+        return
+    scope = it._LangPatchScope
+    if getattr(scope, "_muser_compat", False):
+        return
+    original = scope.set_attr
+
+    def set_attr(self, obj, name, value):
+        if name == "__index__":
+            value = lambda t: int(np.asarray(t.handle.data).reshape(-1)[0])  # noqa: E731
+        return original(self, obj, name, value)
+
+    scope.set_attr = set_attr
+    scope._muser_compat = True
+
+
+_interpreter_index_compat()
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The Triton kernel modules re-imported under the interpreter (TRITON_INTERPRET=1 is read
+    when a kernel is decorated), restored to compiled kernels afterwards. The kernels then run
+    on CPU tensors with the interpreter's numpy semantics (no FMA contraction)."""
+    import importlib
+
+    from muser.engine.kernels import attention, qmatvec
+
+    if not qmatvec.HAVE_TRITON:
+        pytest.fail("triton is not installed (it is pinned in the test extra)")
+    import triton.language as tl
+
+    if type(tl.zeros).__name__ != "InterpretedFunction":
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 could be set; run the engine "
+                    "kernel tests in a process where tests/engine/conftest.py loads first")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield importlib.reload(qmatvec), importlib.reload(attention)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+        importlib.reload(qmatvec)
+        importlib.reload(attention)

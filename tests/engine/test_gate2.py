@@ -1,0 +1,41 @@
+"""Gate 2 on the CPU (DESIGN.md): the engine's exact lane against the oracle's f32 arithmetic on
+tiny fixtures of every dtype, prefill + greedy tokens.
+
+* f32 K/V: 256 greedy tokens identical, max |d log-softmax| <= max(1e-4, 2 x noise floor).
+* f16 K/V: max |d log-softmax| <= 2 x the fixture's noise floor, measured by the oracle on the
+  same prompt + 256-token sequence with f16 K/V.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import muser.oracle as oracle
+from muser.engine import Engine
+from muser.engine.gate import gate2
+from muser.model.synth import SynthSpec
+
+DTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "q4_k_xl"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv,n_gen", [("f32", 256), ("f16", 256)])
+def test_gate2_exact_lane_vs_oracle(make_gguf, dtype, kv, n_gen):
+    path = make_gguf(SynthSpec(dtype=dtype))
+    r = gate2(path, Engine.open(path, device="cpu", lane="exact", kv=kv),
+              oracle.load(path, arithmetic="f32", kv=kv), kv, n_gen=n_gen, noise="if_needed")
+    assert r["status"] == "pass", r
+    if kv == "f32":
+        assert r["tokens_identical"], r
+        assert r["max_dlsm"] <= max(1e-4, 2 * (r["noise_floor"] or 0.0))
+    else:
+        assert r["max_dlsm"] <= 2 * r["noise_floor"]

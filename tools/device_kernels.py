@@ -1,0 +1,406 @@
+#!/usr/bin/env python3
+"""Dequant-matvec kernels on the full geometry: v1 (kernels/qmatvec.py) and v2
+(kernels/qmatvec_v2.py) checked against each other and the torch reference, timed at 1 and 16
+rows, with the device-to-device copy bandwidth of the same run beside them.
+
+    python3 tools/device_kernels.py --out DIR [--budget 90] [--device cuda|cpu] [--smoke] [--no-sweep]
+
+For every weight shape/format of the full geometry (Muse Glimmer, Figure 6.6 mix: Q4_K bulk,
+Q6_K attn_v/ffn_down of even layers, Q5_K LM head; Q8_0 and F16 at the attn_q shape as well),
+random valid quantized weights are built on the device directly as QWeight fields (random
+quant bytes, positive finite f16 d/dmin, 6-bit scales/mins). Per case: v2 decoder bit-exact vs
+the torch decoder (first rows), v1 and v2 vs the float64 dot of the torch-decoded weight on a
+row subset (max error relative to sum |products|), v1 vs v2, then CUDA-event timing (warm-up,
+5 reps of N calls; mean and CV), in µs and GB/s (bytes of the weight fields / time). Small
+weights are rotated over enough copies that the L2 cannot hold them (decode streams from HBM).
+A short config sweep of v2 follows. Every case is in its own try/except (errors recorded).
+
+Output: DIR/device_kernels.json and a table on stdout. --device cpu --smoke runs tiny shapes
+under the Triton interpreter (TRITON_INTERPRET=1), as tests/engine does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+# Full geometry (src/muser/model/synth.py FULL_GEOMETRY): hidden, attn_dim = heads * head_dim,
+# kv_dim = kv_heads * head_dim, ffn, vocab.
+H, A, KV, FF, V, N_LAYERS = 6656, 32 * 128, 2 * 128, 19968, 202048, 52
+
+# (name, format, n_out, n_in, matrices of this kind per token); gate/up share the ffn_gate
+# timing, attn_gate the attn_q one. Most important first (the budget may cut the tail).
+CASES = [
+    ("ffn_gate+up", "Q4_K", FF, H, 2 * N_LAYERS),
+    ("ffn_down.q6", "Q6_K", H, FF, N_LAYERS // 2),
+    ("output", "Q5_K", V, H, 1),
+    ("attn_q+gate", "Q4_K", A, H, 2 * N_LAYERS),
+    ("attn_output", "Q4_K", H, A, N_LAYERS),
+    ("ffn_down.q4", "Q4_K", H, FF, N_LAYERS // 2),
+    ("attn_k", "Q4_K", KV, H, N_LAYERS),
+    ("attn_v.q4", "Q4_K", KV, H, N_LAYERS // 2),
+    ("attn_v.q6", "Q6_K", KV, H, N_LAYERS // 2),
+    ("q8_0@attn_q", "Q8_0", A, H, 0),
+    ("f16@attn_q", "F16", A, H, 0),
+]
+SMOKE_SHAPES = {FF: 19, H: 11, V: 37, A: 13, KV: 5}  # n_out in --smoke; n_in becomes 256
+SMOKE_CASES = ("ffn_gate+up", "ffn_down.q6", "output", "q8_0@attn_q", "f16@attn_q")  # every format once
+
+# v2 configs tried beyond the defaults: (BLOCK_N, SB, num_warps, ACC_FMA), fma_decode
+SWEEP = {
+    1: [((4, 2, 4, False), False), ((16, 2, 8, False), False), ((8, 4, 4, False), False),
+        ((8, 2, 4, False), True), ((4, 1, 4, True), False), ((2, 2, 4, True), False), ((16, 1, 4, False), False)],
+    16: [((4, 1, 8, True), False), ((1, 1, 4, True), False), ((2, 1, 4, False), False),
+         ((4, 1, 4, False), False), ((2, 1, 4, True), True), ((1, 2, 4, True), False)],
+}
+SWEEP_CASES = ("ffn_gate+up", "ffn_down.q6", "output")
+
+
+def _interpreter_compat() -> None:
+    """Triton 3.6's interpreter and numpy >= 2.4 (same patch as tests/engine/conftest.py)."""
+    import numpy as np
+
+    try:
+        from triton.runtime import interpreter as it
+    except ImportError:
+        return
+    scope = it._LangPatchScope
+    if getattr(scope, "_muser_compat", False):
+        return
+    original = scope.set_attr
+
+    def set_attr(self, obj, name, value):
+        if name == "__index__":
+            value = lambda t: int(np.asarray(t.handle.data).reshape(-1)[0])  # noqa: E731
+        return original(self, obj, name, value)
+
+    scope.set_attr = set_attr
+    scope._muser_compat = True
+
+
+class Ctx:
+    def __init__(self, args):
+        import torch
+
+        self.torch = torch
+        self.dev = args.device
+        self.smoke = args.smoke
+        self.t0 = time.time()
+        self.budget = args.budget
+        self.gen = torch.Generator(self.dev).manual_seed(1234)
+
+    def left(self) -> float:
+        return self.budget - (time.time() - self.t0)
+
+    def sync(self) -> None:
+        if self.dev == "cuda":
+            self.torch.cuda.synchronize()
+
+
+def make_weight(ctx: Ctx, fmt_name: str, n_out: int, n_in: int, name: str = "w"):
+    """Random valid QWeight built on the device field by field (layout of engine/weights.py)."""
+    torch = ctx.torch
+    from muser.engine.weights import QWeight
+    from muser.gguf.types import GgmlType as G
+
+    fmt = G[fmt_name]
+    dev, g = ctx.dev, ctx.gen
+    nb = n_in // 256
+
+    def u8(*shape, hi=256):
+        return torch.randint(0, hi, shape, dtype=torch.uint8, device=dev, generator=g)
+
+    def i8(*shape):
+        return torch.randint(-128, 128, shape, dtype=torch.int16, device=dev, generator=g).to(torch.int8)
+
+    def f16(*shape, lo=1e-3, hi=4e-3):  # positive finite scales
+        return (torch.rand(shape, device=dev, generator=g) * (hi - lo) + lo).to(torch.float16)
+
+    if fmt == G.Q4_K or fmt == G.Q5_K:
+        f = {"qs": u8(n_out, nb * 128), "d": f16(n_out, nb), "dmin": f16(n_out, nb),
+             "sc": u8(n_out, nb * 8, hi=64), "m": u8(n_out, nb * 8, hi=64)}
+        if fmt == G.Q5_K:
+            f["qh"] = u8(n_out, nb * 32)
+    elif fmt == G.Q6_K:
+        f = {"ql": u8(n_out, nb * 128), "qh": u8(n_out, nb * 64), "sc": i8(n_out, nb * 16), "d": f16(n_out, nb)}
+    elif fmt == G.Q8_0:
+        f = {"qs": i8(n_out, n_in), "d": f16(n_out, n_in // 32)}
+    elif fmt == G.F16:
+        f = {"w": (torch.randn(n_out, n_in, device=dev, generator=g) * 0.02).to(torch.float16)}
+    else:
+        raise ValueError(fmt_name)
+    return QWeight(name, fmt, n_out, n_in, f)
+
+
+def sub_rows(w, r: int):
+    """The first r rows of a QWeight (row-major fields: contiguous views)."""
+    from muser.engine.weights import QWeight
+
+    return QWeight(w.name, w.fmt, r, w.n_in, {k: v[:r] for k, v in w.fields.items()})
+
+
+def check(ctx: Ctx, w, v1, v2) -> dict:
+    torch = ctx.torch
+    r = {}
+    head = sub_rows(w, min(w.n_out, 64 if ctx.smoke else 512))
+    ref_dq = head.decode().view(torch.int32)
+    r["v2_decode_bitexact"] = bool(torch.equal(v2.dequant_v2(head).view(torch.int32), ref_dq))
+    if w.fmt.name in ("Q4_K", "Q5_K"):
+        r["v2_fma_decode_bitexact"] = bool(torch.equal(v2.dequant_v2(head, fma_decode=True).view(torch.int32), ref_dq))
+    n_sub = min(w.n_out, 4096)
+    rows = torch.randperm(w.n_out, device=ctx.dev, generator=ctx.gen)[:n_sub]
+    rows[0] = w.n_out - 1
+    dq = w.decode(rows).double()  # [n_sub, n_in]
+    for T in (1, 16):
+        x = torch.randn(T, w.n_in, device=ctx.dev, generator=ctx.gen)
+        y1 = v1.matvec_triton(w, x)
+        y2 = v2.matvec_v2(w, x)
+        y2f = v2.matvec_v2(w, x, fma_decode=True)
+        exact = x.double() @ dq.T
+        scale = x.abs().double() @ dq.abs().T + 1e-300
+        rel = {}
+        for nm, y in (("v1", y1), ("v2", y2), ("v2_fma_decode", y2f)):
+            rel[nm] = float(((y[:, rows].double() - exact).abs() / scale).max())
+        rel["v1_vs_v2_max_abs_over_max"] = float((y1 - y2).abs().max() / y1.abs().max().clamp_min(1e-30))
+        r[f"T{T}"] = rel
+    r["ok"] = bool(r["v2_decode_bitexact"] and r.get("v2_fma_decode_bitexact", True)
+                   and all(max(v for k, v in r[f"T{T}"].items() if k != "v1_vs_v2_max_abs_over_max") < 1e-5
+                           for T in (1, 16)))
+    return r
+
+
+def timeit(ctx: Ctx, fn, n_copies: int) -> dict:
+    """warm-up, then 5 reps of `iters` calls (rotating weight copies); per-call seconds."""
+    torch = ctx.torch
+    fn(0)
+    ctx.sync()
+    if ctx.dev == "cuda":
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for i in range(3):
+            fn(i)
+        e1.record()
+        e1.synchronize()
+        est = e0.elapsed_time(e1) / 3e3
+        iters = int(min(500, max(3, n_copies, 3e-3 / max(est, 1e-7))))
+        for i in range(iters):  # warm-up at the measured size
+            fn(i)
+        samples = []
+        for _ in range(5):
+            e0.record()
+            for i in range(iters):
+                fn(i)
+            e1.record()
+            e1.synchronize()
+            samples.append(e0.elapsed_time(e1) / 1e3 / iters)
+    else:
+        iters = 1
+        samples = []
+        for _ in range(1 if ctx.smoke else 5):
+            t = time.perf_counter()
+            fn(0)
+            samples.append(time.perf_counter() - t)
+    mean = sum(samples) / len(samples)
+    sd = math.sqrt(sum((s - mean) ** 2 for s in samples) / max(1, len(samples) - 1))
+    return {"mean_s": mean, "cv": sd / mean if mean > 0 else 0.0, "iters": iters, "samples_s": samples}
+
+
+def time_case(ctx: Ctx, ws, T: int, kind: str, v1, v2, config=None, fma_decode=False) -> dict:
+    torch = ctx.torch
+    x = torch.randn(T, ws[0].n_in, device=ctx.dev, generator=ctx.gen)
+    out = torch.empty(T, ws[0].n_out, device=ctx.dev)
+    if kind == "v1":
+        def fn(i):
+            v1.matvec_triton(ws[i % len(ws)], x, out)
+    else:
+        def fn(i):
+            v2.matvec_v2(ws[i % len(ws)], x, out, config=config, fma_decode=fma_decode)
+    t = timeit(ctx, fn, len(ws))
+    t["us"] = t["mean_s"] * 1e6
+    t["GBps"] = ws[0].nbytes / t["mean_s"] / 1e9
+    return t
+
+
+def copy_bandwidth(ctx: Ctx) -> dict:
+    torch = ctx.torch
+    n = (8 << 20) if ctx.smoke else (1 << 30)
+    a = torch.empty(n, dtype=torch.uint8, device=ctx.dev)
+    b = torch.empty_like(a)
+    t = timeit(ctx, lambda i: b.copy_(a), 1)
+    del a, b
+    return {"bytes": n, "GBps_read_plus_write": 2 * n / t["mean_s"] / 1e9, "GBps_read_only": n / t["mean_s"] / 1e9,
+            "cv": t["cv"], "samples_s": t["samples_s"]}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget", type=float, default=90.0)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check)")
+    ap.add_argument("--no-sweep", action="store_true")
+    args = ap.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+    switch = os.environ.pop("MUSER_MATVEC", None)  # "v1" below must be the v1 kernel
+    _interpreter_compat()
+    import torch
+
+    from muser.engine.kernels import qmatvec as v1
+    from muser.engine.kernels import qmatvec_v2 as v2
+
+    ctx = Ctx(args)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res: dict = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv if argv is None
+                 else list(argv), "device": args.device, "smoke": args.smoke, "budget_s": args.budget,
+                 "MUSER_MATVEC_unset_for_run": switch,
+                 "v2_configs": {str(k): v for k, v in v2.CONFIGS.items()}, "cases": [], "sweep": []}
+    try:
+        import triton
+
+        res["triton"] = triton.__version__
+    except ImportError as e:
+        res["triton"] = f"missing: {e}"
+    res["torch"] = torch.__version__
+    if args.device == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        res["gpu"] = {"name": p.name, "sms": p.multi_processor_count, "mem_gib": round(p.total_memory / 2**30, 1)}
+    rows_out: list[str] = []
+
+    def flush():
+        (out_dir / "device_kernels.json").write_text(json.dumps(res, indent=1, default=str))
+
+    try:
+        res["copy"] = copy_bandwidth(ctx)
+    except Exception as e:
+        res["copy"] = {"error": repr(e), "traceback": traceback.format_exc()[-3000:]}
+    flush()
+
+    l2_avoid = 0 if ctx.smoke else 256 << 20  # rotate copies until this many bytes (> L2)
+    weights: dict[str, list] = {}
+    for name, fmt, n_out, n_in, per_tok in CASES:
+        if ctx.smoke:
+            if name not in SMOKE_CASES:
+                continue
+            n_out, n_in = SMOKE_SHAPES[n_out], 256
+        c: dict = {"name": name, "fmt": fmt, "n_out": n_out, "n_in": n_in, "per_token": per_tok}
+        res["cases"].append(c)
+        if ctx.left() < 4:
+            c["skipped"] = f"budget: {ctx.left():.0f} s left"
+            continue
+        t = time.time()
+        try:
+            w = make_weight(ctx, fmt, n_out, n_in, name)
+            c["bytes"] = w.nbytes
+            c["check"] = check(ctx, w, v1, v2)
+            n_copies = max(1, min(128, -(-l2_avoid // w.nbytes)))
+            ws = [w] + [make_weight(ctx, fmt, n_out, n_in, name) for _ in range(n_copies - 1)]
+            c["copies"] = n_copies
+            for T in (1, 16):
+                for kind in ("v1", "v2"):
+                    c[f"{kind}_T{T}"] = time_case(ctx, ws, T, kind, v1, v2)
+            if name in SWEEP_CASES:
+                weights[name] = ws
+            else:
+                del ws
+        except Exception as e:
+            c["error"] = repr(e)
+            c["traceback"] = traceback.format_exc()[-3000:]
+        c["wall_s"] = time.time() - t
+        flush()
+        print(f"[{time.time() - ctx.t0:6.1f}s] {name} {fmt} {n_out}x{n_in} done", flush=True)
+        if ctx.dev == "cuda":
+            torch.cuda.empty_cache()
+
+    if not args.no_sweep:
+        for name in SWEEP_CASES[:1] if ctx.smoke else SWEEP_CASES:
+            ws = weights.get(name)
+            if ws is None:
+                continue
+            for T, cfgs in SWEEP.items():
+                for cfg, fmad in (cfgs[:1] if ctx.smoke else cfgs):
+                    s = {"name": name, "fmt": ws[0].fmt.name, "T": T, "config": list(cfg), "fma_decode": fmad}
+                    res["sweep"].append(s)
+                    if ctx.left() < 3:
+                        s["skipped"] = "budget"
+                        continue
+                    try:
+                        x = torch.randn(T, ws[0].n_in, device=ctx.dev, generator=ctx.gen)
+                        ref = v2.matvec_v2(ws[0], x)
+                        got = v2.matvec_v2(ws[0], x, config=cfg, fma_decode=fmad)
+                        s["max_abs_vs_default_over_max"] = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                        s.update(time_case(ctx, ws, T, "v2", v1, v2, config=cfg, fma_decode=fmad))
+                    except Exception as e:
+                        s["error"] = repr(e)
+                        s["traceback"] = traceback.format_exc()[-2000:]
+                    flush()
+        weights.clear()
+
+    # per-token matvec time of the Figure 6.6 mix (sum of per-kind times x count), v1 vs v2
+    tok: dict = {}
+    for kind in ("v1", "v2"):
+        for T in (1, 16):
+            tot, byts, missing = 0.0, 0, []
+            for c in res["cases"]:
+                if not c["per_token"]:
+                    continue
+                t = c.get(f"{kind}_T{T}")
+                if t is None:
+                    missing.append(c["name"])
+                    continue
+                tot += c["per_token"] * t["mean_s"]
+                byts += c["per_token"] * c["bytes"]
+            tok[f"{kind}_T{T}"] = {"matvec_s_per_step": tot, "bytes": byts,
+                                   "GBps": byts / tot / 1e9 if tot else None, "missing": missing}
+    res["per_token"] = tok
+    copy_gbps = res["copy"].get("GBps_read_plus_write")
+
+    rows_out.append(f"copy bandwidth (read+write, {res['copy'].get('bytes', 0) / 2**30:.3f} GiB): "
+                    f"{copy_gbps and round(copy_gbps, 1)} GB/s")
+    hdr = f"{'case':14s} {'fmt':5s} {'shape':>13s} {'MB':>7s} {'ok':>3s} " + " ".join(
+        f"{k:>17s}" for k in ("v1 T1 us|GB/s", "v2 T1 us|GB/s", "v1 T16 us|GB/s", "v2 T16 us|GB/s"))
+    rows_out.append(hdr)
+    for c in res["cases"]:
+        def cell(k):
+            t = c.get(k)
+            return f"{t['us']:9.1f}|{t['GBps']:7.0f}" if t else f"{'-':>17s}"
+        ok = c.get("check", {}).get("ok")
+        extra = f"  ERROR {c['error'][:60]}" if "error" in c else (f"  {c['skipped']}" if "skipped" in c else "")
+        rows_out.append(f"{c['name']:14s} {c['fmt']:5s} {c['n_out']:>6d}x{c['n_in']:<6d} {c.get('bytes', 0) / 1e6:7.1f} "
+                        f"{'y' if ok else 'N':>3s} " + " ".join(cell(k) for k in ("v1_T1", "v2_T1", "v1_T16", "v2_T16"))
+                        + extra)
+    for s in res["sweep"]:
+        if "us" in s:
+            rows_out.append(f"sweep {s['name']:12s} T{s['T']:<2d} cfg {s['config']} fma_decode={s['fma_decode']}: "
+                            f"{s['us']:9.1f} us {s['GBps']:7.0f} GB/s cv {s['cv']:.3f}")
+        else:
+            rows_out.append(f"sweep {s['name']:12s} T{s['T']:<2d} cfg {s['config']}: {s.get('error', s.get('skipped'))}")
+    for k, t in tok.items():
+        if t["matvec_s_per_step"]:
+            rows_out.append(f"per step {k}: {t['matvec_s_per_step'] * 1e3:.3f} ms of matvec, {t['bytes'] / 1e9:.2f} GB, "
+                            f"{t['GBps']:.0f} GB/s" + (f" (missing {t['missing']})" if t["missing"] else ""))
+    res["table"] = rows_out
+    res["wall_s"] = time.time() - ctx.t0
+    flush()
+    print("\n".join(rows_out))
+    if switch is not None:
+        os.environ["MUSER_MATVEC"] = switch
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# One GPU-machine session in two back-to-back calls (the machine keeps /tmp while it stays warm).
+#
+#   bash tools/device_session.sh A   # bg: build the pinned llama.cpp (CUDA, sm_90) and write the
+#                                    # 16.75 GB full-geometry GGUF; fg: engine env, kernels, Gate 2
+#                                    # on CUDA (default and v2 matvec), invariance, graphs; then
+#                                    # llama-bench pp512/tg128 at depth 0 -> $OUT
+#   bash tools/device_session.sh B   # llama-bench at depth 32768, the kernel table
+#                                    # (tools/device_kernels.py), then the engine's full-geometry
+#                                    # stage with llama.cpp's figures beside it -> $OUT
+#
+# Carry: .device (llama.cpp-src.tgz from ../shared/tools/pack-llama-src.sh) and .whl (gguf wheel).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?OUT must name the folder whose files come back}"
+phase=${1:?phase A or B}
+W=/tmp/muser-dev
+FULL=$W/full-q4_k_xl.gguf
+LB=/tmp/llama-cuda
+BENCH=$LB/llama.cpp/build/bin/llama-bench
+mkdir -p "$W" "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:/tmp/site"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >/dev/null 2>&1 || true
+T0=$(date +%s)
+el() { echo $(( $(date +%s) - T0 )); }
+
+build_llama() {
+  [ -x $BENCH ] && return 0
+  mkdir -p $LB && tar xzf .device/llama.cpp-src.tgz -C $LB
+  ( cd $LB/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >$W/cmake.log 2>&1 \
+    && cmake --build build -j12 --target llama-bench >$W/build.log 2>&1 )
+}
+
+# llama-bench as the pinned comparator runs it on the GPU (all layers offloaded, flash attention),
+# pp512 and tg128, 5 reps, JSON; the copy kept in $W survives into phase B
+llama_bench() {  # depth, limit_s, name
+  [ -x $BENCH ] && [ -s $FULL ] || { echo "llama-bench: no build or no full file"; return 1; }
+  timeout "$2" $BENCH -m $FULL -ngl 99 -fa 1 -p 512 -n 128 -d "$1" -r 5 -o json >$W/$3 2>$W/$3.err
+  echo "llama-bench d=$1 rc=$? at $(el) s"; tail -2 $W/$3.err; cp $W/$3 "$OUT/$3"
+}
+
+if [ "$phase" = A ]; then
+  ( build_llama; echo "llama build rc=$? at $(el) s" >$W/build.done ) &
+  ( [ -s $FULL ] || python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1; \
+    echo "full file rc=$? at $(el) s" >$W/full.done ) &
+  timeout -s TERM 330 python3 tools/device_engine.py --out "$OUT" --no-full \
+      --stages env,kernels,gate2,invariance --budget 310 2>&1 | tail -45
+  if [ -f src/muser/engine/kernels/qmatvec_v2.py ]; then
+    echo "--- Gate 2 again with MUSER_MATVEC=v2 at $(el) s"
+    MUSER_MATVEC=v2 timeout -s TERM 110 python3 tools/device_engine.py --out "$OUT/v2" --no-full \
+        --stages gate2 --gate-dtypes F16,Q8_0,Q4_K,Q5_K,Q6_K,q4_k_xl --gate-tokens 128 --budget 100 2>&1 | tail -16
+  fi
+  while [ ! -f $W/build.done ] || [ ! -f $W/full.done ]; do
+    [ "$(el)" -gt 500 ] && { echo "build/file not done at $(el) s"; break; }; sleep 3
+  done
+  cat $W/build.done $W/full.done 2>/dev/null; tail -3 $W/build.log 2>/dev/null; ls -la $FULL 2>/dev/null
+  [ "$(el)" -lt 520 ] && llama_bench 0 $(( 575 - $(el) )) llama-bench-d0.json
+elif [ "$phase" = C ]; then
+  # one call on a cold machine, no llama.cpp build: engine correctness, then the full geometry
+  # (llama.cpp's figures from an earlier call of this session, carried in .device/), then the
+  # kernel table, then Gate 2 with the v2 matvec
+  ( [ -s $FULL ] || python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1; \
+    echo "full file rc=$? at $(el) s" >$W/full.done ) &
+  timeout -s TERM 250 python3 tools/device_engine.py --out "$OUT" --no-full \
+      --stages env,kernels,gate2,invariance --budget 235 2>&1 | tail -45
+  while [ ! -f $W/full.done ]; do [ "$(el)" -gt 330 ] && break; sleep 2; done; cat $W/full.done
+  echo "--- engine full geometry at $(el) s"
+  mkdir -p "$OUT/full"
+  timeout -s TERM $(( 470 - $(el) )) python3 tools/device_engine.py --out "$OUT/full" --full $FULL \
+      --stages full --depths 0,32768 --matvec v1,v2 --budget $(( 455 - $(el) )) \
+      --llama-bench-json .device/llama-bench-d0.json 2>&1 | tail -16
+  echo "--- kernel table at $(el) s"
+  [ "$(el)" -lt 520 ] && timeout -s TERM $(( 560 - $(el) )) python3 tools/device_kernels.py --out "$OUT" \
+      --no-sweep --budget $(( 545 - $(el) )) 2>&1 | tail -25
+  if [ "$(el)" -lt 540 ]; then
+    echo "--- Gate 2 with MUSER_MATVEC=v2 at $(el) s"
+    MUSER_MATVEC=v2 timeout -s TERM $(( 585 - $(el) )) python3 tools/device_engine.py --out "$OUT/v2" --no-full \
+        --stages gate2 --gate-dtypes Q4_K,Q6_K,q4_k_xl,Q8_0 --gate-tokens 128 --budget $(( 575 - $(el) )) 2>&1 | tail -10
+  fi
+else
+  if [ ! -s $FULL ]; then
+    echo "machine was not warm: no full file; writing it"
+    python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1
+  fi
+  llama_bench 32768 190 llama-bench-d32768.json
+  python3 - "$W" >$W/llama-bench.json <<'EOF'
+import json, sys, pathlib
+rows = []
+for n in ("llama-bench-d0.json", "llama-bench-d32768.json"):
+    p = pathlib.Path(sys.argv[1]) / n
+    try:
+        rows += json.loads(p.read_text())
+    except Exception:
+        pass
+print(json.dumps(rows))
+EOF
+  if [ -f tools/device_kernels.py ]; then
+    timeout -s TERM 100 python3 tools/device_kernels.py --out "$OUT" --budget 85 2>&1 | tail -30
+  fi
+  echo "--- engine full geometry at $(el) s"
+  timeout -s TERM $(( 585 - $(el) )) python3 tools/device_engine.py --out "$OUT" --full $FULL --stages env,full \
+      --depths 0,32768 --budget $(( 570 - $(el) )) --llama-bench-json $W/llama-bench.json 2>&1 | tail -30
+fi
+echo "phase $phase done at $(el) s"
+ls -la "$OUT"

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Compile every Triton kernel of the engine for an NVIDIA target (default sm_90, the H200)
+without a GPU: the launches are driven through the real host code (matvec v1/v2 for every
+format and row bucket, dequant, attention for both plane kinds and KV dtypes) with CPU tensors,
+each launch is recorded instead of run, and each distinct (kernel, signature, constexprs,
+options) is compiled by Triton down to a cubin with the bundled ptxas.
+
+This catches the errors the Triton interpreter cannot (type unification across if/else,
+constexpr misuse, layout and dot-shape constraints, register spills that fail to compile)
+before any GPU time is spent.
+
+    python3 tools/triton_aot_check.py [--arch 90] [--json OUT.json]
+
+Exit status 0 when every kernel compiled; 1 otherwise (each failure printed with its error).
+Must run without TRITON_INTERPRET set (the kernels must be JITFunctions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+if os.environ.get("TRITON_INTERPRET"):
+    sys.exit("triton_aot_check: unset TRITON_INTERPRET (kernels must be compiled, not interpreted)")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+_TT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
+       torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
+
+
+class Recorder:
+    def __init__(self):
+        self.launches: dict[tuple, tuple] = {}
+
+    def run(self, fn: JITFunction, args, kwargs) -> None:
+        names = fn.arg_names
+        const_names = {p.name for p in fn.params if p.is_constexpr}
+        sig, consts, opts = {}, {}, {}
+        vals = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k in names:
+                vals[k] = v
+            elif k in _OPTIONS:
+                opts[k] = v
+            elif k not in ("grid", "warmup"):
+                raise TypeError(f"{fn.__name__}: unknown launch keyword {k!r}")
+        for i, n in enumerate(names):
+            if n not in vals:
+                p = fn.params[i]
+                if p.default is p.default.__class__.__mro__[-1] or p.default is None:
+                    raise TypeError(f"{fn.__name__}: argument {n!r} missing")
+                vals[n] = p.default
+            v = vals[n]
+            if n in const_names:
+                sig[n] = "constexpr"
+                consts[(i,)] = v
+            elif isinstance(v, torch.Tensor):
+                sig[n] = "*" + _TT[v.dtype]
+            elif isinstance(v, bool):
+                sig[n] = "i1"
+            elif isinstance(v, int):
+                sig[n] = "i32" if -(2**31) <= v < 2**31 else "i64"
+            elif isinstance(v, float):
+                sig[n] = "fp32"
+            else:
+                raise TypeError(f"{fn.__name__}: argument {n!r} of type {type(v).__name__}")
+        key = (fn.__name__, tuple(sig.items()), tuple(sorted(consts.items())), tuple(sorted(opts.items())))
+        self.launches.setdefault(key, (fn, sig, consts, opts))
+
+
+def drive(rec: Recorder) -> None:
+    """Run the host side of every kernel launch the engine makes, on CPU tensors."""
+    from muser.engine.kernels import attention as att
+    from muser.engine.kernels import qmatvec as q1
+    from muser.engine.weights import DEVICE_FORMATS, random_bytes, repack
+
+    try:
+        from muser.engine.kernels import qmatvec_v2 as q2
+    except ImportError:
+        q2 = None
+    for fmt in DEVICE_FORMATS:
+        n_out, n_in = 24, 512
+        w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy()))
+        q1.dequant_triton(w)
+        if q2 is not None and q2.supports(fmt):
+            q2.dequant_v2(w)
+            q2.dequant_v2(w, fma_decode=True)
+        for T in (1, 2, 3, 5, 9, 16):
+            x = torch.zeros(T, n_in)
+            os.environ.pop("MUSER_MATVEC", None)
+            q1.matvec_triton(w, x, torch.empty(T, n_out))
+            if q2 is not None and q2.supports(fmt):
+                q2.matvec_v2(w, x, torch.empty(T, n_out))
+    H, n_kv, D = 32, 2, 128
+    for hm in (False, True):
+        for dt in (torch.float16, torch.float32):
+            for T in (1, 16):
+                cap = 4096
+                q = torch.zeros(T, H, D)
+                kn = torch.zeros(T, n_kv, D, dtype=dt)
+                shape = (n_kv, cap, D) if hm else (cap, n_kv * D)
+                kp = torch.zeros(shape, dtype=dt)
+                meta = torch.tensor([0, 0, 100, cap], dtype=torch.int64)
+                pos = torch.tensor([100], dtype=torch.int64)
+                sc = att.AttnScratch(T, H, D, att.pick_splits(cap), "cpu")
+                att.attend_triton(q, kn, kn, kp, kp, hm, meta, pos, 0 if hm else 2048, 0.0883883, sc)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    rec = Recorder()
+    orig = JITFunction.run
+
+    def fake_run(self, *args, grid=None, warmup=False, **kwargs):
+        rec.run(self, args, kwargs)
+
+    JITFunction.run = fake_run
+    try:
+        drive(rec)
+    finally:
+        JITFunction.run = orig
+    target = GPUTarget("cuda", a.arch, 32)
+    results, bad = [], 0
+    t0 = time.time()
+    for (name, sig, consts, opts), (fn, s, c, o) in rec.launches.items():
+        t = time.time()
+        try:
+            k = triton.compile(ASTSource(fn, signature=s, constexprs=c), target=target, options=dict(o))
+            meta = getattr(k, "metadata", None)
+            r = {"kernel": name, "constexprs": {fn.arg_names[i[0]]: v for i, v in c.items()}, "options": o,
+                 "ok": True, "n_regs": getattr(k, "n_regs", None), "shared": getattr(meta, "shared", None),
+                 "seconds": round(time.time() - t, 2)}
+        except Exception as e:  # record every failure, keep going
+            bad += 1
+            r = {"kernel": name, "constexprs": {fn.arg_names[i[0]]: v for i, v in c.items()}, "options": o,
+                 "ok": False, "error": f"{type(e).__name__}: {e}"[-1500:]}
+            print(f"FAIL {name} {r['constexprs']} {o}\n{r['error']}\n", flush=True)
+        results.append(r)
+    print(f"{len(results)} kernel variants compiled for sm_{a.arch} in {time.time() - t0:.0f} s, {bad} failed")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1, default=str) + "\n")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
