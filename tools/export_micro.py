@@ -3,6 +3,7 @@
 
     tools/export_micro.py --weights RUN_OUT [--corpus .device/micro] [--out models]
                           [--dtypes F16,Q8_0] [--quantizer muser|gguf]
+    tools/export_micro.py --continuations [--model GGUF ...] [--out models] [--new-tokens 64]
 
 RUN_OUT holds what tools/train_micro.py wrote (micro-weights.json + micro-weights-N.npz). The weights
 are already in llama.cpp's convention (norm weights as llama.cpp multiplies them, i.e. the converter's
@@ -11,6 +12,11 @@ attn_k_norm = ones), so the export is a straight copy under the real key and ten
 (src/models/muse-glimmer.cpp, conversion/muse_glimmer.py). Every quantized file is derived from the F16
 master values (the llama-quantize flow: F16 GGUF -> f32 -> quantize). Files are validated with
 muser.model.loader.open_model after writing, and a pin is written beside each.
+
+--continuations writes <out>/muse-glimmer-micro-continuations.json (models/README.md quotes it): three
+greedy continuations of held-out prompts (PROMPTS: the first lines of held-out files, framed as the
+training stream frames a file: [BOS] + ids), each decoded by the pinned llama.cpp and by muser.oracle
+(arithmetic ggml-cpu, f16 KV: llama.cpp's CPU rounding points), with whether the two agree token for token.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ from muser.model.loader import open_model  # noqa: E402
 from muser.model.synth import CHAT_TEMPLATE  # noqa: E402
 
 NAME = "muse-glimmer-micro"
+# The README's greedy continuations: (held-out file, number of leading lines used as the prompt).
+PROMPTS = (("secrets.py", 34), ("sched.py", 53), ("test/test_print.py", 17))
+CONTINUATIONS = f"{NAME}-continuations.json"
 FILE_TYPE = {"F32": 0, "F16": 1, "Q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0
 
 
@@ -240,6 +249,7 @@ def export(run_dir: Path, corpus_dir: Path, out_dir: Path, dtypes=("F16", "Q8_0"
 
         path = out_dir / f"{name}-{dtype.lower()}.gguf"
         write_gguf(path, ARCH, metadata(g, tokens, merges, dtype, provenance), specs, produce)
+        path.chmod(0o644)  # the writer's temp file is private; a shipped model is world-readable
         m = open_model(path)
         try:
             write_pin(m.identity, out_dir / f"{name}-{dtype.lower()}.pin.json")
@@ -251,9 +261,126 @@ def export(run_dir: Path, corpus_dir: Path, out_dir: Path, dtypes=("F16", "Q8_0"
     return written
 
 
+# ---------------------------------------------------------------------------------------------
+# greedy continuations
+
+
+def prompt_text(relpath: str, n_lines: int, root: Path = corpus.DEFAULT_ROOT) -> str:
+    """The first n_lines lines of a held-out corpus file (refused if the file is not held out)."""
+    if corpus.split_of(relpath) != "heldout":
+        raise ExportError(f"{relpath!r} is in the {corpus.split_of(relpath)} split, not held-out")
+    text = (Path(root) / relpath).read_bytes().decode("utf-8")
+    lines = text.splitlines(keepends=True)
+    if len(lines) <= n_lines:
+        raise ExportError(f"{relpath!r} has {len(lines)} lines; a prompt of {n_lines} leaves nothing to continue")
+    return "".join(lines[:n_lines])
+
+
+def greedy_llamacpp(path: Path, prompt: list[int], n_new: int, stop: set[int]) -> tuple[list[int], list]:
+    """Greedy decode in the pinned llama.cpp: one prefill, then one token per eval; argmax of the
+    last row (f16 KV, non-flash attention, as bench/llamacpp.py's runner sets it)."""
+    import llama_cpp
+
+    ll = llama_cpp.Llama(str(path), n_ctx=len(prompt) + n_new, n_batch=512, n_ubatch=512, logits_all=True,
+                         type_k=1, type_v=1, flash_attn=False, n_threads=1, n_threads_batch=1, seed=0,
+                         verbose=False)
+    try:
+        out: list[int] = []
+        rows = []  # the logits each token was chosen from
+        ll.eval(prompt)
+        while len(out) < n_new:
+            rows.append(np.array(ll.scores[ll.n_tokens - 1], dtype=np.float32))
+            t = int(np.argmax(rows[-1]))
+            out.append(t)
+            if t in stop or len(out) == n_new:
+                break
+            ll.eval([t])
+        return out, rows
+    finally:
+        ll.close()
+
+
+def greedy_oracle(path: Path, prompt: list[int], n_new: int, stop: set[int]) -> tuple[list[int], list]:
+    """Greedy decode with muser.oracle (ggml-cpu arithmetic, f16 KV): prefill, then decode."""
+    from muser import oracle
+
+    m = oracle.load(path, arithmetic="ggml-cpu", kv="f16")
+    try:
+        s = m.session(max_context=len(prompt) + n_new)
+        logits = s.prefill(prompt)
+        out: list[int] = []
+        rows = []
+        while len(out) < n_new:
+            rows.append(logits)
+            t = int(np.argmax(logits))
+            out.append(t)
+            if t in stop or len(out) == n_new:
+                break
+            logits = s.decode(t)
+        return out, rows
+    finally:
+        m.close()
+
+
+def continuation_run(model: Path, n_new: int, root: Path, prompts, log) -> dict:
+    """The three greedy continuations of one GGUF, llama.cpp and oracle side by side."""
+    from muser.text import Tokenizer
+
+    m = open_model(model)
+    try:
+        tok = Tokenizer.from_gguf(m.gguf)
+        cfg, ident = m.config, m.identity
+    finally:
+        m.close()
+    stop = set(cfg.eog_ids)
+    rows = []
+    for relpath, n_lines in prompts:
+        text = prompt_text(relpath, n_lines, root)
+        ids = [cfg.bos_id] + tok.encode(text, add_special=False)  # the training stream's file framing
+        a, la = greedy_llamacpp(model, ids, n_new, stop)
+        b, lb = greedy_oracle(model, ids, n_new, stop)
+        first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if first_diff is None and len(a) != len(b):
+            first_diff = min(len(a), len(b))
+        margin = None
+        if first_diff is not None and first_diff < min(len(a), len(b)):
+            i, x, y = first_diff, a[first_diff], b[first_diff]  # same prefix, so the same position
+            margin = {"llamacpp_logit_gap": float(la[i][x] - la[i][y]),  # its pick over the oracle's
+                      "oracle_logit_gap": float(lb[i][y] - lb[i][x])}
+        rows.append({"file": relpath, "prompt_lines": n_lines, "prompt_tokens": len(ids),
+                     "prompt_tail": "".join(text.splitlines(keepends=True)[-3:]),
+                     "llamacpp_ids": a, "oracle_ids": b, "identical": first_diff is None,
+                     "first_difference": first_diff, "logit_gap_at_difference": margin,
+                     "llamacpp_text": tok.decode(a, render_special=False),
+                     "oracle_text": tok.decode(b, render_special=False)})
+        log(f"{Path(model).name} {relpath}: {len(ids)} prompt tokens, {len(a)} new; "
+            f"{'identical' if first_diff is None else f'differ from token {first_diff} (gaps {margin})'}")
+    return {"model": {"file": Path(model).name, "artifact_sha256": ident.artifact_sha256}, "continuations": rows}
+
+
+def continuations(models: list[Path], out_dir: Path, n_new: int = 64, root: Path = corpus.DEFAULT_ROOT,
+                  prompts=PROMPTS, log=print, name: str = CONTINUATIONS) -> Path:
+    """Write <out_dir>/<name>: the greedy continuations of every model in `models`."""
+    body = {"decoding": f"greedy (argmax), at most {n_new} new tokens, stop at an EOG token",
+            "prompt_framing": "[BOS] + tokens of the first prompt_lines lines of a held-out file",
+            "llamacpp": "llama-cpp-python==0.3.36, f16 KV, flash_attn off, prefill then one token per eval",
+            "oracle": "muser.oracle arithmetic ggml-cpu, f16 KV, prefill then decode",
+            "runs": [continuation_run(Path(m), n_new, root, prompts, log) for m in models]}
+    out = Path(out_dir) / name
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(body, indent=1, ensure_ascii=False) + "\n")
+    tmp.replace(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--weights", type=Path, required=True, help="the training run's output folder")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--weights", type=Path, help="the training run's output folder")
+    what.add_argument("--continuations", action="store_true", help="write the README's greedy continuations")
+    ap.add_argument("--model", type=Path, action="append", default=None,
+                    help="--continuations: a GGUF to decode (repeatable; default: the shipped F16 and Q8_0)")
+    ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--corpus", type=Path, default=corpus.DEFAULT_OUT)
     ap.add_argument("--out", type=Path, default=REPO / "models")
     ap.add_argument("--dtypes", default="F16,Q8_0")
@@ -261,7 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default=NAME)
     a = ap.parse_args(argv)
     try:
-        export(a.weights, a.corpus, a.out, tuple(a.dtypes.split(",")), a.quantizer, a.name)
+        if a.continuations:
+            models = a.model or [REPO / "models" / f"{NAME}-{d}.gguf" for d in ("f16", "q8_0")]
+            continuations(models, a.out, a.new_tokens)
+        else:
+            export(a.weights, a.corpus, a.out, tuple(a.dtypes.split(",")), a.quantizer, a.name)
     except ExportError as e:
         print(f"export: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""Fixtures for the micro model: the tools/ modules, a small corpus, a smoke-trained run and its GGUFs."""
+"""Fixtures for the micro model: the tools/ modules, the corpus (read once per session), a small corpus,
+a smoke-trained run and its GGUFs, and the shipped models."""
 
 from __future__ import annotations
 
@@ -38,6 +39,17 @@ def export_mod(corpus_mod):
 
 
 @pytest.fixture(scope="session")
+def all_docs(corpus_mod):
+    """Every corpus file (the full CPython 3.11 rule), read once per session."""
+    return corpus_mod.load_docs()
+
+
+@pytest.fixture(scope="session")
+def heldout_docs(corpus_mod, all_docs):
+    return corpus_mod.split_docs(all_docs, "heldout")
+
+
+@pytest.fixture(scope="session")
 def small_corpus(corpus_mod, tmp_path_factory) -> Path:
     """The corpus rule on the first 24 files of each split, a 512-token BPE: seconds to build."""
     out = tmp_path_factory.mktemp("micro-corpus")
@@ -48,8 +60,15 @@ def small_corpus(corpus_mod, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smoke_run(train_mod, small_corpus, tmp_path_factory) -> Path:
     """tools/train_micro.py --smoke: tiny geometry (8 layers, window 16, context 64), CPU, 12 steps."""
+    import torch
+
     out = tmp_path_factory.mktemp("micro-run")
-    rc = train_mod.main(["--data", str(small_corpus), "--out", str(out), "--smoke"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 0.5M-parameter model: intra-op threads only spin (58 s -> 8 s on 2 busy cores)
+    try:
+        rc = train_mod.main(["--data", str(small_corpus), "--out", str(out), "--smoke"])
+    finally:
+        torch.set_num_threads(threads)
     assert rc == 0
     return out
 
@@ -59,3 +78,13 @@ def smoke_ggufs(export_mod, small_corpus, smoke_run, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("micro-gguf")
     return export_mod.export(smoke_run, small_corpus, out, ("F32", "F16", "Q8_0"), quant="gguf",
                              log=lambda *_: None)
+
+
+SHIPPED = REPO / "models"
+NAME = "muse-glimmer-micro"
+
+
+@pytest.fixture(scope="session")
+def shipped() -> dict:
+    """The shipped GGUFs: {"F16": path, "Q8_0": path}."""
+    return {"F16": SHIPPED / f"{NAME}-f16.gguf", "Q8_0": SHIPPED / f"{NAME}-q8_0.gguf"}

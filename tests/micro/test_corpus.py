@@ -23,8 +23,8 @@ NON_UTF8 = [
 
 
 @pytest.fixture(scope="module")
-def docs(corpus_mod):
-    return corpus_mod.load_docs()
+def docs(all_docs):
+    return all_docs
 
 
 def test_split_hashes_reproduce(corpus_mod, docs):
@@ -67,10 +67,10 @@ def test_unknown_split_and_bad_root_refused(corpus_mod, tmp_path):
         corpus_mod.list_sources(tmp_path)
 
 
-def test_small_build_streams(corpus_mod, small_corpus):
+def test_small_build_streams(corpus_mod, small_corpus, all_docs):
     man = json.loads((small_corpus / "corpus.json").read_text())
     assert man["tokenizer"]["vocab_size"] == 512 and man["tokenizer"]["pre"] == "llama4"
-    docs = corpus_mod.load_docs()
+    docs = all_docs
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(small_corpus / "tokenizer.json"))

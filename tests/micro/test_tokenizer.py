@@ -58,23 +58,23 @@ def test_specials_and_alphabet(small_tok, corpus_mod):
     assert all(c in vocab for c in pre_tokenizers.ByteLevel.alphabet())  # every byte encodable
 
 
-def test_training_is_deterministic(corpus_mod):
-    docs = corpus_mod.split_docs(corpus_mod.load_docs(), "train")[:12]
+def test_training_is_deterministic(corpus_mod, all_docs):
+    docs = corpus_mod.split_docs(all_docs, "train")[:12]
     a = corpus_mod.train_tokenizer([d.text for d in docs], 400)
     b = corpus_mod.train_tokenizer([d.text for d in docs], 400)
     assert corpus_mod.vocab_and_merges(a) == corpus_mod.vocab_and_merges(b)
 
 
-def test_rebuilt_from_gguf_vocab_is_the_same_tokenizer(small_tok, corpus_mod):
+def test_rebuilt_from_gguf_vocab_is_the_same_tokenizer(small_tok, corpus_mod, heldout_docs):
     tokens, merges = corpus_mod.vocab_and_merges(small_tok)
     rebuilt = corpus_mod.tokenizer_from_vocab(tokens, merges)
-    docs = corpus_mod.split_docs(corpus_mod.load_docs(), "heldout")[:20]
+    docs = heldout_docs[:20]
     for text in [d.text for d in docs] + STRESS:
         assert rebuilt.encode(text, add_special_tokens=False).ids == small_tok.encode(text, add_special_tokens=False).ids
 
 
-def test_parity_with_llama_cpp_on_heldout(small_tok, vocab_llama, corpus_mod):
-    docs = corpus_mod.split_docs(corpus_mod.load_docs(), "heldout")
+def test_parity_with_llama_cpp_on_heldout(small_tok, vocab_llama, heldout_docs):
+    docs = heldout_docs
     n = 0
     for d in docs:
         ours = small_tok.encode(d.text, add_special_tokens=False).ids
@@ -89,7 +89,7 @@ def test_parity_with_llama_cpp_on_heldout(small_tok, vocab_llama, corpus_mod):
     assert vocab_llama.tokenize(b"import os", add_bos=True, special=False)[0] == 0
 
 
-def test_parity_check_can_fail(small_tok, vocab_llama, corpus_mod):
+def test_parity_check_can_fail(small_tok, vocab_llama, corpus_mod, heldout_docs):
     """The same vocab behind GPT-2's pre-tokenizer (llama.cpp pre "gpt-2") disagrees with llama.cpp's
     llama4 splitting on real files: the comparison above is able to fail."""
     from tokenizers import pre_tokenizers
@@ -97,7 +97,7 @@ def test_parity_check_can_fail(small_tok, vocab_llama, corpus_mod):
     tokens, merges = corpus_mod.vocab_and_merges(small_tok)
     wrong = corpus_mod.tokenizer_from_vocab(tokens, merges)
     wrong.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    docs = corpus_mod.split_docs(corpus_mod.load_docs(), "heldout")[:10]
+    docs = heldout_docs[:10]
     differ = sum(wrong.encode(d.text, add_special_tokens=False).ids !=
                  vocab_llama.tokenize(d.data, add_bos=False, special=False) for d in docs)
     assert differ >= 5
