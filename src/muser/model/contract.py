@@ -155,8 +155,8 @@ def check_contract(f: GGUFFile, cfg: MuseConfig) -> ContractReport:
         if not np.all(qn == qn[0]):
             j = int(np.flatnonzero(qn != qn[0])[0])
             raise ContractError(
-                f"blk.{il}.attn_q_norm.weight is a learned norm (element {j} = {qn[j]!r} != "
-                f"element 0 = {qn[0]!r}); Muse Glimmer's is a constant broadcast"
+                f"blk.{il}.attn_q_norm.weight is a learned norm (element {j} = {float(qn[j])!r} != "
+                f"element 0 = {float(qn[0])!r}); Muse Glimmer's is a constant broadcast"
             )
         if q_scale is None:
             q_scale = float(qn[0])
@@ -169,7 +169,7 @@ def check_contract(f: GGUFFile, cfg: MuseConfig) -> ContractReport:
         if not np.all(kn == 1.0):
             j = int(np.flatnonzero(kn != 1.0)[0])
             raise ContractError(
-                f"blk.{il}.attn_k_norm.weight is a learned norm (element {j} = {kn[j]!r}, expected 1.0)"
+                f"blk.{il}.attn_k_norm.weight is a learned norm (element {j} = {float(kn[j])!r}, expected 1.0)"
             )
     report.q_scale = float(q_scale) if q_scale is not None else float("nan")
 
