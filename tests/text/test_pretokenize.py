@@ -42,6 +42,30 @@ def test_overlay_is_unicode_15_1_additions():
     assert cat[0x10FFFF] == U.UNDEF
 
 
+def test_overlay_per_unicodedata_base(monkeypatch):
+    """Python 3.12 ships Unicode 15.0 and 3.13 ships 15.1: each base gets exactly the ranges it
+    lacks, and any other base is refused by name (its table would not be llama.cpp's)."""
+    only = set(U.UCD_15_1_ONLY)
+    assert only <= set(U.UCD_15_1_ADDITIONS)
+    assert sum(hi - lo + 1 for lo, hi, _ in U.UCD_15_1_ONLY) == 627  # Unicode 15.1's new characters
+    full = U.categories()
+    # a 15.0 base = this 14.0 base plus the 15.0 additions; laying the 15.1-only ranges over it
+    # must give the same table
+    base15 = U.lay_over(U.base_table(), [r for r in U.UCD_15_1_ADDITIONS if r not in only])
+    assert np.array_equal(U.lay_over(base15, U.UCD_15_1_ONLY), full)
+    with pytest.raises(TokenizerError, match="already assigned"):
+        U.lay_over(full.copy(), U.UCD_15_1_ONLY)  # a base that already has them is caught
+    fake = type("UD", (), {"unidata_version": "16.0.0", "category": staticmethod(unicodedata.category)})
+    monkeypatch.setattr(U, "unicodedata", fake)
+    U.categories.cache_clear()
+    try:
+        with pytest.raises(TokenizerError, match="16.0.0"):
+            U.categories()
+    finally:
+        monkeypatch.undo()
+        U.categories.cache_clear()
+
+
 def test_whitespace_set_is_llama_cpps():
     ws = U.whitespace_mask()
     assert ws[[9, 10, 11, 12, 13, 32, 0x85, 0xA0, 0x3000]].all()

@@ -29,6 +29,17 @@ class TorchBackend:
     def _idx(self, physical: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(physical, dtype=np.int64)).to(self.device)
 
+    @staticmethod
+    def _run(plane: torch.Tensor, physical: np.ndarray) -> int | None:
+        """First slot when `physical` is one ascending run on a CPU plane, else None."""
+        if plane.device.type != "cpu":
+            return None
+        a = int(physical[0])
+        n = len(physical)
+        if n > 1 and not (int(physical[-1]) == a + n - 1 and bool((np.diff(physical) == 1).all())):
+            return None
+        return a
+
     def zeros(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         return torch.zeros(shape, dtype=TORCH_KV[check_kv_dtype(dtype)], device=self.device)
 
@@ -40,6 +51,14 @@ class TorchBackend:
     def write_rows(self, plane: torch.Tensor, physical: np.ndarray, rows: Any, head_major: bool,
                    n_kv_heads: int, head_dim: int) -> None:
         if len(physical) == 0:
+            return
+        a = self._run(plane, physical)
+        if a is not None:  # CPU, one ascending run of slots: a slice copy, no index tensor
+            r = self.as_rows(rows).to(plane.dtype).reshape(-1, n_kv_heads, head_dim)
+            if head_major:
+                plane[:, a:a + len(physical)].copy_(r.transpose(0, 1))
+            else:
+                plane[a:a + len(physical)].copy_(r.view(-1, n_kv_heads * head_dim))
             return
         idx = self._idx(physical)
         self.write_rows_at(plane, idx, self.as_rows(rows), head_major, n_kv_heads, head_dim)
@@ -58,6 +77,12 @@ class TorchBackend:
                   n_kv_heads: int, head_dim: int) -> torch.Tensor:
         if len(physical) == 0:  # (a checkpoint of a ring that is not full yet): no device work
             return torch.empty((0, n_kv_heads * head_dim), dtype=plane.dtype, device=plane.device)
+        a = self._run(plane, physical)
+        if a is not None:  # CPU, one ascending run: a slice copy
+            n = len(physical)
+            if head_major:
+                return plane[:, a:a + n].transpose(0, 1).reshape(n, n_kv_heads * head_dim)
+            return plane[a:a + n].clone()
         idx = self._idx(physical)
         if head_major:
             return plane.index_select(1, idx).transpose(0, 1).reshape(len(physical), n_kv_heads * head_dim)

@@ -112,6 +112,23 @@ class Linear:
         return wd
 
 
+def cpu_concat(lin: "Linear", ws: list[QWeight]) -> torch.Tensor | None:
+    """The CPU fast forward's fused projection: the f32 decodes of `ws` stacked along n_out
+    ([sum n_out, n_in]), cached in `lin` within the same byte budget; None beyond it. One GEMV
+    over the stack computes each output as the same dot product as its own matrix would."""
+    key = ("cat",) + tuple(id(w) for w in ws)
+    hit = lin._cache.get(key)
+    if hit is not None:
+        return hit
+    size = 4 * ws[0].n_in * sum(w.n_out for w in ws)
+    if lin._cached_bytes + size > CPU_CACHE_BYTES:
+        return None
+    wd = torch.cat([w.decode().to(torch.float32) for w in ws], 0).contiguous()
+    lin._cache[key] = wd
+    lin._cached_bytes += size
+    return wd
+
+
 def decode_range(w: QWeight, n0: int, n1: int) -> torch.Tensor:
     """Decode rows [n0, n1) through row views of the fields (no gather copy)."""
     from .weights import decode_fields

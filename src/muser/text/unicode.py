@@ -3,7 +3,8 @@
 llama.cpp classifies every codepoint by one general-category flag (N, L, Z, M, P, S, C, or
 "undefined" for unassigned) taken from UnicodeData.txt 15.1, plus its own whitespace set. Python
 3.11's `unicodedata` is Unicode 14.0, so the codepoints assigned in 15.0/15.1 are laid over it
-(`UCD_15_1_ADDITIONS`); with that overlay the two tables agree on all 0x110000 codepoints.
+(`UCD_15_1_ADDITIONS`); with that overlay the two tables agree on all 0x110000 codepoints. Python
+3.12 (15.0) takes only the 15.1 additions, 3.13 (15.1) none (`OVERLAYS`).
 
 Also here: llama.cpp's lenient UTF-8 decoder (used only by the bytes API) and the GPT-2 byte <->
 unicode map of byte-level BPE (unicode.cpp: unicode_byte_to_utf8_map).
@@ -52,14 +53,18 @@ UCD_15_1_ADDITIONS = (
 )
 
 
-@lru_cache(maxsize=1)
-def categories() -> np.ndarray:
-    """uint8[0x110000]: the llama.cpp category code of every codepoint."""
-    if unicodedata.unidata_version != "14.0.0":
-        # The overlay is exact only on top of 14.0; another base needs a re-derived overlay.
-        raise TokenizerError(
-            f"unicodedata {unicodedata.unidata_version} is not the 14.0.0 base the 15.1 overlay assumes"
-        )
+# The part of that overlay that Unicode 15.1 itself added (622 CJK Extension I ideographs, the
+# ideographic description characters U+2FFC..U+2FFF and U+31EF: 627 codepoints, no general-category
+# change to existing ones): what a 15.0 base (Python 3.12's unicodedata) still lacks.
+UCD_15_1_ONLY = ((0x2FFC, 0x2FFF, "S"), (0x31EF, 0x31EF, "S"), (0x2EBF0, 0x2EE5D, "L"))
+
+# unicodedata version of the running Python -> the ranges to lay over it to reach llama.cpp's 15.1
+# table (unicode-data.cpp). Any other base is refused: its table would disagree with llama.cpp's.
+OVERLAYS = {"14.0.0": UCD_15_1_ADDITIONS, "15.0.0": UCD_15_1_ONLY, "15.1.0": ()}
+
+
+def base_table() -> np.ndarray:
+    """uint8[0x110000]: categories from the running Python's unicodedata, unassigned = UNDEF."""
     cat = np.empty(MAX_CODEPOINTS, dtype=np.uint8)
     table = {"Cn": UNDEF}
     for cp in range(MAX_CODEPOINTS):
@@ -68,11 +73,29 @@ def categories() -> np.ndarray:
         if v is None:
             v = table[c] = _CAT[c[0]]
         cat[cp] = v
-    for lo, hi, c in UCD_15_1_ADDITIONS:
+    return cat
+
+
+def lay_over(cat: np.ndarray, overlay) -> np.ndarray:
+    """Assign the overlay's ranges; each must be unassigned in the base (else the base is not the
+    version the overlay was derived for)."""
+    for lo, hi, c in overlay:
         if cat[lo : hi + 1].any():
             raise TokenizerError(f"overlay range U+{lo:04X}..U+{hi:04X} is already assigned")
         cat[lo : hi + 1] = _CAT[c]
     return cat
+
+
+@lru_cache(maxsize=1)
+def categories() -> np.ndarray:
+    """uint8[0x110000]: the llama.cpp category code of every codepoint."""
+    overlay = OVERLAYS.get(unicodedata.unidata_version)
+    if overlay is None:
+        raise TokenizerError(
+            f"unicodedata {unicodedata.unidata_version} has no overlay to llama.cpp's Unicode 15.1 table "
+            f"(known bases: {', '.join(OVERLAYS)})"
+        )
+    return lay_over(base_table(), overlay)
 
 
 @lru_cache(maxsize=1)
