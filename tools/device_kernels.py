@@ -65,28 +65,6 @@ SWEEP = {
 SWEEP_CASES = ("ffn_gate+up", "ffn_down.q6", "output")
 
 
-def _interpreter_compat() -> None:
-    """Triton 3.6's interpreter and numpy >= 2.4 (same patch as tests/engine/conftest.py)."""
-    import numpy as np
-
-    try:
-        from triton.runtime import interpreter as it
-    except ImportError:
-        return
-    scope = it._LangPatchScope
-    if getattr(scope, "_muser_compat", False):
-        return
-    original = scope.set_attr
-
-    def set_attr(self, obj, name, value):
-        if name == "__index__":
-            value = lambda t: int(np.asarray(t.handle.data).reshape(-1)[0])  # noqa: E731
-        return original(self, obj, name, value)
-
-    scope.set_attr = set_attr
-    scope._muser_compat = True
-
-
 class Ctx:
     def __init__(self, args):
         import torch
@@ -256,7 +234,9 @@ def main(argv=None) -> dict:
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
     switch = os.environ.pop("MUSER_MATVEC", None)  # "v1" below must be the v1 kernel
-    _interpreter_compat()
+    from muser.engine.kernels.interpreter import index_compat
+
+    index_compat()
     import torch
 
     from muser.engine.kernels import qmatvec as v1

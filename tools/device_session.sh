@@ -69,6 +69,7 @@ elif [ "$phase" = C ]; then
   mkdir -p "$OUT/full"
   timeout -s TERM $(( 470 - $(el) )) python3 tools/device_engine.py --out "$OUT/full" --full $FULL \
       --stages full --depths 0,32768 --matvec v1,v2 --budget $(( 455 - $(el) )) \
+      --gate-receipt "$(ls "$OUT"/*-engine-gate2-cuda.json | head -1)" \
       --llama-bench-json .device/llama-bench-d0.json 2>&1 | tail -16
   echo "--- kernel table at $(el) s"
   [ "$(el)" -lt 520 ] && timeout -s TERM $(( 560 - $(el) )) python3 tools/device_kernels.py --out "$OUT" \

@@ -171,6 +171,20 @@ def pick_splits(capacity: int) -> int:
 
 if HAVE_TRITON:
 
+    @triton.jit
+    def _online_step(qv, kt, vt, valid, scale, m_i, l_i, acc):
+        """One block of keys into the running softmax: qv [HP, D], kt/vt [BS, D] f32, valid [BS]
+        -> updated (max [HP], sum [HP], acc [HP, D]); masked keys weigh exactly 0."""
+        sc = tl.dot(qv, tl.trans(kt), input_precision="ieee") * scale  # [HP, BS]
+        sc = tl.where(valid[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(sc - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+        return m_new, l_i, acc
+
     @triton.jit(do_not_specialize=["T", "NS", "window"])
     def _attn_partial(q, kn, vn, kp, vp, meta, pos, m_out, l_out, o_out,
                       T, H, NS, window, scale,
@@ -207,15 +221,7 @@ if HAVE_TRITON:
                 kv_off = slot[:, None] * s_slot + g * s_head + dd[None, :]
                 kt = tl.load(kp + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)  # [BS, D]
                 vt = tl.load(vp + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
-                sc = tl.dot(qv, tl.trans(kt), input_precision="ieee") * scale  # [HP, BS]
-                sc = tl.where(valid[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_safe)
-                p = tl.exp(sc - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
-                m_i = m_new
+                m_i, l_i, acc = _online_step(qv, kt, vt, valid, scale, m_i, l_i, acc)
         else:
             for jstart in range(0, t + 1, BS):  # distinct name: an int32 loop beside the int64 one
                 j = jstart + cc
@@ -225,15 +231,7 @@ if HAVE_TRITON:
                 off = j[:, None] * s_nt + g * s_nh + dd[None, :]
                 kt = tl.load(kn + off, mask=valid[:, None], other=0.0).to(tl.float32)
                 vt = tl.load(vn + off, mask=valid[:, None], other=0.0).to(tl.float32)
-                sc = tl.dot(qv, tl.trans(kt), input_precision="ieee") * scale
-                sc = tl.where(valid[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_safe)
-                p = tl.exp(sc - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
-                m_i = m_new
+                m_i, l_i, acc = _online_step(qv, kt, vt, valid, scale, m_i, l_i, acc)
         row = (t * H + head) * (NS + 1) + s  # [HP]
         tl.store(m_out + row, m_i, mask=hmask)
         tl.store(l_out + row, l_i, mask=hmask)

@@ -126,9 +126,11 @@ if HAVE_TRITON:
 
 
 def _ptrs(w: QWeight) -> list[torch.Tensor]:
+    """The weight's fields in kernel order p0..p5 (weights.FIELDS); unused slots repeat p0 (any
+    valid pointer: never dereferenced). Shared by the v1 and v2 kernels."""
     p = list(w.pointers())
     while len(p) < 6:
-        p.append(p[0])  # unused slots: any valid pointer (never dereferenced)
+        p.append(p[0])
     return p
 
 
@@ -137,6 +139,18 @@ def _rows_bucket(t: int) -> int:
     while r < t:
         r *= 2
     return r
+
+
+def check_matvec_args(w: QWeight, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Shape/dtype/stride contract of every matvec kernel; returns `out` (allocated if None)."""
+    T, K = x.shape
+    assert K == w.n_in, f"matvec: x has {K} columns, weight {w.name} has n_in {w.n_in}"
+    assert 1 <= T <= MAX_ROWS, f"matvec: {T} rows (1..{MAX_ROWS})"
+    assert x.dtype == torch.float32 and x.stride(1) == 1, "matvec: x must be f32 with unit column stride"
+    if out is None:
+        out = torch.empty((T, w.n_out), dtype=torch.float32, device=x.device)
+    assert out.shape == (T, w.n_out) and out.stride(1) == 1 and out.dtype == torch.float32
+    return out
 
 
 def dequant_triton(w: QWeight, block_n: int = 4) -> torch.Tensor:
@@ -160,13 +174,8 @@ def matvec_triton(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) 
 
         if qmatvec_v2.supports(w.fmt):
             return qmatvec_v2.matvec_v2(w, x, out)
-    T, K = x.shape
-    assert K == w.n_in, f"matvec: x has {K} columns, weight {w.name} has n_in {w.n_in}"
-    assert 1 <= T <= MAX_ROWS, f"matvec: {T} rows (1..{MAX_ROWS})"
-    assert x.dtype == torch.float32 and x.stride(1) == 1, "matvec: x must be f32 with unit column stride"
-    if out is None:
-        out = torch.empty((T, w.n_out), dtype=torch.float32, device=x.device)
-    assert out.shape == (T, w.n_out) and out.stride(1) == 1 and out.dtype == torch.float32
+    out = check_matvec_args(w, x, out)
+    T = x.shape[0]
     rows = _rows_bucket(T)
     block_n = max(1, 16 // rows)  # keep the [ROWS, BLOCK_N, 256] product tile at 4K elements
     grid = (triton.cdiv(w.n_out, block_n),)

@@ -35,7 +35,8 @@ from __future__ import annotations
 import torch
 
 from ...gguf.types import GgmlType as G
-from ..weights import FMT_CODE, FIELDS, QWeight
+from ..weights import FMT_CODE, QWeight
+from .qmatvec import MAX_ROWS, _ptrs, _rows_bucket, check_matvec_args
 
 try:  # Triton is optional on the CPU; the CUDA backend requires it.
     import triton
@@ -45,7 +46,6 @@ try:  # Triton is optional on the CPU; the CUDA backend requires it.
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     HAVE_TRITON = False
 
-MAX_ROWS = 16
 FORMATS = (G.F32, G.F16, G.BF16, G.Q8_0, G.Q4_K, G.Q5_K, G.Q6_K)
 
 # Tile configuration per row bucket (ROWS = T rounded up to a power of two):
@@ -62,13 +62,6 @@ CONFIGS: dict[int, tuple[int, int, int, bool]] = {
 
 def supports(fmt: G) -> bool:
     return fmt in FORMATS
-
-
-def _rows_bucket(t: int) -> int:
-    r = 1
-    while r < t:
-        r *= 2
-    return r
 
 
 if HAVE_TRITON:
@@ -173,13 +166,6 @@ if HAVE_TRITON:
         tl.store(y + r[:, None] * sy + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
 
 
-def _ptrs(w: QWeight) -> list[torch.Tensor]:
-    p = [w.fields[k] for k in FIELDS[w.fmt]]
-    while len(p) < 6:
-        p.append(p[0])  # unused slots: any valid pointer (never dereferenced)
-    return p
-
-
 def _geometry(fmt: G, sb: int) -> tuple[int, int]:
     """(S, L) of a chunk of `sb` super-blocks: L = the format's scale granularity."""
     L = 16 if fmt == G.Q6_K else 32
@@ -209,13 +195,8 @@ def matvec_v2(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None,
         raise RuntimeError("triton is not installed")
     if not supports(w.fmt):
         raise ValueError(f"matvec_v2: no v2 kernel for {w.fmt.name}")
-    T, K = x.shape
-    assert K == w.n_in, f"matvec: x has {K} columns, weight {w.name} has n_in {w.n_in}"
-    assert 1 <= T <= MAX_ROWS, f"matvec: {T} rows (1..{MAX_ROWS})"
-    assert x.dtype == torch.float32 and x.stride(1) == 1, "matvec: x must be f32 with unit column stride"
-    if out is None:
-        out = torch.empty((T, w.n_out), dtype=torch.float32, device=x.device)
-    assert out.shape == (T, w.n_out) and out.stride(1) == 1 and out.dtype == torch.float32
+    out = check_matvec_args(w, x, out)
+    T = x.shape[0]
     rows = _rows_bucket(T)
     block_n, sb, num_warps, acc_fma = config if config is not None else CONFIGS[rows]
     S, L = _geometry(w.fmt, sb)
