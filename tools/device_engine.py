@@ -383,7 +383,19 @@ def stage_full(run: Run, workdir: Path, full: str | None, llama_json: str | None
         torch.cuda.reset_peak_memory_stats()
     m0 = _mem()
     t = time.time()
+    # v3 (the default) packs the K-quant matrices at load; older kernels timed beside it need
+    # the repacked fields kept as well
+    compare = any(v != "v3" for v in matvec_variants)
+    if compare:
+        os.environ["MUSER_MATVEC_COMPARE"] = "1"
     eng = Engine.open(path, device=run.device, lane="exact", kv="f16")
+    os.environ.pop("MUSER_MATVEC_COMPARE", None)
+    out["fields_kept_for_comparison"] = compare
+    from muser.engine.kernels import qmatvec_v3
+
+    out["v3_tuning"] = {"file": os.environ.get("MUSER_V3_TUNING"),
+                        "entries": {"/".join(map(str, k)): list(v) for k, v in qmatvec_v3.TUNED.items()},
+                        "default_configs": {str(k): list(v) for k, v in qmatvec_v3.CONFIGS.items()}}
     _sync()
     out["load_s"] = round(time.time() - t, 1)
     out["weights_resident_bytes"] = eng.weight_bytes
@@ -417,7 +429,7 @@ def stage_full(run: Run, workdir: Path, full: str | None, llama_json: str | None
     vocab = eng.cfg.vocab
     rng = np.random.default_rng(0)
     dec: dict = {}
-    variants = [v for v in matvec_variants if v == "v1" or _has_v2()]
+    variants = [v for v in matvec_variants if v in ("v1", "v3") or _has_v2()]
     for variant in variants:
         os.environ["MUSER_MATVEC"] = variant
         s = eng.session(max_context=C)
@@ -494,9 +506,43 @@ def stage_full(run: Run, workdir: Path, full: str | None, llama_json: str | None
             _sync()
             pp.rollback(cp)
 
-        c = _timed({"pp512": pp512}, reps=3, warmup=1)["pp512"]
-        out["prefill_pp512"] = {"tok_s": 512 / c.mean, "cv": c.cv, "samples_s": c.samples, "lane": "exact"}
-        run.rows.append(("full prefill", "pp512 exact", f"{512 / c.mean:.0f} tok/s (cv {c.cv:.3f})"))
+        from muser.engine.lanes import Lane
+
+        lin = eng.forward.linear
+        last = {}
+
+        def pp512_fast():
+            lin.lane = Lane.FAST  # same weights; the fast lane's bf16 tensor-core GEMMs for > 16 rows
+            try:
+                cp = pp.checkpoint(512)
+                last["fast"] = pp.prefill(prompt)
+                _sync()
+                pp.rollback(cp)
+            finally:
+                lin.lane = Lane.EXACT
+
+        def pp512_exact():
+            cp = pp.checkpoint(512)
+            last["exact"] = pp.prefill(prompt)
+            _sync()
+            pp.rollback(cp)
+
+        cells = _timed({"pp512_exact": pp512_exact, "pp512_fast": pp512_fast}, reps=3 if run.left() < 150 else 5,
+                       warmup=1)
+        for lane_name in ("exact", "fast"):
+            c = cells[f"pp512_{lane_name}"]
+            out[f"prefill_pp512_{lane_name}"] = {"tok_s": 512 / c.mean, "cv": c.cv, "samples_s": c.samples,
+                                                 "lane": lane_name}
+            run.rows.append(("full prefill", f"pp512 {lane_name}", f"{512 / c.mean:.0f} tok/s (cv {c.cv:.3f})"))
+        out["prefill_pp512"] = out["prefill_pp512_exact"]
+        la, lb = last["exact"].astype(np.float64), last["fast"].astype(np.float64)
+        lsm = lambda v: v - (np.log(np.sum(np.exp(v - v.max()))) + v.max())  # noqa: E731
+        out["fast_lane_drift"] = {"max_abs_dlogit": float(np.max(np.abs(la - lb))),
+                                  "max_abs_dlogsoftmax": float(np.max(np.abs(lsm(la) - lsm(lb)))),
+                                  "top1_same": bool(np.argmax(la) == np.argmax(lb)),
+                                  "what": "last-row logits of pp512, fast vs exact lane, same prompt"}
+        run.rows.append(("full prefill", "fast-lane drift", f"max |dlsm| {out['fast_lane_drift']['max_abs_dlogsoftmax']:.3g}, "
+                         f"top-1 same {out['fast_lane_drift']['top1_same']}"))
     out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated() if cuda else None
 
     if llama_json and Path(llama_json).is_file():

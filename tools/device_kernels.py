@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Dequant-matvec kernels on the full geometry: v1 (kernels/qmatvec.py) and v2
-(kernels/qmatvec_v2.py) checked against each other and the torch reference, timed at 1 and 16
-rows, with the device-to-device copy bandwidth of the same run beside them.
+"""Dequant-matvec kernels on the full geometry: v1 (kernels/qmatvec.py), v2
+(kernels/qmatvec_v2.py) and v3 (kernels/qmatvec_v3.py, K-quants in their packed layout) checked
+against each other and the torch reference, timed at 1 and 16 rows, with the device-to-device
+copy bandwidth of the same run beside them.
 
     python3 tools/device_kernels.py --out DIR [--budget 90] [--device cuda|cpu] [--smoke] [--no-sweep]
 
@@ -13,7 +14,9 @@ the torch decoder (first rows), v1 and v2 vs the float64 dot of the torch-decode
 row subset (max error relative to sum |products|), v1 vs v2, then CUDA-event timing (warm-up,
 5 reps of N calls; mean and CV), in µs and GB/s (bytes of the weight fields / time). Small
 weights are rotated over enough copies that the L2 cannot hold them (decode streams from HBM).
-A short config sweep of v2 follows. Every case is in its own try/except (errors recorded).
+A config sweep of v3 follows (its kernels compiled first in parallel worker processes), and
+its winners per (format, shape, rows) are written to DIR/v3_tuning.json, the file
+kernels/qmatvec_v3.load_tuning reads (MUSER_V3_TUNING). Every case is in its own try/except.
 
 Output: DIR/device_kernels.json and a table on stdout. --device cpu --smoke runs tiny shapes
 under the Triton interpreter (TRITON_INTERPRET=1), as tests/engine does.
@@ -37,23 +40,29 @@ sys.path.insert(0, str(REPO / "src"))
 # kv_dim = kv_heads * head_dim, ffn, vocab.
 H, A, KV, FF, V, N_LAYERS = 6656, 32 * 128, 2 * 128, 19968, 202048, 52
 
-# (name, format, n_out, n_in, matrices of this kind per token); gate/up share the ffn_gate
-# timing, attn_gate the attn_q one. Most important first (the budget may cut the tail).
+# (name, format, n_out, n_in, matrices of this kind per token, plan): "unstacked" = one launch
+# per projection (v1/v2 in the engine), "stacked" = the engine's v3 launches (q|k|v|gate of the
+# odd layers, q|k|gate + v of the even ones, gate|up), "both" = the same in either plan.
+# Most important first (the budget may cut the tail).
+QKVG, QKG = 2 * A + 2 * KV, 2 * A + KV
 CASES = [
-    ("ffn_gate+up", "Q4_K", FF, H, 2 * N_LAYERS),
-    ("ffn_down.q6", "Q6_K", H, FF, N_LAYERS // 2),
-    ("output", "Q5_K", V, H, 1),
-    ("attn_q+gate", "Q4_K", A, H, 2 * N_LAYERS),
-    ("attn_output", "Q4_K", H, A, N_LAYERS),
-    ("ffn_down.q4", "Q4_K", H, FF, N_LAYERS // 2),
-    ("attn_k", "Q4_K", KV, H, N_LAYERS),
-    ("attn_v.q4", "Q4_K", KV, H, N_LAYERS // 2),
-    ("attn_v.q6", "Q6_K", KV, H, N_LAYERS // 2),
-    ("q8_0@attn_q", "Q8_0", A, H, 0),
-    ("f16@attn_q", "F16", A, H, 0),
+    ("ffn_gate|up", "Q4_K", 2 * FF, H, N_LAYERS, "stacked"),
+    ("ffn_down.q6", "Q6_K", H, FF, N_LAYERS // 2, "both"),
+    ("output", "Q5_K", V, H, 1, "both"),
+    ("attn_qkvg", "Q4_K", QKVG, H, N_LAYERS // 2, "stacked"),
+    ("attn_qkg", "Q4_K", QKG, H, N_LAYERS // 2, "stacked"),
+    ("attn_output", "Q4_K", H, A, N_LAYERS, "both"),
+    ("ffn_down.q4", "Q4_K", H, FF, N_LAYERS // 2, "both"),
+    ("attn_v.q6", "Q6_K", KV, H, N_LAYERS // 2, "both"),
+    ("ffn_gate+up", "Q4_K", FF, H, 2 * N_LAYERS, "unstacked"),
+    ("attn_q+gate", "Q4_K", A, H, 2 * N_LAYERS, "unstacked"),
+    ("attn_k", "Q4_K", KV, H, N_LAYERS, "unstacked"),
+    ("attn_v.q4", "Q4_K", KV, H, N_LAYERS // 2, "unstacked"),
+    ("q8_0@attn_q", "Q8_0", A, H, 0, "both"),
+    ("f16@attn_q", "F16", A, H, 0, "both"),
 ]
-SMOKE_SHAPES = {FF: 19, H: 11, V: 37, A: 13, KV: 5}  # n_out in --smoke; n_in becomes 256
-SMOKE_CASES = ("ffn_gate+up", "ffn_down.q6", "output", "q8_0@attn_q", "f16@attn_q")  # every format once
+SMOKE_SHAPES = {FF: 19, H: 11, V: 37, A: 13, KV: 5, 2 * FF: 21, QKVG: 23, QKG: 17}  # n_out in --smoke; n_in becomes 256
+SMOKE_CASES = ("ffn_gate|up", "ffn_down.q6", "output", "q8_0@attn_q", "f16@attn_q")  # every format once
 
 # v2 configs tried beyond the defaults: (BLOCK_N, SB, num_warps, ACC_FMA), fma_decode
 SWEEP = {
@@ -62,7 +71,16 @@ SWEEP = {
     16: [((4, 1, 8, True), False), ((1, 1, 4, True), False), ((2, 1, 4, False), False),
          ((4, 1, 4, False), False), ((2, 1, 4, True), True), ((1, 2, 4, True), False)],
 }
-SWEEP_CASES = ("ffn_gate+up", "ffn_down.q6", "output")
+SWEEP_CASES = ("ffn_gate|up", "ffn_down.q6", "output")
+
+# v3 configs swept: (BN, J, num_warps, PREFETCH); one-row tiles need BN % num_warps == 0
+V3_SWEEP = {
+    1: [(bn, j, nw, pf) for bn in (4, 8, 16, 32) for j in (16, 32, 64) for nw in (4, 8) for pf in (True, False)
+        if bn % nw == 0],
+    16: [(bn, j, 4, False) for bn in (2, 4, 8) for j in (8, 16, 32)] + [(4, 16, 8, False), (8, 16, 8, False)],
+}
+V3_SWEEP_CASES = ("ffn_gate|up", "ffn_down.q6", "output", "attn_qkvg", "attn_qkg", "attn_output", "ffn_down.q4",
+                  "attn_v.q6")
 
 
 class Ctx:
@@ -75,6 +93,7 @@ class Ctx:
         self.t0 = time.time()
         self.budget = args.budget
         self.gen = torch.Generator(self.dev).manual_seed(1234)
+        self.graph = getattr(args, "graph", False)
 
     def left(self) -> float:
         return self.budget - (time.time() - self.t0)
@@ -126,7 +145,7 @@ def sub_rows(w, r: int):
     return QWeight(w.name, w.fmt, r, w.n_in, {k: v[:r] for k, v in w.fields.items()})
 
 
-def check(ctx: Ctx, w, v1, v2) -> dict:
+def check(ctx: Ctx, w, v1, v2, v3=None, p3=None) -> dict:
     torch = ctx.torch
     r = {}
     head = sub_rows(w, min(w.n_out, 64 if ctx.smoke else 512))
@@ -134,6 +153,9 @@ def check(ctx: Ctx, w, v1, v2) -> dict:
     r["v2_decode_bitexact"] = bool(torch.equal(v2.dequant_v2(head).view(torch.int32), ref_dq))
     if w.fmt.name in ("Q4_K", "Q5_K"):
         r["v2_fma_decode_bitexact"] = bool(torch.equal(v2.dequant_v2(head, fma_decode=True).view(torch.int32), ref_dq))
+    if p3 is not None:
+        r["v3_decode_bitexact"] = bool(torch.equal(v3.dequant_v3(v3.Packed(w.name, w.fmt, head.n_out, w.n_in, {
+            k: t[:head.n_out] for k, t in p3.fields.items()})).view(torch.int32), ref_dq))
     n_sub = min(w.n_out, 4096)
     rows = torch.randperm(w.n_out, device=ctx.dev, generator=ctx.gen)[:n_sub]
     rows[0] = w.n_out - 1
@@ -146,11 +168,14 @@ def check(ctx: Ctx, w, v1, v2) -> dict:
         exact = x.double() @ dq.T
         scale = x.abs().double() @ dq.abs().T + 1e-300
         rel = {}
-        for nm, y in (("v1", y1), ("v2", y2), ("v2_fma_decode", y2f)):
+        ys = [("v1", y1), ("v2", y2), ("v2_fma_decode", y2f)]
+        if p3 is not None:
+            ys.append(("v3", v3.matvec_v3(p3, x)))
+        for nm, y in ys:
             rel[nm] = float(((y[:, rows].double() - exact).abs() / scale).max())
         rel["v1_vs_v2_max_abs_over_max"] = float((y1 - y2).abs().max() / y1.abs().max().clamp_min(1e-30))
         r[f"T{T}"] = rel
-    r["ok"] = bool(r["v2_decode_bitexact"] and r.get("v2_fma_decode_bitexact", True)
+    r["ok"] = bool(r["v2_decode_bitexact"] and r.get("v2_fma_decode_bitexact", True) and r.get("v3_decode_bitexact", True)
                    and all(max(v for k, v in r[f"T{T}"].items() if k != "v1_vs_v2_max_abs_over_max") < 1e-5
                            for T in (1, 16)))
     return r
@@ -161,7 +186,25 @@ def timeit(ctx: Ctx, fn, n_copies: int) -> dict:
     torch = ctx.torch
     fn(0)
     ctx.sync()
-    if ctx.dev == "cuda":
+    if ctx.dev == "cuda" and ctx.graph:
+        # device time without host launch cost: `iters` calls captured in one CUDA graph
+        iters = max(n_copies, 16)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(iters):
+                fn(i)
+        g.replay()
+        ctx.sync()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(5):
+            e0.record()
+            g.replay()
+            e1.record()
+            e1.synchronize()
+            samples.append(e0.elapsed_time(e1) / 1e3 / iters)
+        del g
+    elif ctx.dev == "cuda":
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         for i in range(3):
@@ -199,13 +242,83 @@ def time_case(ctx: Ctx, ws, T: int, kind: str, v1, v2, config=None, fma_decode=F
     if kind == "v1":
         def fn(i):
             v1.matvec_triton(ws[i % len(ws)], x, out)
+    elif kind == "v3":
+        def fn(i):
+            ctx.v3.matvec_v3(ws[i % len(ws)].packed, x, out, config=config)
     else:
         def fn(i):
             v2.matvec_v2(ws[i % len(ws)], x, out, config=config, fma_decode=fma_decode)
     t = timeit(ctx, fn, len(ws))
     t["us"] = t["mean_s"] * 1e6
-    t["GBps"] = ws[0].nbytes / t["mean_s"] / 1e9
+    nb = ws[0].packed.nbytes if kind == "v3" else sum(v.numel() * v.element_size() for v in ws[0].fields.values())
+    t["bytes"] = nb
+    t["GBps"] = nb / t["mean_s"] / 1e9
     return t
+
+
+KINDS = ("v1", "v2", "v3")
+
+
+def _compile_one(job) -> str:
+    """Worker: compile (not run) one v3 kernel variant on a small weight whose specialization
+    (alignment, divisibility by 16) matches the full-geometry launches; fills Triton's cache."""
+    fmt_name, rows, cfg = job
+    import torch
+
+    sys.path.insert(0, str(REPO / "src"))
+    from muser.engine.kernels import qmatvec_v3 as v3
+    from muser.engine.weights import random_bytes, repack
+    from muser.gguf.types import GgmlType as G
+
+    fmt = G[fmt_name]
+    n_out, n_in = 64, 6656
+    w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1)).cuda())
+    p = v3.pack(w)
+    x = torch.zeros(rows, n_in, device="cuda")
+    try:
+        v3.matvec_v3(p, x, config=cfg)
+        torch.cuda.synchronize()
+        return "ok"
+    except Exception as e:  # reported by the sweep itself when it runs the config
+        return f"{type(e).__name__}: {e}"[:200]
+
+
+def precompile_v3(jobs: int) -> dict:
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    work = [(f, T, c) for f in ("Q4_K", "Q5_K", "Q6_K") for T, cs in V3_SWEEP.items() for c in cs]
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
+        got = list(ex.map(_compile_one, work))
+    return {"variants": len(work), "failed": [f"{w}: {g}" for w, g in zip(work, got) if g != "ok"][:20]}
+
+
+def sweep_v3(ctx: Ctx, res: dict, name: str, ws, v1, v2, flush) -> None:
+    """Time every V3_SWEEP config on this case; record the best per row count on the case."""
+    torch = ctx.torch
+    c = next(cc for cc in res["cases"] if cc["name"] == name)
+    for T, cfgs in V3_SWEEP.items():
+        best = None
+        x = torch.randn(T, ws[0].n_in, device=ctx.dev, generator=ctx.gen)
+        ref = ctx.v3.matvec_v3(ws[0].packed, x)
+        for cfg in (cfgs[:2] if ctx.smoke else cfgs):
+            s = {"name": name, "fmt": ws[0].fmt.name, "T": T, "config": list(cfg)}
+            res["v3_sweep"].append(s)
+            if ctx.left() < 3:
+                s["skipped"] = "budget"
+                continue
+            try:
+                got = ctx.v3.matvec_v3(ws[0].packed, x, config=cfg)
+                s["max_abs_vs_default_over_max"] = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                s.update(time_case(ctx, ws, T, "v3", v1, v2, config=cfg))
+                s.pop("samples_s", None)
+                if s["max_abs_vs_default_over_max"] < 1e-5 and (best is None or s["mean_s"] < best["mean_s"]):
+                    best = s
+            except Exception as e:
+                s["error"] = repr(e)[:300]
+        if best is not None:
+            c[f"v3best_T{T}"] = {k: best[k] for k in ("config", "us", "GBps", "cv", "mean_s", "bytes")}
+        flush()
 
 
 def copy_bandwidth(ctx: Ctx) -> dict:
@@ -226,6 +339,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--graph", action="store_true", help="time each kernel inside a CUDA graph (no host launch cost)")
+    ap.add_argument("--kinds", default="v1,v2,v3", help="kernels timed")
+    ap.add_argument("--v2-sweep", action="store_true", help="also sweep v2 configs")
+    ap.add_argument("--jobs", type=int, default=12, help="worker processes compiling the v3 sweep")
     args = ap.parse_args(argv)
     if args.device is None:
         import torch
@@ -241,14 +358,22 @@ def main(argv=None) -> dict:
 
     from muser.engine.kernels import qmatvec as v1
     from muser.engine.kernels import qmatvec_v2 as v2
+    from muser.engine.kernels import qmatvec_v3 as v3
 
     ctx = Ctx(args)
+    ctx.v3 = v3
+    if args.device == "cuda" and not args.no_sweep and not args.smoke:
+        t = time.time()
+        ctx.precompiled = precompile_v3(args.jobs)
+        print(f"[{time.time() - ctx.t0:6.1f}s] v3 sweep kernels compiled in {time.time() - t:.0f} s "
+              f"({ctx.precompiled})", flush=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv if argv is None
                  else list(argv), "device": args.device, "smoke": args.smoke, "budget_s": args.budget,
-                 "MUSER_MATVEC_unset_for_run": switch,
-                 "v2_configs": {str(k): v for k, v in v2.CONFIGS.items()}, "cases": [], "sweep": []}
+                 "MUSER_MATVEC_unset_for_run": switch, "timing": "cuda graph" if args.graph else "host loop",
+                 "v2_configs": {str(k): v for k, v in v2.CONFIGS.items()},
+                 "v3_configs": {str(k): v for k, v in v3.CONFIGS.items()}, "cases": [], "sweep": [], "v3_sweep": []}
     try:
         import triton
 
@@ -272,12 +397,12 @@ def main(argv=None) -> dict:
 
     l2_avoid = 0 if ctx.smoke else 256 << 20  # rotate copies until this many bytes (> L2)
     weights: dict[str, list] = {}
-    for name, fmt, n_out, n_in, per_tok in CASES:
+    for name, fmt, n_out, n_in, per_tok, plan in CASES:
         if ctx.smoke:
             if name not in SMOKE_CASES:
                 continue
             n_out, n_in = SMOKE_SHAPES[n_out], 256
-        c: dict = {"name": name, "fmt": fmt, "n_out": n_out, "n_in": n_in, "per_token": per_tok}
+        c: dict = {"name": name, "fmt": fmt, "n_out": n_out, "n_in": n_in, "per_token": per_tok, "plan": plan}
         res["cases"].append(c)
         if ctx.left() < 4:
             c["skipped"] = f"budget: {ctx.left():.0f} s left"
@@ -286,13 +411,22 @@ def main(argv=None) -> dict:
         try:
             w = make_weight(ctx, fmt, n_out, n_in, name)
             c["bytes"] = w.nbytes
-            c["check"] = check(ctx, w, v1, v2)
+            if v3.supports(w.fmt):
+                w.packed = v3.pack(w)
+            c["check"] = check(ctx, w, v1, v2, v3, w.packed)
             n_copies = max(1, min(128, -(-l2_avoid // w.nbytes)))
             ws = [w] + [make_weight(ctx, fmt, n_out, n_in, name) for _ in range(n_copies - 1)]
+            if w.packed is not None:
+                for wc in ws[1:]:
+                    wc.packed = v3.pack(wc)
             c["copies"] = n_copies
             for T in (1, 16):
-                for kind in ("v1", "v2"):
+                for kind in args.kinds.split(","):
+                    if kind == "v3" and w.packed is None:
+                        continue
                     c[f"{kind}_T{T}"] = time_case(ctx, ws, T, kind, v1, v2)
+            if not args.no_sweep and w.packed is not None and name in V3_SWEEP_CASES:
+                sweep_v3(ctx, res, name, ws, v1, v2, flush)
             if name in SWEEP_CASES:
                 weights[name] = ws
             else:
@@ -306,7 +440,7 @@ def main(argv=None) -> dict:
         if ctx.dev == "cuda":
             torch.cuda.empty_cache()
 
-    if not args.no_sweep:
+    if not args.no_sweep and args.v2_sweep:
         for name in SWEEP_CASES[:1] if ctx.smoke else SWEEP_CASES:
             ws = weights.get(name)
             if ws is None:
@@ -332,18 +466,20 @@ def main(argv=None) -> dict:
 
     # per-token matvec time of the Figure 6.6 mix (sum of per-kind times x count), v1 vs v2
     tok: dict = {}
-    for kind in ("v1", "v2"):
+    for kind in KINDS + ("v3best",):
         for T in (1, 16):
             tot, byts, missing = 0.0, 0, []
             for c in res["cases"]:
-                if not c["per_token"]:
+                if not c["per_token"] or c["plan"] == ("unstacked" if kind.startswith("v3") else "stacked"):
                     continue
                 t = c.get(f"{kind}_T{T}")
+                if kind.startswith("v3") and t is None:  # formats v3 does not pack: the v2 kernel
+                    t = c.get(f"v2_T{T}")
                 if t is None:
                     missing.append(c["name"])
                     continue
                 tot += c["per_token"] * t["mean_s"]
-                byts += c["per_token"] * c["bytes"]
+                byts += c["per_token"] * t.get("bytes", c["bytes"])
             tok[f"{kind}_T{T}"] = {"matvec_s_per_step": tot, "bytes": byts,
                                    "GBps": byts / tot / 1e9 if tot else None, "missing": missing}
     res["per_token"] = tok
@@ -351,8 +487,9 @@ def main(argv=None) -> dict:
 
     rows_out.append(f"copy bandwidth (read+write, {res['copy'].get('bytes', 0) / 2**30:.3f} GiB): "
                     f"{copy_gbps and round(copy_gbps, 1)} GB/s")
+    cols = [f"{k}_T{T}" for T in (1, 16) for k in KINDS] + ["v3best_T1", "v3best_T16"]
     hdr = f"{'case':14s} {'fmt':5s} {'shape':>13s} {'MB':>7s} {'ok':>3s} " + " ".join(
-        f"{k:>17s}" for k in ("v1 T1 us|GB/s", "v2 T1 us|GB/s", "v1 T16 us|GB/s", "v2 T16 us|GB/s"))
+        f"{k.replace('_', ' ') + ' us|GB/s':>17s}" for k in cols)
     rows_out.append(hdr)
     for c in res["cases"]:
         def cell(k):
@@ -361,7 +498,7 @@ def main(argv=None) -> dict:
         ok = c.get("check", {}).get("ok")
         extra = f"  ERROR {c['error'][:60]}" if "error" in c else (f"  {c['skipped']}" if "skipped" in c else "")
         rows_out.append(f"{c['name']:14s} {c['fmt']:5s} {c['n_out']:>6d}x{c['n_in']:<6d} {c.get('bytes', 0) / 1e6:7.1f} "
-                        f"{'y' if ok else 'N':>3s} " + " ".join(cell(k) for k in ("v1_T1", "v2_T1", "v1_T16", "v2_T16"))
+                        f"{'y' if ok else 'N':>3s} " + " ".join(cell(k) for k in cols)
                         + extra)
     for s in res["sweep"]:
         if "us" in s:
@@ -369,12 +506,19 @@ def main(argv=None) -> dict:
                             f"{s['us']:9.1f} us {s['GBps']:7.0f} GB/s cv {s['cv']:.3f}")
         else:
             rows_out.append(f"sweep {s['name']:12s} T{s['T']:<2d} cfg {s['config']}: {s.get('error', s.get('skipped'))}")
+    for s3 in res["v3_sweep"]:
+        if "us" in s3:
+            rows_out.append(f"v3 sweep {s3['name']:12s} T{s3['T']:<2d} cfg {s3['config']}: {s3['us']:9.1f} us "
+                            f"{s3['GBps']:7.0f} GB/s cv {s3['cv']:.3f}")
     for k, t in tok.items():
         if t["matvec_s_per_step"]:
             rows_out.append(f"per step {k}: {t['matvec_s_per_step'] * 1e3:.3f} ms of matvec, {t['bytes'] / 1e9:.2f} GB, "
                             f"{t['GBps']:.0f} GB/s" + (f" (missing {t['missing']})" if t["missing"] else ""))
     res["table"] = rows_out
     res["wall_s"] = time.time() - ctx.t0
+    tuning = [{"fmt": c["fmt"], "rows": T, "n_out": c["n_out"], "n_in": c["n_in"], "config": c[f"v3best_T{T}"]["config"],
+               "us": c[f"v3best_T{T}"]["us"]} for c in res["cases"] for T in (1, 16) if f"v3best_T{T}" in c]
+    (out_dir / "v3_tuning.json").write_text(json.dumps(tuning, indent=1) + "\n")
     flush()
     print("\n".join(rows_out))
     if switch is not None:

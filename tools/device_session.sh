@@ -9,11 +9,14 @@
 #                                    # (tools/device_kernels.py), then the engine's full-geometry
 #                                    # stage with llama.cpp's figures beside it -> $OUT
 #
+#   bash tools/device_session.sh K   # this round's pair: K (Gate 2 + kernels + v3 sweep + llama
+#   bash tools/device_session.sh F   # d0), then F (llama d32768 + full-geometry stage, v3 vs v2)
+#
 # Carry: .device (llama.cpp-src.tgz from ../shared/tools/pack-llama-src.sh) and .whl (gguf wheel).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"
-phase=${1:?phase A or B}
+phase=${1:?phase K, F, A, B or C}
 W=/tmp/muser-dev
 FULL=$W/full-q4_k_xl.gguf
 LB=/tmp/llama-cuda
@@ -40,7 +43,77 @@ llama_bench() {  # depth, limit_s, name
   echo "llama-bench d=$1 rc=$? at $(el) s"; tail -2 $W/$3.err; cp $W/$3 "$OUT/$3"
 }
 
-if [ "$phase" = A ]; then
+if [ "$phase" = K ]; then
+  # call 1 of 2 (back to back): bg llama.cpp build + full file; fg Gate 2 and invariance with the
+  # default kernels (v3 packed layout + stacks), the v1/v2/v3 kernel table and the v3 sweep (its
+  # winners -> $W/v3_tuning.json for call 2), then llama-bench at depth 0
+  ( build_llama; echo "llama build rc=$? at $(el) s" >$W/build.done ) &
+  ( [ -s $FULL ] || python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1; \
+    echo "full file rc=$? at $(el) s" >$W/full.done ) &
+  timeout -s TERM 230 python3 tools/device_engine.py --out "$OUT" --no-full \
+      --stages env,kernels,gate2,invariance --budget 215 2>&1 | tail -40
+  echo "--- kernels at $(el) s"
+  timeout -s TERM $(( 520 - $(el) )) python3 tools/device_kernels.py --out "$OUT" --jobs 12 \
+      --budget $(( 505 - $(el) )) 2>&1 | grep -v "^v3 sweep" | tail -40
+  cp "$OUT/v3_tuning.json" $W/v3_tuning.json 2>/dev/null
+  while [ ! -f $W/build.done ] || [ ! -f $W/full.done ]; do
+    [ "$(el)" -gt 540 ] && { echo "build/file not done at $(el) s"; break; }; sleep 3
+  done
+  cat $W/build.done $W/full.done 2>/dev/null; tail -2 $W/build.log 2>/dev/null
+  [ "$(el)" -lt 545 ] && llama_bench 0 $(( 590 - $(el) )) llama-bench-d0.json
+elif [ "$phase" = F ]; then
+  # call 2 of 2: llama-bench at depth 32768 (if call 1's build is still here), then the engine's
+  # full-geometry stage: v3 (tuned by call 1's sweep) beside v2, depths 0 and 32768, verify,
+  # pp512 exact and fast, with llama.cpp's figures of this session beside them
+  if [ ! -s $FULL ]; then
+    echo "machine was not warm: no full file; writing it"
+    python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1
+  fi
+  [ -x $BENCH ] && llama_bench 32768 150 llama-bench-d32768.json
+  python3 - "$W" >$W/llama-bench.json <<'EOF'
+import json, sys, pathlib
+rows = []
+for n in ("llama-bench-d0.json", "llama-bench-d32768.json"):
+    p = pathlib.Path(sys.argv[1]) / n
+    try:
+        rows += json.loads(p.read_text())
+    except Exception:
+        pass
+print(json.dumps(rows))
+EOF
+  if [ -s $W/v3_tuning.json ]; then export MUSER_V3_TUNING=$W/v3_tuning.json; cp $W/v3_tuning.json "$OUT/"; fi
+  echo "--- engine full geometry at $(el) s (MUSER_V3_TUNING=${MUSER_V3_TUNING:-none})"
+  timeout -s TERM $(( 590 - $(el) )) python3 tools/device_engine.py --out "$OUT" --full $FULL --stages env,full \
+      --depths 0,32768 --matvec v3,v2 --budget $(( 575 - $(el) )) --llama-bench-json $W/llama-bench.json 2>&1 | tail -30
+elif [ "$phase" = P ]; then
+  # profile call: the kernel table timed inside CUDA graphs (no host launch cost) with the v3
+  # sweep over the engine's stacked shapes, then where a decode step's GPU time goes
+  # (tools/device_profile.py) at depths 0 and 32768 with two attention split caps
+  ( [ -s $FULL ] || python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1; \
+    echo "full file rc=$? at $(el) s" >$W/full.done ) &
+  timeout -s TERM 300 python3 tools/device_kernels.py --out "$OUT" --graph --kinds v2,v3 --jobs 12 \
+      --budget 285 2>&1 | grep -v "^v3 sweep" | tail -32
+  while [ ! -f $W/full.done ]; do [ "$(el)" -gt 400 ] && break; sleep 2; done; cat $W/full.done
+  echo "--- profile at $(el) s"
+  timeout -s TERM $(( 590 - $(el) )) python3 tools/device_profile.py $FULL "$OUT" --depths 0,32768 \
+      --splits 64,256 2>&1 | tail -70
+elif [ "$phase" = Z ]; then
+  # closing call: Gate 2 + invariance + graphs with the default kernels (v3 + stacks + fused
+  # tails), the step profile at depths 0 and 32768, then the full-geometry stage (v3 only:
+  # realistic residency) with this session's llama.cpp rows (carried in .device/)
+  ( [ -s $FULL ] || python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1; \
+    echo "full file rc=$? at $(el) s" >$W/full.done ) &
+  timeout -s TERM 230 python3 tools/device_engine.py --out "$OUT" --no-full \
+      --stages env,kernels,gate2,invariance --budget 215 2>&1 | tail -36
+  while [ ! -f $W/full.done ]; do [ "$(el)" -gt 300 ] && break; sleep 2; done; cat $W/full.done
+  echo "--- profile at $(el) s"
+  timeout -s TERM 120 python3 tools/device_profile.py $FULL "$OUT" --depths 0,32768 --splits 64 2>&1 | tail -34
+  echo "--- engine full geometry at $(el) s"
+  timeout -s TERM $(( 590 - $(el) )) python3 tools/device_engine.py --out "$OUT" --full $FULL --stages env,full \
+      --depths 0,32768 --matvec v3 --budget $(( 575 - $(el) )) \
+      --gate-receipt "$(ls "$OUT"/*-engine-gate2-cuda.json | head -1)" \
+      --llama-bench-json .device/llama-bench-session3.json 2>&1 | tail -24
+elif [ "$phase" = A ]; then
   ( build_llama; echo "llama build rc=$? at $(el) s" >$W/build.done ) &
   ( [ -s $FULL ] || python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1; \
     echo "full file rc=$? at $(el) s" >$W/full.done ) &

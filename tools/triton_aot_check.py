@@ -91,6 +91,7 @@ def drive(rec: Recorder) -> None:
         from muser.engine.kernels import qmatvec_v2 as q2
     except ImportError:
         q2 = None
+    from muser.engine.kernels import qmatvec_v3 as q3
     for fmt in DEVICE_FORMATS:
         n_out, n_in = 24, 512
         w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy()))
@@ -98,12 +99,32 @@ def drive(rec: Recorder) -> None:
         if q2 is not None and q2.supports(fmt):
             q2.dequant_v2(w)
             q2.dequant_v2(w, fma_decode=True)
+        p3 = q3.pack(w) if q3.supports(fmt) else None
+        if p3 is not None:
+            q3.dequant_v3(p3)
+            q3.dequant_v3(p3, bn=4, j=8)
+            for T in (1, 2, 3, 5, 9, 16):
+                q3.matvec_v3(p3, torch.zeros(T, n_in), torch.empty(T, n_out))
         for T in (1, 2, 3, 5, 9, 16):
             x = torch.zeros(T, n_in)
             os.environ.pop("MUSER_MATVEC", None)
             q1.matvec_triton(w, x, torch.empty(T, n_out))
             if q2 is not None and q2.supports(fmt):
                 q2.matvec_v2(w, x, torch.empty(T, n_out))
+    from muser.engine.kernels import fused
+
+    for R, N in ((1, 6656), (16, 6656), (4, 512)):
+        x = torch.zeros(R, N)
+        fused.norm_mul(x, torch.ones(N), 1e-5)
+        fused.norm_mul(x, torch.ones(N), 1e-8, res=x)
+        fused.gate_mul(x, x)
+        fused.silu_mul(x, x)
+        fused.norm2(x, torch.ones(N), 1e-8, x, torch.ones(N), 1e-5)
+    for T in (1, 16):
+        y = torch.zeros(T, 8704)
+        cs = torch.zeros(T, 64)
+        fused.qk_norm_rope(y, 0, 4096, 32, 2, 128, torch.ones(128), torch.ones(128), 1e-5, cs, cs)
+        fused.qk_norm_rope(y, 0, 4096, 32, 2, 128, torch.ones(128), torch.ones(128), 1e-5, None, None)
     H, n_kv, D = 32, 2, 128
     for hm in (False, True):
         for dt in (torch.float16, torch.float32):

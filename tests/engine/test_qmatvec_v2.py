@@ -118,35 +118,56 @@ def test_v2_refuses(v2):
         m.matvec_v2(_w(G.Q4_0, 4, 256), torch.zeros(1, 256))
 
 
-def test_switch_env_var(v2, monkeypatch):
-    """MUSER_MATVEC=v2 at call time routes matvec_triton to matvec_v2 for a v2 format only."""
+def test_kernel_dispatch(v2, monkeypatch):
+    """qmatvec.matvec (the engine's call): the v3 kernel for a weight carrying the packed layout,
+    else v2 for a v2 format, else v1; MUSER_MATVEC=v1|v2 forces an older kernel, an unknown value
+    and an older kernel on a packed-only weight are refused; matvec_triton is always v1."""
     v1, m = v2
     import muser.engine.kernels as pkg
+    from muser.engine.kernels import qmatvec_v3 as m3
+    from muser.errors import LaneError
 
     calls = []
-    real = m.matvec_v2
+    real, real3 = m.matvec_v2, m3.matvec_v3
 
     def spy(w, x, out=None):
-        calls.append(w.fmt)
+        calls.append(("v2", w.fmt))
         return real(w, x, out)
+
+    def spy3(p, x, out=None):
+        calls.append(("v3", p.fmt))
+        return torch.zeros(x.shape[0], p.n_out)
 
     monkeypatch.setattr(pkg, "qmatvec_v2", m, raising=False)
     monkeypatch.setattr(m, "matvec_v2", spy)
+    monkeypatch.setattr(m3, "matvec_v3", spy3)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0))
     wq, w0 = _w(G.Q4_K, 5, 256), _w(G.Q4_0, 5, 256)
     monkeypatch.delenv("MUSER_MATVEC", raising=False)
     v1.matvec_triton(wq, x)
     assert calls == []
+    y = v1.matvec(wq, x)  # not packed: v2
+    assert calls == [("v2", G.Q4_K)] and _close(y, wq, x) < 1e-6
+    v1.matvec(w0, x)  # Q4_0: no v2 kernel, the v1 kernel serves it
+    assert calls == [("v2", G.Q4_K)]
+    wq.packed = m3.pack(wq)
+    v1.matvec(wq, x)
+    assert calls[-1] == ("v3", G.Q4_K)
     monkeypatch.setenv("MUSER_MATVEC", "v2")
-    y = v1.matvec_triton(wq, x)
-    assert calls == [G.Q4_K] and _close(y, wq, x) < 1e-6
-    v1.matvec_triton(w0, x)  # Q4_0: no v2 kernel, the v1 kernel serves it
-    assert calls == [G.Q4_K]
+    v1.matvec(wq, x)
+    assert calls[-1] == ("v2", G.Q4_K)
+    monkeypatch.setenv("MUSER_MATVEC", "v9")
+    with pytest.raises(LaneError, match="v9"):
+        v1.matvec(wq, x)
+    monkeypatch.setenv("MUSER_MATVEC", "v1")
+    wq.fields = {}
+    with pytest.raises(LaneError, match="only the v3 layout"):
+        v1.matvec(wq, x)
 
 
 def test_device_kernels_script_smoke(v2, tmp_path):
     """tools/device_kernels.py end to end on tiny shapes (interpreter): every format checked
-    (v2 decoder bit-exact, v1/v2 vs float64), timed, swept, JSON written."""
+    (v2/v3 decoders bit-exact, v1/v2/v3 vs float64), timed, swept, JSON and v3 tuning written."""
     import importlib.util
     import json
     from pathlib import Path
@@ -155,7 +176,7 @@ def test_device_kernels_script_smoke(v2, tmp_path):
     spec = importlib.util.spec_from_file_location("device_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    res = mod.main(["--out", str(tmp_path), "--device", "cpu", "--smoke", "--budget", "300"])
+    res = mod.main(["--out", str(tmp_path), "--device", "cpu", "--smoke", "--budget", "300", "--v2-sweep"])
     saved = json.loads((tmp_path / "device_kernels.json").read_text())
     assert saved["table"] == res["table"]
     ran = [c for c in saved["cases"] if "check" in c or "error" in c]
@@ -165,6 +186,12 @@ def test_device_kernels_script_smoke(v2, tmp_path):
         assert c["check"]["ok"] and c["check"]["v2_decode_bitexact"], c
         for k in ("v1_T1", "v2_T1", "v1_T16", "v2_T16"):
             assert c[k]["mean_s"] > 0 and c[k]["GBps"] > 0
+        if c["fmt"] in ("Q4_K", "Q5_K", "Q6_K"):
+            assert c["check"]["v3_decode_bitexact"] and c["check"]["T1"]["v3"] < 1e-5
+            assert c["v3_T1"]["mean_s"] > 0 and c["v3_T16"]["mean_s"] > 0
     assert saved["sweep"] and all("us" in s for s in saved["sweep"])
+    assert saved["v3_sweep"] and all("us" in s for s in saved["v3_sweep"])
+    tuning = json.loads((tmp_path / "v3_tuning.json").read_text())
+    assert {t["fmt"] for t in tuning} == {"Q4_K", "Q5_K", "Q6_K"}
     assert saved["copy"]["GBps_read_plus_write"] > 0
     assert saved["per_token"]["v2_T1"]["matvec_s_per_step"] > 0

@@ -17,6 +17,8 @@ graph. Lanes (engine/lanes.py) decide only how projections are computed.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -51,6 +53,11 @@ class LayerWeights:
     ffn_up: QWeight
     ffn_down: QWeight  # [hidden, ffn]
     post_ffw_norm: torch.Tensor
+    # CUDA: the projections that read one input, packed as one matrix (kernels/qmatvec_v3.Stack):
+    # attn_in = q|k|v|gate (v left out when its format differs), ffn_in = gate|up
+    attn_in: object | None = None
+    attn_in_v: bool = False
+    ffn_in: object | None = None
 
     def matrices(self) -> list[QWeight]:
         return [self.wq, self.wk, self.wv, self.wgate, self.wo, self.ffn_gate, self.ffn_up, self.ffn_down]
@@ -115,8 +122,28 @@ class ModelWeights:
                 ffn_down=mat(b + "ffn_down.weight"),
                 post_ffw_norm=vec(b + "post_ffw_norm.weight"),
             ))
-        return cls(embd=mat("token_embd.weight"), out_norm=vec("output_norm.weight"),
-                   lm_head=mat("output.weight"), layers=layers)
+        mw = cls(embd=mat("token_embd.weight"), out_norm=vec("output_norm.weight"),
+                 lm_head=mat("output.weight"), layers=layers)
+        if device.type == "cuda" and os.environ.get("MUSER_MATVEC", "") in ("", "v3"):
+            # the repacked fields stay only when older kernels are to be timed beside the decode
+            # kernel (MUSER_MATVEC_COMPARE=1)
+            mw.pack_for_decode(drop_fields=os.environ.get("MUSER_MATVEC_COMPARE") != "1")
+            torch.cuda.empty_cache()
+        return mw
+
+    def pack_for_decode(self, drop_fields: bool) -> None:
+        """The decode kernel's layout (kernels/qmatvec_v3) for every K-quant matrix, and the
+        stacks of projections that read one input. The embedding is read a row at a time and
+        keeps its repacked form."""
+        from .kernels.qmatvec_v3 import pack_matrices, stack
+
+        pack_matrices([w for w in self.matrices() if w is not self.embd], drop_fields=drop_fields)
+        for L in self.layers:
+            L.attn_in = stack([L.wq, L.wk, L.wv, L.wgate])
+            L.attn_in_v = L.attn_in is not None
+            if L.attn_in is None:
+                L.attn_in = stack([L.wq, L.wk, L.wgate])
+            L.ffn_in = stack([L.ffn_gate, L.ffn_up])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,6 +277,8 @@ class Forward:
         self.device = device
         self.linear = Linear(lane, device)
         self.cpu_fast = device.type == "cpu"  # the CPU small-T forward (run_cpu); off = reference
+        # CUDA: the fused element-wise tails (kernels/fused.py) in place of the torch op chains
+        self.fused = device.type == "cuda"
         self._cpu: list[_CpuLayer] | None = None
         self._cos = torch.empty((0, cfg.head_dim // 2), dtype=torch.float32, device=device)
         self._sin = self._cos
@@ -284,38 +313,88 @@ class Forward:
         h = rms_norm(h, eps)  # entry norm, weightless (muse-glimmer.cpp build_norm(.., nullptr))
         last = len(W.layers) - 1
         final_capture = captured is not None and len(W.layers) in capture
+        fz = self.fused
+        if fz:
+            from .kernels import fused as FK
+            cos_c, sin_c = cos.contiguous(), sin.contiguous()
+        x_next = None  # fused path: this layer's pre-norm, computed by the previous layer's tail
         for il, L in enumerate(W.layers):
             if il in capture and captured is not None:
                 captured[il] = h  # the layer's input residual (t_layer_inp), what DFlash reads
-            x = rms_norm(h, eps) * L.attn_norm
-            q = lin(L.wq, x).view(T, H, D)
-            k = lin(L.wk, x).view(T, KV, D)
-            v = lin(L.wv, x).view(T, KV, D)
-            g = lin(L.wgate, x)  # [T, attn_dim], from the same normed input (book 9.8)
-            q = rms_norm(q, eps) * L.q_norm  # per-head QK-norm (book 14)
-            k = rms_norm(k, eps) * L.k_norm
-            if L.sliding:
-                q = rope(q, cos, sin)
-                k = rope(k, cos, sin)
+            if x_next is not None:
+                x = x_next
+            else:
+                x = FK.norm_mul(h, L.attn_norm, eps) if fz else rms_norm(h, eps) * L.attn_norm
+            if fz and L.attn_in is not None and lin.stacked_ok(T):
+                # one launch for q|k|(v|)gate, one for the q/k head norms + RoPE (book 9.7, 14)
+                st = L.attn_in
+                y = lin.stacked_raw(st, x)  # [T, sum n_out]
+                (q0, _), (k0, _) = st.bounds[0], st.bounds[1]
+                q, k = FK.qk_norm_rope(y, q0, k0, H, KV, D, L.q_norm, L.k_norm, eps,
+                                       cos_c if L.sliding else None, sin_c if L.sliding else None)
+                v = (y[:, st.bounds[2][0]:st.bounds[2][1]] if L.attn_in_v else lin(L.wv, x)).view(T, KV, D)
+                g = y[:, st.bounds[-1][0]:st.bounds[-1][1]]
+            elif L.attn_in is not None and lin.stacked_ok(T):  # one launch for the stacked q|k|(v|)gate
+                if L.attn_in_v:
+                    q, k, v, g = lin.stacked(L.attn_in, x)
+                else:
+                    q, k, g = lin.stacked(L.attn_in, x)
+                    v = lin(L.wv, x)
+                q, k, v = q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D)
+            else:
+                q = lin(L.wq, x).view(T, H, D)
+                k = lin(L.wk, x).view(T, KV, D)
+                v = lin(L.wv, x).view(T, KV, D)
+                g = lin(L.wgate, x)  # [T, attn_dim], from the same normed input (book 9.8)
+            if not (fz and L.attn_in is not None and lin.stacked_ok(T)):
+                q = rms_norm(q, eps) * L.q_norm  # per-head QK-norm (book 14)
+                k = rms_norm(k, eps) * L.k_norm
+                if L.sliding:
+                    q = rope(q, cos, sin)
+                    k = rope(k, cos, sin)
             a = kv.attend(il, q.contiguous(), k.contiguous(), v.contiguous())  # [T, H, D]
-            a = a.reshape(T, H * D) * sigmoid(g)  # gate before o_proj (book 9.8)
-            o = rms_norm(lin(L.wo, a), post_eps) * L.post_attn_norm  # sandwich, eps 1e-8 (9.9)
-            h = o + h
+            if fz:
+                a = FK.gate_mul(a.reshape(T, H * D), g.contiguous() if g.stride(1) != 1 else g)
+                o = lin(L.wo, a)
+            else:
+                a = a.reshape(T, H * D) * sigmoid(g)  # gate before o_proj (book 9.8)
+                o = rms_norm(lin(L.wo, a), post_eps) * L.post_attn_norm  # sandwich, eps 1e-8 (9.9)
+                h = o + h
             if il == last and out_rows != "all" and not final_capture:
                 if out_rows == "none":
                     return None
-                h = h[T - 1:]  # llama.cpp inp_out_ids: only output rows past this point
-            x = rms_norm(h, eps) * L.ffn_norm
-            f = silu(lin(L.ffn_gate, x)) * lin(L.ffn_up, x)
-            f = rms_norm(lin(L.ffn_down, f), post_eps) * L.post_ffw_norm
-            h = f + h
+                if fz:
+                    o, h = o[T - 1:], h[T - 1:]
+                else:
+                    h = h[T - 1:]  # llama.cpp inp_out_ids: only output rows past this point
+            if fz:  # sandwich tail + residual + the FFN pre-norm in one pass
+                h, x = FK.norm2(o, L.post_attn_norm, post_eps, h, L.ffn_norm, eps)
+            else:
+                x = rms_norm(h, eps) * L.ffn_norm
+            if L.ffn_in is not None and lin.stacked_ok(T):
+                fg, fu = lin.stacked(L.ffn_in, x)
+            else:
+                fg, fu = lin(L.ffn_gate, x), lin(L.ffn_up, x)
+            if fz:
+                f = FK.silu_mul(fg, fu)
+                # sandwich tail + residual + the next layer's pre-norm (the output norm after
+                # the last layer) in one pass
+                w_next = W.layers[il + 1].attn_norm if il < last else W.out_norm
+                h, x_next = FK.norm2(lin(L.ffn_down, f), L.post_ffw_norm, post_eps, h, w_next, eps)
+            else:
+                f = silu(fg) * fu
+                f = rms_norm(lin(L.ffn_down, f), post_eps) * L.post_ffw_norm
+                h = f + h
         if final_capture:
             captured[len(W.layers)] = h  # the residual leaving the last layer
             if out_rows == "none":
                 return None
             if out_rows == "last":
                 h = h[T - 1:]
-        x = rms_norm(h, eps) * W.out_norm
+        if fz:
+            x = x_next if not final_capture or out_rows == "all" else FK.norm_mul(h.contiguous(), W.out_norm, eps)
+        else:
+            x = rms_norm(h, eps) * W.out_norm
         logits = softcap_logits(lin(W.lm_head, x), cfg.logit_scale, cfg.softcap)
         if logits_out is not None:
             logits_out.copy_(logits)

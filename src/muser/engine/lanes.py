@@ -74,10 +74,29 @@ class Linear:
         self._cache: dict[int, torch.Tensor] = {}
         self._cached_bytes = 0
 
+    def stacked_ok(self, T: int) -> bool:
+        """Stacked projections (kernels/qmatvec_v3.Stack) serve this call: CUDA, decode-shaped,
+        and no older kernel forced by MUSER_MATVEC."""
+        import os
+
+        return self.triton_rows and T <= qmatvec.MAX_ROWS and os.environ.get("MUSER_MATVEC", "") in ("", "v3")
+
+    def stacked_raw(self, st, x: torch.Tensor) -> torch.Tensor:
+        """x [T, n_in] -> [T, sum n_out] for a Stack (one launch)."""
+        from .kernels import qmatvec_v3
+
+        return qmatvec_v3.matvec_v3(st.packed, x.contiguous())
+
+    def stacked(self, st, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [T, n_in] -> the members' outputs of a Stack (column views of one [T, sum] result)."""
+        from .kernels import qmatvec_v3
+
+        return st.split(qmatvec_v3.matvec_v3(st.packed, x.contiguous()))
+
     def __call__(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         if self.triton_rows and T <= qmatvec.MAX_ROWS:
-            return qmatvec.matvec_triton(w, x.contiguous())
+            return qmatvec.matvec(w, x.contiguous())
         wide = self.lane is Lane.FAST and T > qmatvec.MAX_ROWS
         dt = torch.bfloat16 if wide else torch.float32
         if not self.cuda:
@@ -133,4 +152,8 @@ def decode_range(w: QWeight, n0: int, n1: int) -> torch.Tensor:
     """Decode rows [n0, n1) through row views of the fields (no gather copy)."""
     from .weights import decode_fields
 
+    if not w.fields and w.packed is not None:  # only the decode kernel's layout is resident
+        from .kernels.qmatvec_v3 import decode_rows
+
+        return decode_rows(w.packed, None, n0, n1)
     return decode_fields(w.fmt, {k: v[n0:n1] for k, v in w.fields.items()}, w.n_in)

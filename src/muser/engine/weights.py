@@ -90,14 +90,20 @@ class QWeight:
     n_out: int
     n_in: int
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the decode kernel's own layout (kernels/qmatvec_v3.Packed), built at load on CUDA; when the
+    # repacked `fields` are dropped, `decode` runs the packed layout's bit-exact decoder
+    packed: object | None = None
 
     @property
     def device(self) -> torch.device:
+        if not self.fields and self.packed is not None:
+            return self.packed.device
         return next(iter(self.fields.values())).device
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.fields.values())
+        n = sum(t.numel() * t.element_size() for t in self.fields.values())
+        return n + (self.packed.nbytes if self.packed is not None else 0)
 
     @property
     def n_tiles(self) -> int:  # 256-wide tiles per row (last one may be partial for 32-blocks)
@@ -108,6 +114,10 @@ class QWeight:
 
     def decode(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """f32 [r, n_in]: rows `rows` (int64 device tensor) or all rows. Bit-exact ggml."""
+        if not self.fields and self.packed is not None:
+            from .kernels.qmatvec_v3 import decode_rows
+
+            return decode_rows(self.packed, rows)
         if rows is None:
             f = self.fields
         else:

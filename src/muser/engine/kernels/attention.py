@@ -164,9 +164,15 @@ def attend_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     return o.view(n_kv, T, hpk, D).transpose(0, 1).reshape(T, H, D)
 
 
+MAX_SPLITS = 64  # module attribute so device profiles can try others (tools/device_profile.py)
+
+
 def pick_splits(capacity: int) -> int:
-    """Sequence splits for the decode kernel: ~256 rows each, at most 64 (flash-decoding)."""
-    return max(1, min(64, math.ceil(capacity / 256)))
+    """Sequence splits for the decode kernel: ~64 rows each, at most MAX_SPLITS (flash-decoding).
+    64-row splits give a 2,560-slot sliding ring 40 programs per KV head rather than 10 (the
+    full-geometry profile at depth 32,768: bench/NOTES.md); a split only changes how the softmax
+    sums are partitioned (ulp level)."""
+    return max(1, min(MAX_SPLITS, math.ceil(capacity / 64)))
 
 
 if HAVE_TRITON:

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from ...errors import LaneError
 from ..weights import FMT_CODE, QK, QWeight
 
 try:  # Triton is optional on the CPU; the CUDA backend requires it.
@@ -165,15 +166,33 @@ def dequant_triton(w: QWeight, block_n: int = 4) -> torch.Tensor:
     return out
 
 
-def matvec_triton(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, n_in] f32 (T <= 16, rows contiguous) -> [T, n_out] f32, weights decoded in-kernel."""
-    if not HAVE_TRITON:
-        raise RuntimeError("triton is not installed")
-    if os.environ.get("MUSER_MATVEC") == "v2":  # the streamed kernel (qmatvec_v2), read per call
+def matvec(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The engine's decode-shaped projection on CUDA: x [T, n_in] f32 (T <= 16) -> [T, n_out]."""
+    # Kernel choice, read per call (captured graphs keep the choice they were captured with):
+    # the packed-layout kernel (qmatvec_v3) where the weight carries that layout, else the
+    # streamed kernel (qmatvec_v2), else this one; MUSER_MATVEC=v1|v2 forces an older kernel.
+    variant = os.environ.get("MUSER_MATVEC", "")
+    if variant not in ("", "v1", "v2", "v3"):
+        raise LaneError(f"MUSER_MATVEC={variant!r}: expected v1, v2 or v3")
+    if w.packed is not None and variant in ("", "v3"):
+        from . import qmatvec_v3
+
+        return qmatvec_v3.matvec_v3(w.packed, x, out)
+    if not w.fields:
+        raise LaneError(f"tensor {w.name!r}: only the v3 layout is resident (loaded without "
+                        f"MUSER_MATVEC_COMPARE=1); MUSER_MATVEC={variant} cannot run on it")
+    if variant in ("", "v2", "v3"):
         from . import qmatvec_v2
 
         if qmatvec_v2.supports(w.fmt):
             return qmatvec_v2.matvec_v2(w, x, out)
+    return matvec_triton(w, x, out)
+
+
+def matvec_triton(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, n_in] f32 (T <= 16, rows contiguous) -> [T, n_out] f32, weights decoded in-kernel."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
     out = check_matvec_args(w, x, out)
     T = x.shape[0]
     rows = _rows_bucket(T)
@@ -185,4 +204,4 @@ def matvec_triton(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) 
     return out
 
 
-__all__ = ["HAVE_TRITON", "MAX_ROWS", "QK", "matvec_ref", "matvec_triton", "dequant_triton"]
+__all__ = ["HAVE_TRITON", "MAX_ROWS", "QK", "matvec", "matvec_ref", "matvec_triton", "dequant_triton"]

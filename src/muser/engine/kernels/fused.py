@@ -1,0 +1,199 @@
+"""Fused element-wise tails of the decode step on CUDA: each replaces 5-15 small torch kernels
+(a decode step on the full geometry launched ~4,000 of them: ~4.5 ms of GPU time and ~5 ms of
+gaps inside the captured graph, bench/NOTES.md "where a step goes").
+
+Every kernel forms each value with the op order of the torch reference beside it in
+engine/forward.py (rms_norm, rope, sigmoid, silu; ggml's order, book 12 / 9.7 / 9.8), one rounding
+per op (enable_fp_fusion=False), IEEE division and square root (div_rn, sqrt_rn) and the
+accurate expf (libdevice, what torch calls); only the mean's summation order differs (ulp level,
+the exact lane's contract). Tests hold them to the torch ops (tests/engine/test_fused.py).
+
+  norm_mul(x, w, eps, res=None)      rows of x -> [res +] (x * (1 / sqrt(mean(x^2) + eps))) * w
+  norm2(x, w, eps, res, w2, eps2)    h = res + norm(x) * w and norm(h) * w2 in one pass (a sandwich
+                                     tail and the next pre-norm)
+  qk_norm_rope(y, ...)               q and k heads of the stacked projection -> per-head norm * w,
+                                     RoPE on sliding layers, written contiguous
+  gate_mul(a, g)                     a * (1 / (1 + exp(-g)))            (attention gate, book 9.8)
+  silu_mul(g, u)                     (g / (1 + exp(-g))) * u            (SwiGLU)
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover
+    HAVE_TRITON = False
+
+
+def _lib() -> bool:
+    """libdevice where compiled; the interpreter (numpy) takes tl.exp, already accurate there."""
+    return not os.environ.get("TRITON_INTERPRET")
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _exp(x, LIB: tl.constexpr):
+        if LIB:
+            return libdevice.exp(x)
+        else:
+            return tl.exp(x)
+
+    @triton.jit
+    def _norm_mul_kernel(x, w, res, out, N, sx, sr, so, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        i = tl.arange(0, BLOCK)
+        m = i < N
+        v = tl.load(x + r * sx + i, mask=m, other=0.0)  # [BLOCK] f32
+        ms = tl.div_rn(tl.sum(v * v, 0), N.to(tl.float32))  # mean(x^2)
+        scale = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))  # ggml: 1.0f / sqrtf(mean + eps)
+        y = (v * scale) * tl.load(w + i, mask=m, other=0.0)
+        if HAS_RES:
+            y = y + tl.load(res + r * sr + i, mask=m, other=0.0)
+        tl.store(out + r * so + i, y, mask=m)
+
+    @triton.jit
+    def _norm2_kernel(x, w, res, w2, out, out2, N, sx, sr, so, so2, eps, eps2, BLOCK: tl.constexpr):
+        """out = res + rms_norm(x) * w; out2 = rms_norm(out) * w2 (one row per program)."""
+        r = tl.program_id(0)
+        i = tl.arange(0, BLOCK)
+        m = i < N
+        v = tl.load(x + r * sx + i, mask=m, other=0.0)
+        ms = tl.div_rn(tl.sum(v * v, 0), N.to(tl.float32))
+        scale = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
+        y = (v * scale) * tl.load(w + i, mask=m, other=0.0) + tl.load(res + r * sr + i, mask=m, other=0.0)
+        tl.store(out + r * so + i, y, mask=m)
+        ms2 = tl.div_rn(tl.sum(y * y, 0), N.to(tl.float32))
+        scale2 = tl.div_rn(1.0, tl.sqrt_rn(ms2 + eps2))
+        tl.store(out2 + r * so2 + i, (y * scale2) * tl.load(w2 + i, mask=m, other=0.0), mask=m)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(y, sy, q_off, k_off, qn, kn, cos, sin, q_out, k_out, H, eps,
+                             ROPE: tl.constexpr, D: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)  # q heads 0..H-1, then k heads
+        is_q = h < H
+        off = tl.where(is_q, q_off + h * D, k_off + (h - H) * D)
+        i = tl.arange(0, D // 2)
+        base = y + t * sy + off
+        x0 = tl.load(base + 2 * i)  # [D/2] dims 2i (NORM pairing, book 9.7)
+        x1 = tl.load(base + 2 * i + 1)
+        ms = tl.div_rn(tl.sum(x0 * x0, 0) + tl.sum(x1 * x1, 0), D * 1.0)
+        scale = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
+        wp = tl.where(is_q, qn, kn)
+        y0 = (x0 * scale) * tl.load(wp + 2 * i)
+        y1 = (x1 * scale) * tl.load(wp + 2 * i + 1)
+        if ROPE:
+            c = tl.load(cos + t * (D // 2) + i)
+            s = tl.load(sin + t * (D // 2) + i)
+            o0 = y0 * c - y1 * s
+            o1 = y0 * s + y1 * c
+        else:
+            o0 = y0
+            o1 = y1
+        dst = tl.where(is_q, q_out + (t * H + h) * D, k_out + (t * (tl.num_programs(1) - H) + (h - H)) * D)
+        tl.store(dst + 2 * i, o0)
+        tl.store(dst + 2 * i + 1, o1)
+
+    @triton.jit
+    def _gate_kernel(a, g, out, N, sa, sg, so, SILU: tl.constexpr, LIB: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = i < N
+        av = tl.load(a + r * sa + i, mask=m, other=0.0)
+        gv = tl.load(g + r * sg + i, mask=m, other=0.0)
+        if SILU:  # ggml_silu_f32: x / (1 + expf(-x)), then * up
+            y = tl.div_rn(gv, 1.0 + _exp(-gv, LIB)) * av
+        else:  # ggml_vec_sigmoid_f32: 1 / (1 + expf(-x)); a * sigmoid(g)
+            y = av * tl.div_rn(1.0, 1.0 + _exp(-gv, LIB))
+        tl.store(out + r * so + i, y, mask=m)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    assert x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1, "fused: f32 [rows, n] with unit stride"
+    return x
+
+
+def norm_mul(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, N] f32, w [N] -> [R, N]: [res +] rms_norm(x, eps) * w."""
+    _rows(x)
+    R, N = x.shape
+    assert w.shape == (N,) and w.dtype == torch.float32 and w.is_contiguous()
+    out = torch.empty((R, N), dtype=torch.float32, device=x.device)
+    if res is not None:
+        _rows(res)
+        assert res.shape == (R, N)
+    _norm_mul_kernel[(R,)](x, w, res if res is not None else x, out, N, x.stride(0),
+                           res.stride(0) if res is not None else 0, out.stride(0), float(eps),
+                           HAS_RES=res is not None, BLOCK=triton.next_power_of_2(N),
+                           num_warps=8 if N >= 4096 else 4, enable_fp_fusion=False)
+    return out
+
+
+def norm2(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor, w2: torch.Tensor,
+          eps2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sandwich tail and the next pre-norm in one pass: h = res + rms_norm(x, eps) * w, then
+    rms_norm(h, eps2) * w2. x, res [R, N] f32; w, w2 [N] -> (h, normed h)."""
+    _rows(x)
+    _rows(res)
+    R, N = x.shape
+    assert res.shape == (R, N) and w.shape == (N,) and w2.shape == (N,) and w.is_contiguous() and w2.is_contiguous()
+    out = torch.empty((R, N), dtype=torch.float32, device=x.device)
+    out2 = torch.empty((R, N), dtype=torch.float32, device=x.device)
+    _norm2_kernel[(R,)](x, w, res, w2, out, out2, N, x.stride(0), res.stride(0), out.stride(0), out2.stride(0),
+                        float(eps), float(eps2), BLOCK=triton.next_power_of_2(N), num_warps=8 if N >= 4096 else 4,
+                        enable_fp_fusion=False)
+    return out, out2
+
+
+def qk_norm_rope(y: torch.Tensor, q_off: int, k_off: int, H: int, KV: int, D: int, qn: torch.Tensor,
+                 kn: torch.Tensor, eps: float, cos: torch.Tensor | None, sin: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """y [T, n] (the stacked projection's output; q heads at columns q_off.., k heads at k_off..)
+    -> q [T, H, D], k [T, KV, D] contiguous: per-head rms_norm * q_norm / k_norm, then RoPE
+    (cos, sin [T, D/2]) when given."""
+    _rows(y)
+    T = y.shape[0]
+    assert qn.shape == (D,) and kn.shape == (D,) and D % 2 == 0 and (D & (D - 1)) == 0
+    q = torch.empty((T, H, D), dtype=torch.float32, device=y.device)
+    k = torch.empty((T, KV, D), dtype=torch.float32, device=y.device)
+    rope = cos is not None
+    if rope:
+        assert cos.shape == (T, D // 2) and sin.shape == (T, D // 2) and cos.is_contiguous() and sin.is_contiguous()
+    _qk_norm_rope_kernel[(T, H + KV)](y, y.stride(0), q_off, k_off, qn, kn, cos if rope else qn,
+                                      sin if rope else qn, q, k, H, float(eps), ROPE=rope, D=D, num_warps=1,
+                                      enable_fp_fusion=False)
+    return q, k
+
+
+def _gate(a: torch.Tensor, g: torch.Tensor, silu: bool) -> torch.Tensor:
+    _rows(a)
+    _rows(g)
+    assert a.shape == g.shape
+    R, N = a.shape
+    out = torch.empty((R, N), dtype=torch.float32, device=a.device)
+    B = 1024
+    _gate_kernel[(R, triton.cdiv(N, B))](a, g, out, N, a.stride(0), g.stride(0), out.stride(0), SILU=silu,
+                                         LIB=_lib(), BLOCK=B, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def gate_mul(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """a * sigmoid(g), both [R, N] f32."""
+    return _gate(a, g, False)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u, both [R, N] f32."""
+    return _gate(u, g, True)
+
+
+__all__ = ["HAVE_TRITON", "gate_mul", "norm2", "norm_mul", "qk_norm_rope", "silu_mul"]

@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Gate 2 at full width on the GPU: a reduced-depth fixture with the full geometry's widths
+(hidden 6656, 32 query / 2 KV heads of 128, FFN 19968, vocabulary 202,048, Figure 6.6 Q4_K mix,
+random valid blocks), 4 layers, sliding window 512 so the 600-token gate prompt crosses it. The
+engine's exact lane with its default CUDA kernels (packed-layout matvec, stacks, fused tails)
+against the numpy oracle's f32 arithmetic, per KV type.
+
+    python3 tools/device_gate_wide.py OUT [--kv f32,f16] [--gate-tokens 32] [--budget 300]
+
+Writes a receipt (kind engine-gate2-wide-cuda) into OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--kv", default="f32,f16")
+    ap.add_argument("--gate-tokens", type=int, default=32)
+    ap.add_argument("--budget", type=float, default=300.0)
+    ap.add_argument("--workdir", default="/tmp/muser-dev")
+    a = ap.parse_args()
+    t0 = time.time()
+    import muser.oracle as oracle
+    from muser.bench.receipt import device_description, write_receipt
+    from muser.engine import Engine
+    from muser.engine.gate import default_prompt, gate2
+    from muser.model.synth import FULL_GEOMETRY, write_fixture
+
+    spec = dataclasses.replace(FULL_GEOMETRY, n_layers=4, sliding_window=512, context_length=4096)
+    path = Path(a.workdir) / "wide-4l-q4_k_xl.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.is_file():
+        write_fixture(path, spec)
+    res: dict = {"fixture": {"path": str(path), "bytes": path.stat().st_size, "n_layers": spec.n_layers,
+                             "hidden": spec.hidden, "ffn": spec.ffn, "heads": [spec.n_heads, spec.n_kv_heads,
+                                                                               spec.head_dim],
+                             "vocab": spec.vocab_pad_to, "window": spec.sliding_window, "dtype": spec.dtype},
+                 "write_s": round(time.time() - t0, 1), "rows": []}
+    print(f"fixture {path.stat().st_size / 1e9:.2f} GB at {time.time() - t0:.0f} s", flush=True)
+    status = "pass"
+    for kv in a.kv.split(","):
+        if time.time() - t0 > a.budget * 0.55:
+            res["rows"].append({"kv": kv, "skipped": "budget"})
+            continue
+        t = time.time()
+        eng = Engine.open(path, device="cuda", lane="exact", kv=kv)
+        orc = oracle.load(path, arithmetic="f32", kv=kv)
+        try:
+            r = gate2(path, eng, orc, kv, n_gen=a.gate_tokens, prompt=default_prompt(eng.cfg), noise="if_needed")
+        finally:
+            orc.close()
+        row = {k: r.get(k) for k in ("kv", "status", "max_dlsm", "median_dlsm", "noise_floor", "bound",
+                                     "tokens_identical", "token_agreement", "prompt_tokens", "greedy_tokens")}
+        row["seconds"] = round(time.time() - t, 1)
+        res["rows"].append(row)
+        status = "pass" if status == "pass" and r["status"] == "pass" else "fail"
+        print(f"gate2 wide kv={kv}: {r['status']} max {r['max_dlsm']:.3e} bound {r['bound']:.3e} "
+              f"tokens identical {r['tokens_identical']} ({row['seconds']} s)", flush=True)
+        del eng
+    if all("skipped" in r for r in res["rows"]):
+        status = "n/a"
+    p = write_receipt("engine-gate2-wide-cuda", model=res["fixture"], device=device_description("cuda"),
+                      lane="exact", gate={"status": status, "what": "Gate 2 at full width, 4 layers, "
+                                          f"{a.gate_tokens} greedy tokens, default CUDA kernels"},
+                      results=res, out_dir=a.out)
+    print(f"receipt {p} ({time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
