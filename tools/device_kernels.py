@@ -341,6 +341,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--graph", action="store_true", help="time each kernel inside a CUDA graph (no host launch cost)")
     ap.add_argument("--kinds", default="v1,v2,v3", help="kernels timed")
+    ap.add_argument("--gate-receipt", default=None, help="Gate 2 receipt of this tree on this machine")
     ap.add_argument("--v2-sweep", action="store_true", help="also sweep v2 configs")
     ap.add_argument("--jobs", type=int, default=12, help="worker processes compiling the v3 sweep")
     args = ap.parse_args(argv)
@@ -519,6 +520,20 @@ def main(argv=None) -> dict:
     tuning = [{"fmt": c["fmt"], "rows": T, "n_out": c["n_out"], "n_in": c["n_in"], "config": c[f"v3best_T{T}"]["config"],
                "us": c[f"v3best_T{T}"]["us"]} for c in res["cases"] for T in (1, 16) if f"v3best_T{T}" in c]
     (out_dir / "v3_tuning.json").write_text(json.dumps(tuning, indent=1) + "\n")
+    # the run as a receipt (muser.bench.receipt), gated by a Gate 2 receipt of the same tree and
+    # machine when one is named
+    from muser.bench.receipt import device_description, write_receipt
+
+    gate = {"status": "n/a", "what": "kernel comparisons only (see check per case)"}
+    if args.gate_receipt:
+        gr = json.loads(Path(args.gate_receipt).read_text())
+        gate = {"status": gr["gate"]["status"], "receipt": Path(args.gate_receipt).name,
+                "what": "Gate 2 of the same tree on the same machine"}
+    res["receipt"] = str(write_receipt("kernels-graph-" + args.device if args.graph else "kernels-" + args.device,
+                                       model={"what": "random valid quantized weights at the full geometry's shapes"},
+                                       device=device_description(args.device), lane="exact", gate=gate,
+                                       results={k: v for k, v in res.items() if k != "table"} | {"table": rows_out},
+                                       out_dir=out_dir))
     flush()
     print("\n".join(rows_out))
     if switch is not None:

@@ -50,6 +50,7 @@ def main() -> int:
     ap.add_argument("--depths", default="0,32768")
     ap.add_argument("--splits", default="64,256")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--gate-receipt", default=None, help="Gate 2 receipt of this tree on this machine")
     a = ap.parse_args()
     from muser.engine import Engine
     from muser.engine.kernels import attention
@@ -119,6 +120,15 @@ def main() -> int:
             for k, ms in list(cell.get("per_step_ms", {}).items())[:14]:
                 print(f"   {ms:8.3f} ms  x{cell['launches_per_step'][k]:6.1f}  {k}", flush=True)
             (out / "device_profile.json").write_text(json.dumps(res, indent=1))
+    from muser.bench.receipt import device_description, write_receipt
+
+    gate = {"status": "n/a", "what": "profile only"}
+    if a.gate_receipt:
+        gr = json.loads(Path(a.gate_receipt).read_text())
+        gate = {"status": gr["gate"]["status"], "receipt": Path(a.gate_receipt).name,
+                "what": "Gate 2 of the same tree on the same machine"}
+    write_receipt("decode-profile-cuda", model={"path": a.full, "bytes": Path(a.full).stat().st_size},
+                  device=device_description("cuda"), lane="exact", gate=gate, results=res, out_dir=out)
     return 0
 
 

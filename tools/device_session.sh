@@ -107,7 +107,8 @@ elif [ "$phase" = Z ]; then
       --stages env,kernels,gate2,invariance --budget 215 2>&1 | tail -36
   while [ ! -f $W/full.done ]; do [ "$(el)" -gt 300 ] && break; sleep 2; done; cat $W/full.done
   echo "--- profile at $(el) s"
-  timeout -s TERM 120 python3 tools/device_profile.py $FULL "$OUT" --depths 0,32768 --splits 64 2>&1 | tail -34
+  timeout -s TERM 120 python3 tools/device_profile.py $FULL "$OUT" --depths 0,32768 --splits 64 \
+      --gate-receipt "$(ls "$OUT"/*-engine-gate2-cuda.json | head -1)" 2>&1 | tail -34
   echo "--- engine full geometry at $(el) s"
   timeout -s TERM $(( 590 - $(el) )) python3 tools/device_engine.py --out "$OUT" --full $FULL --stages env,full \
       --depths 0,32768 --matvec v3 --budget $(( 575 - $(el) )) \

@@ -191,6 +191,8 @@ def test_device_kernels_script_smoke(v2, tmp_path):
             assert c["v3_T1"]["mean_s"] > 0 and c["v3_T16"]["mean_s"] > 0
     assert saved["sweep"] and all("us" in s for s in saved["sweep"])
     assert saved["v3_sweep"] and all("us" in s for s in saved["v3_sweep"])
+    receipt = json.loads(Path(res["receipt"]).read_text())
+    assert receipt["kind"] == "kernels-cpu" and receipt["gate"]["status"] == "n/a" and receipt["git_sha"]
     tuning = json.loads((tmp_path / "v3_tuning.json").read_text())
     assert {t["fmt"] for t in tuning} == {"Q4_K", "Q5_K", "Q6_K"}
     assert saved["copy"]["GBps_read_plus_write"] > 0
