@@ -43,13 +43,42 @@ llama_bench() {  # depth, limit_s, name
   echo "llama-bench d=$1 rc=$? at $(el) s"; tail -2 $W/$3.err; cp $W/$3 "$OUT/$3"
 }
 
+# the 16.75 GB full-geometry file: written in the background (then waited for), or in the
+# foreground when a warm machine's copy is gone
+full_bg() {
+  ( [ -s $FULL ] || python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1; \
+    echo "full file rc=$? at $(el) s" >$W/full.done ) &
+}
+wait_full() {  # limit_s
+  while [ ! -f $W/full.done ]; do [ "$(el)" -gt "$1" ] && break; sleep 2; done; cat $W/full.done
+}
+ensure_full() {
+  if [ ! -s $FULL ]; then
+    echo "machine was not warm: no full file; writing it"
+    python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1
+  fi
+}
+# this machine's llama-bench rows (depth 0 and 32768) as one JSON list -> $W/llama-bench.json
+merge_llama_json() {
+  python3 - "$W" >$W/llama-bench.json <<'EOF'
+import json, sys, pathlib
+rows = []
+for n in ("llama-bench-d0.json", "llama-bench-d32768.json"):
+    p = pathlib.Path(sys.argv[1]) / n
+    try:
+        rows += json.loads(p.read_text())
+    except Exception:
+        pass
+print(json.dumps(rows))
+EOF
+}
+
 if [ "$phase" = K ]; then
   # call 1 of 2 (back to back): bg llama.cpp build + full file; fg Gate 2 and invariance with the
   # default kernels (v3 packed layout + stacks), the v1/v2/v3 kernel table and the v3 sweep (its
   # winners -> $W/v3_tuning.json for call 2), then llama-bench at depth 0
   ( build_llama; echo "llama build rc=$? at $(el) s" >$W/build.done ) &
-  ( [ -s $FULL ] || python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1; \
-    echo "full file rc=$? at $(el) s" >$W/full.done ) &
+  full_bg
   timeout -s TERM 230 python3 tools/device_engine.py --out "$OUT" --no-full \
       --stages env,kernels,gate2,invariance --budget 215 2>&1 | tail -40
   echo "--- kernels at $(el) s"
@@ -65,22 +94,9 @@ elif [ "$phase" = F ]; then
   # call 2 of 2: llama-bench at depth 32768 (if call 1's build is still here), then the engine's
   # full-geometry stage: v3 (tuned by call 1's sweep) beside v2, depths 0 and 32768, verify,
   # pp512 exact and fast, with llama.cpp's figures of this session beside them
-  if [ ! -s $FULL ]; then
-    echo "machine was not warm: no full file; writing it"
-    python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1
-  fi
+  ensure_full
   [ -x $BENCH ] && llama_bench 32768 150 llama-bench-d32768.json
-  python3 - "$W" >$W/llama-bench.json <<'EOF'
-import json, sys, pathlib
-rows = []
-for n in ("llama-bench-d0.json", "llama-bench-d32768.json"):
-    p = pathlib.Path(sys.argv[1]) / n
-    try:
-        rows += json.loads(p.read_text())
-    except Exception:
-        pass
-print(json.dumps(rows))
-EOF
+  merge_llama_json
   if [ -s $W/v3_tuning.json ]; then export MUSER_V3_TUNING=$W/v3_tuning.json; cp $W/v3_tuning.json "$OUT/"; fi
   echo "--- engine full geometry at $(el) s (MUSER_V3_TUNING=${MUSER_V3_TUNING:-none})"
   timeout -s TERM $(( 590 - $(el) )) python3 tools/device_engine.py --out "$OUT" --full $FULL --stages env,full \
@@ -89,11 +105,10 @@ elif [ "$phase" = P ]; then
   # profile call: the kernel table timed inside CUDA graphs (no host launch cost) with the v3
   # sweep over the engine's stacked shapes, then where a decode step's GPU time goes
   # (tools/device_profile.py) at depths 0 and 32768 with two attention split caps
-  ( [ -s $FULL ] || python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1; \
-    echo "full file rc=$? at $(el) s" >$W/full.done ) &
+  full_bg
   timeout -s TERM 300 python3 tools/device_kernels.py --out "$OUT" --graph --kinds v2,v3 --jobs 12 \
       --budget 285 2>&1 | grep -v "^v3 sweep" | tail -32
-  while [ ! -f $W/full.done ]; do [ "$(el)" -gt 400 ] && break; sleep 2; done; cat $W/full.done
+  wait_full 400
   echo "--- profile at $(el) s"
   timeout -s TERM $(( 590 - $(el) )) python3 tools/device_profile.py $FULL "$OUT" --depths 0,32768 \
       --splits 64,256 2>&1 | tail -70
@@ -101,11 +116,10 @@ elif [ "$phase" = Z ]; then
   # closing call: Gate 2 + invariance + graphs with the default kernels (v3 + stacks + fused
   # tails), the step profile at depths 0 and 32768, then the full-geometry stage (v3 only:
   # realistic residency) with this session's llama.cpp rows (carried in .device/)
-  ( [ -s $FULL ] || python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1; \
-    echo "full file rc=$? at $(el) s" >$W/full.done ) &
+  full_bg
   timeout -s TERM 230 python3 tools/device_engine.py --out "$OUT" --no-full \
       --stages env,kernels,gate2,invariance --budget 215 2>&1 | tail -36
-  while [ ! -f $W/full.done ]; do [ "$(el)" -gt 300 ] && break; sleep 2; done; cat $W/full.done
+  wait_full 300
   echo "--- profile at $(el) s"
   timeout -s TERM 120 python3 tools/device_profile.py $FULL "$OUT" --depths 0,32768 --splits 64 \
       --gate-receipt "$(ls "$OUT"/*-engine-gate2-cuda.json | head -1)" 2>&1 | tail -34
@@ -116,8 +130,7 @@ elif [ "$phase" = Z ]; then
       --llama-bench-json .device/llama-bench-session3.json 2>&1 | tail -24
 elif [ "$phase" = A ]; then
   ( build_llama; echo "llama build rc=$? at $(el) s" >$W/build.done ) &
-  ( [ -s $FULL ] || python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1; \
-    echo "full file rc=$? at $(el) s" >$W/full.done ) &
+  full_bg
   timeout -s TERM 330 python3 tools/device_engine.py --out "$OUT" --no-full \
       --stages env,kernels,gate2,invariance --budget 310 2>&1 | tail -45
   if [ -f src/muser/engine/kernels/qmatvec_v2.py ]; then
@@ -134,11 +147,10 @@ elif [ "$phase" = C ]; then
   # one call on a cold machine, no llama.cpp build: engine correctness, then the full geometry
   # (llama.cpp's figures from an earlier call of this session, carried in .device/), then the
   # kernel table, then Gate 2 with the v2 matvec
-  ( [ -s $FULL ] || python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1; \
-    echo "full file rc=$? at $(el) s" >$W/full.done ) &
+  full_bg
   timeout -s TERM 250 python3 tools/device_engine.py --out "$OUT" --no-full \
       --stages env,kernels,gate2,invariance --budget 235 2>&1 | tail -45
-  while [ ! -f $W/full.done ]; do [ "$(el)" -gt 330 ] && break; sleep 2; done; cat $W/full.done
+  wait_full 330
   echo "--- engine full geometry at $(el) s"
   mkdir -p "$OUT/full"
   timeout -s TERM $(( 470 - $(el) )) python3 tools/device_engine.py --out "$OUT/full" --full $FULL \
@@ -154,22 +166,9 @@ elif [ "$phase" = C ]; then
         --stages gate2 --gate-dtypes Q4_K,Q6_K,q4_k_xl,Q8_0 --gate-tokens 128 --budget $(( 575 - $(el) )) 2>&1 | tail -10
   fi
 else
-  if [ ! -s $FULL ]; then
-    echo "machine was not warm: no full file; writing it"
-    python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1
-  fi
+  ensure_full
   llama_bench 32768 190 llama-bench-d32768.json
-  python3 - "$W" >$W/llama-bench.json <<'EOF'
-import json, sys, pathlib
-rows = []
-for n in ("llama-bench-d0.json", "llama-bench-d32768.json"):
-    p = pathlib.Path(sys.argv[1]) / n
-    try:
-        rows += json.loads(p.read_text())
-    except Exception:
-        pass
-print(json.dumps(rows))
-EOF
+  merge_llama_json
   if [ -f tools/device_kernels.py ]; then
     timeout -s TERM 100 python3 tools/device_kernels.py --out "$OUT" --budget 85 2>&1 | tail -30
   fi

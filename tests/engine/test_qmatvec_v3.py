@@ -138,8 +138,19 @@ def test_v3_tuning_file(v3, tmp_path):
         assert m.load_tuning(str(f)) == 1
         assert m.config_for(p, 1) == (8, 4, 4, False)
         assert m.config_for(p, 16) == m.CONFIGS[16]
-        f.write_text(json.dumps([{"fmt": "Q4_K", "rows": 1, "n_out": 8, "n_in": 512, "config": [6, 4, 4, False]}]))
-        with pytest.raises(ValueError):
+        from muser.errors import LaneError
+
+        before = dict(m.TUNED)
+        for bad in ([{"fmt": "Q4_K", "rows": 1, "n_out": 8, "n_in": 512, "config": [6, 4, 4, False]}],
+                    [{"fmt": "Q4_K", "rows": 1, "n_out": 8, "n_in": 512, "config": [8, 4, 4, False]},
+                     {"fmt": "Q4_K", "rows": 3, "n_out": 8, "n_in": 512, "config": [8, 4, 4, False]}],
+                    [{"fmt": "Q4_K", "rows": 1}]):
+            f.write_text(json.dumps(bad))
+            with pytest.raises(LaneError, match="t.json"):
+                m.load_tuning(str(f))
+            assert m.TUNED == before  # nothing half-taken
+        f.write_text("{not json")
+        with pytest.raises(LaneError):
             m.load_tuning(str(f))
     finally:
         m.TUNED.clear()

@@ -325,7 +325,8 @@ class Forward:
                 x = x_next
             else:
                 x = FK.norm_mul(h, L.attn_norm, eps) if fz else rms_norm(h, eps) * L.attn_norm
-            if fz and L.attn_in is not None and lin.stacked_ok(T):
+            qk_fused = fz and L.attn_in is not None and lin.stacked_ok(T)
+            if qk_fused:
                 # one launch for q|k|(v|)gate, one for the q/k head norms + RoPE (book 9.7, 14)
                 st = L.attn_in
                 y = lin.stacked_raw(st, x)  # [T, sum n_out]
@@ -334,19 +335,12 @@ class Forward:
                                        cos_c if L.sliding else None, sin_c if L.sliding else None)
                 v = (y[:, st.bounds[2][0]:st.bounds[2][1]] if L.attn_in_v else lin(L.wv, x)).view(T, KV, D)
                 g = y[:, st.bounds[-1][0]:st.bounds[-1][1]]
-            elif L.attn_in is not None and lin.stacked_ok(T):  # one launch for the stacked q|k|(v|)gate
-                if L.attn_in_v:
-                    q, k, v, g = lin.stacked(L.attn_in, x)
-                else:
-                    q, k, g = lin.stacked(L.attn_in, x)
-                    v = lin(L.wv, x)
-                q, k, v = q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D)
             else:
                 q = lin(L.wq, x).view(T, H, D)
                 k = lin(L.wk, x).view(T, KV, D)
                 v = lin(L.wv, x).view(T, KV, D)
                 g = lin(L.wgate, x)  # [T, attn_dim], from the same normed input (book 9.8)
-            if not (fz and L.attn_in is not None and lin.stacked_ok(T)):
+            if not qk_fused:
                 q = rms_norm(q, eps) * L.q_norm  # per-head QK-norm (book 14)
                 k = rms_norm(k, eps) * L.k_norm
                 if L.sliding:

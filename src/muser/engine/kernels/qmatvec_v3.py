@@ -40,7 +40,7 @@ import torch
 
 from ...gguf.types import GgmlType as G
 from ..weights import QK, QWeight, decode_fields, index_maps
-from .qmatvec import MAX_ROWS, _rows_bucket
+from .qmatvec import _rows_bucket, check_matvec_args
 
 try:  # Triton is optional on the CPU; the CUDA backend requires it.
     import triton
@@ -453,14 +453,22 @@ def load_tuning(path: str) -> int:
     number of entries. Every config is checked for shape before it is taken."""
     import json
 
-    n = 0
-    for e in json.loads(open(path).read()):
-        bn, j, nw, pf = e["config"]
-        if not (int(bn) > 0 and int(j) > 0 and int(nw) in (1, 2, 4, 8, 16)) or (e["rows"] == 1 and bn % nw):
-            raise ValueError(f"{path}: bad v3 config {e['config']!r}")
-        TUNED[(str(e["fmt"]), int(e["rows"]), int(e["n_out"]), int(e["n_in"]))] = (int(bn), int(j), int(nw), bool(pf))
-        n += 1
-    return n
+    from ...errors import LaneError
+
+    try:
+        entries = json.loads(open(path).read())
+        parsed = []
+        for e in entries:
+            bn, j, nw, pf = (int(v) for v in e["config"])
+            key = (str(e["fmt"]), int(e["rows"]), int(e["n_out"]), int(e["n_in"]))
+            pow2 = all(v > 0 and v & (v - 1) == 0 for v in (bn, j, nw))  # tl.arange extents
+            if not pow2 or key[1] not in (1, 2, 4, 8, 16) or (key[1] == 1 and bn % nw):
+                raise ValueError(f"config {e['config']!r} for {key}")
+            parsed.append((key, (bn, j, nw, bool(pf))))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise LaneError(f"v3 tuning file {path!r}: {err}") from None
+    TUNED.update(parsed)  # all or nothing
+    return len(parsed)
 
 
 # The shipped table: the winners of the CUDA-graph-timed sweep over the full geometry's launch
@@ -483,24 +491,13 @@ def config_for(p: Packed, rows: int) -> tuple[int, int, int, bool]:
     return bn, j, nw, pf
 
 
-def check_args(p: Packed, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    T, K = x.shape
-    assert K == p.n_in, f"matvec_v3: x has {K} columns, weight {p.name} has n_in {p.n_in}"
-    assert 1 <= T <= MAX_ROWS, f"matvec_v3: {T} rows (1..{MAX_ROWS})"
-    assert x.dtype == torch.float32 and x.stride(1) == 1, "matvec_v3: x must be f32 with unit column stride"
-    if out is None:
-        out = torch.empty((T, p.n_out), dtype=torch.float32, device=x.device)
-    assert out.shape == (T, p.n_out) and out.stride(1) == 1 and out.dtype == torch.float32
-    return out
-
-
 def matvec_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
               config: tuple | None = None) -> torch.Tensor:
     """x [T, n_in] f32 (T <= 16) -> [T, n_out] f32 over a Packed weight. `config` =
     (BN, J, num_warps, PREFETCH) overrides CONFIGS (device sweeps)."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
-    out = check_args(p, x, out)
+    out = check_matvec_args(p, x, out)  # the shared contract (n_in, n_out, name: Packed has them)
     T = x.shape[0]
     rows = _rows_bucket(T)
     bn, j, num_warps, prefetch = config if config is not None else config_for(p, rows)
