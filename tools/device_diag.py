@@ -33,7 +33,7 @@ from muser.engine import Engine  # noqa: E402
 from muser.engine import forward as F  # noqa: E402
 from muser.engine import lanes as L  # noqa: E402
 from muser.engine import session as S  # noqa: E402
-from muser.engine.gate import default_prompt, gate2  # noqa: E402
+from muser.gates import default_prompt, gate2  # noqa: E402
 
 MICRO = REPO / "models" / "muse-glimmer-micro-f16.gguf"
 KEYS = ("max_dlsm", "median_dlsm", "worst_row", "noise_floor", "status", "tokens_identical")

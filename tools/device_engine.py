@@ -228,7 +228,7 @@ def _fixture(workdir: Path, dtype: str) -> Path:
 def stage_gate2(run: Run, workdir: Path, n_gen: int, dtypes: list[str] = DTYPES) -> dict:
     import muser.oracle as oracle
     from muser.engine import Engine
-    from muser.engine.gate import gate2
+    from muser.gates import gate2
 
     rows = []
     for dt in dtypes:
@@ -277,7 +277,7 @@ def _f(x) -> str:
 def stage_invariance(run: Run, workdir: Path) -> dict:
     import muser.oracle as oracle
     from muser.engine import Engine
-    from muser.engine.gate import default_prompt, invariance, max_dlsm
+    from muser.gates import default_prompt, invariance, max_dlsm
 
     out: dict = {}
     p = _fixture(workdir, "Q4_K")
@@ -362,7 +362,7 @@ def stage_full(run: Run, workdir: Path, full: str | None, llama_json: str | None
     import torch
 
     from muser.engine import Engine
-    from muser.engine.kvstore import resident_bytes
+    from muser.kv.torch_backend import resident_bytes
 
     out: dict = {}
     if full:

@@ -34,7 +34,7 @@ def main() -> int:
     import muser.oracle as oracle
     from muser.bench.receipt import device_description, write_receipt
     from muser.engine import Engine
-    from muser.engine.gate import default_prompt, gate2
+    from muser.gates import default_prompt, gate2
     from muser.model.synth import FULL_GEOMETRY, write_fixture
 
     spec = dataclasses.replace(FULL_GEOMETRY, n_layers=4, sliding_window=512, context_length=4096)

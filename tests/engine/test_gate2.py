@@ -13,7 +13,7 @@ import torch
 
 import muser.oracle as oracle
 from muser.engine import Engine
-from muser.engine.gate import gate2
+from muser.gates import gate2
 from muser.model.synth import SynthSpec
 
 DTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "q4_k_xl"]

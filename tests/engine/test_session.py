@@ -19,7 +19,7 @@ from muser.errors import (
     TokenOutOfRange,
 )
 from muser.engine import Engine
-from muser.engine.gate import GATE_FLOOR, invariance, max_dlsm
+from muser.gates import GATE_FLOOR, invariance, max_dlsm
 from muser.model.synth import SynthSpec
 
 PROMPT = [6 + (i * 37) % 370 for i in range(75)]  # crosses the 32-token window twice
@@ -225,7 +225,7 @@ def test_fast_lane_drift_is_measured_not_exact(tiny_gguf, eng32):
     # decode-shaped calls stay on the exact path
     s1, s2 = eng32.session(max_context=8), fast.session(max_context=8)
     assert np.array_equal(s1.decode(5), s2.decode(5))
-    from muser.engine.gate import gate2
+    from muser.gates import gate2
 
     with pytest.raises(LaneError, match="exact"):
         gate2(tiny_gguf, fast, None, "f32", n_gen=1)

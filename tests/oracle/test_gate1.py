@@ -15,10 +15,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-import muser.model.oracle as oracle_graph
+import muser.oracle.forward as oracle_graph
 from muser.bench.kinds.parity import FLOOR, boundary_runs, default_tokens, run_suite
-from muser.model import oracle_numerics as nm
-from muser.model.oracle_numerics import log_softmax
+from muser.oracle import numerics as nm
+from muser.oracle.numerics import log_softmax
 
 from .conftest import DTYPES_1B, SEMANTIC, rounding_spec, well_spec
 

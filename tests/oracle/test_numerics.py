@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from muser.gguf.types import GgmlType as G
-from muser.model import oracle_numerics as nm
+from muser.oracle import numerics as nm
 
 F32, F64 = np.float32, np.float64
 rng = np.random.default_rng(1234)

@@ -19,7 +19,7 @@ from muser.errors import (
     TokenOutOfRange,
 )
 from muser.gguf.reader import read_gguf
-from muser.model import oracle_numerics as nm
+from muser.oracle import numerics as nm
 
 from .conftest import SEMANTIC, rounding_spec
 

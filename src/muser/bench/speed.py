@@ -22,7 +22,7 @@ attention reads at that position, MuseConfig.kv_bytes) x tok/s; on CUDA the run 
 the device copy bandwidth (a 1 GiB torch copy, read + write) and reports the fraction.
 
 Gate: before any timing the engine's exactness gate runs on the same model, device and KV type
-(Gate 2, muser.engine.gate.gate2: the exact lane teacher-forced against the oracle's f32
+(Gate 2, muser.gates.gate2: the exact lane teacher-forced against the oracle's f32
 arithmetic over a prompt crossing the window and --gate-tokens greedy tokens). A fast-lane run
 is gated by the exact lane on the same loaded weights and reports its drift beside it. A run
 whose gate fails still writes its receipt, marked "not a result", and exits non-zero.
@@ -516,9 +516,9 @@ def exact_view(engine):
 
 
 def run_gate(model, path, lane: str, kv: str, n_gen: int) -> dict:
-    """Gate 2 (engine.gate.gate2) on this model, device and KV type; see the module doc."""
+    """Gate 2 (muser.gates.gate2) on this model, device and KV type; see the module doc."""
     from .. import oracle as oracle_mod
-    from ..engine.gate import default_prompt, gate2, max_dlsm
+    from ..gates import default_prompt, gate2, max_dlsm
 
     cfg = model.config
     prompt = default_prompt(cfg)

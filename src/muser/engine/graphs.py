@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .kernels.attention import AttnScratch, attend_triton, pick_splits
-from .kvstore import TorchBackend
+from ..kv.torch_backend import TorchBackend
 
 
 class _GraphKv:

@@ -30,7 +30,7 @@ from ..errors import (
 from ..kv import DEFAULT_BLOCK, DetachedInstall, KvCache, KvCheckpoint, KvSnapshot
 from .forward import Forward
 from .kernels.attention import AttnScratch, CpuAttnScratch, attend_cpu, attend_ref, attend_triton, pick_splits
-from .kvstore import TORCH_KV, device_cache, resident_bytes
+from ..kv.torch_backend import TORCH_KV, device_cache, resident_bytes
 
 PREFILL_CHUNK = 512  # PREFILL_BATCH_TOKENS (book 10.10)
 WAITING_CHUNK = 64  # MAX_TEACHER_FORCED_TOKENS: boundary while decoders are queued

@@ -145,7 +145,7 @@ def run_suite(oracle, runner, tokens: Sequence[int], runs: Sequence[tuple[str | 
     once per prompt with one prefill (base, 1-ulp up, 1-ulp down) and slices it for every run:
     valid because the oracle is causal, row-independent and chunk-invariant bit for bit
     (tests/oracle checks prefill == decode == prefill+decode == any chunk size)."""
-    from ...model.oracle_numerics import log_softmax
+    from ...oracle.numerics import log_softmax
     from ...oracle import parity_stats
 
     if oracle_feeding not in ("same", "prefill"):

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ...oracle.numerics import log_softmax
+
 GATE_REL = 1e-3  # |PPL_muser / PPL_llama.cpp - 1| <= 0.1% (issue 5)
 DEFAULT_MAX_TOKENS = 8192  # 8 windows of 1024: about 3 minutes for the oracle on 2 cores
 TEXTS = {"held-out": "heldout", "val": "val"}
@@ -195,13 +197,6 @@ def window_starts(n_stream: int, window: int, max_tokens: int) -> tuple[list[int
 
 
 # --- scoring ----------------------------------------------------------------------------------
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax in float64 [T, vocab]."""
-    z = np.asarray(logits, dtype=np.float64)
-    m = z.max(axis=-1, keepdims=True)
-    return z - m - np.log(np.exp(z - m).sum(axis=-1, keepdims=True))
 
 
 @dataclass

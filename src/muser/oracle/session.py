@@ -11,7 +11,7 @@
 
 Arithmetic "f32": weights dequantized to f32, correctly rounded dots, no rounding point except
 the KV type (f32 by default). Arithmetic "ggml-cpu": the pinned llama.cpp CPU graph's rounding
-points for the file's dtypes and the KV type (f16 by default); see muser.model.oracle_numerics.
+points for the file's dtypes and the KV type (f16 by default); see muser.oracle.numerics.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .errors import (
+from ..errors import (
     CacheDiscontinuity,
     ContextOverflow,
     EmptyInput,
@@ -30,11 +30,11 @@ from .errors import (
     NonFiniteLogits,
     TokenOutOfRange,
 )
-from .kv import DEFAULT_BLOCK, KvCache, KvCheckpoint, KvSnapshot
-from .model.config import MuseConfig
-from .model.loader import ModelFile, open_model
-from .model.oracle import OracleForward, OracleWeights, single_thread_blas
-from .model.oracle_numerics import ARITHMETICS, Arithmetic, log_softmax
+from ..kv import DEFAULT_BLOCK, KvCache, KvCheckpoint, KvSnapshot
+from ..model.config import MuseConfig
+from ..model.loader import ModelFile, open_model
+from .forward import OracleForward, OracleWeights, single_thread_blas
+from .numerics import ARITHMETICS, Arithmetic, log_softmax
 
 DEFAULT_CHUNK = 512  # prefill rows per forward (book 10.10: PREFILL_BATCH_TOKENS)
 DEFAULT_KV = {"f32": "f32", "ggml-cpu": "f16"}
@@ -148,7 +148,7 @@ class OracleSession:
     def rollback(self, cp: SessionCheckpoint, keep: int = 0) -> None:
         """Return to `cp`, keeping the first `keep` tokens processed since (an accepted prefix)."""
         if cp.session != id(self):
-            from .errors import KvStateError
+            from ..errors import KvStateError
 
             raise KvStateError("this checkpoint belongs to another session")
         self.cache.rollback(cp.kv, keep)

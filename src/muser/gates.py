@@ -22,13 +22,9 @@ from typing import Sequence
 
 import numpy as np
 
+from .oracle.numerics import log_softmax
+
 GATE_FLOOR = 1e-4
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
 def max_dlsm(a: np.ndarray, b: np.ndarray) -> float:
@@ -48,7 +44,7 @@ def gate2(path, engine, oracle, kv: str, n_gen: int = 256, prompt: Sequence[int]
     """Run Gate 2 for one (fixture, KV type). `engine`: muser.engine.Engine (exact lane);
     `oracle`: muser.oracle model with arithmetic f32 and the same kv. noise="always" measures
     the fixture's noise floor for the report; "if_needed" only when the verdict depends on it."""
-    from ..errors import LaneError
+    from .errors import LaneError
 
     if engine.lane.value != "exact":
         raise LaneError(f"Gate 2 judges the exact lane; this engine runs lane {engine.lane.value!r} "

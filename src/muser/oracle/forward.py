@@ -23,9 +23,9 @@ import numpy as np
 from ..errors import LaneError
 from ..gguf.types import GgmlType as G
 from ..kv import KvCache
-from .config import POST_NORM_EPS, MuseConfig
-from .loader import ModelFile
-from . import oracle_numerics as nm
+from ..model.config import POST_NORM_EPS, MuseConfig
+from ..model.loader import ModelFile
+from . import numerics as nm
 
 F32 = np.float32
 F64 = np.float64

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..kv import KvCache
-from ..kv.backend import check_kv_dtype
+from . import KvCache
+from .backend import check_kv_dtype
 
 TORCH_KV = {"f16": torch.float16, "f32": torch.float32}
 
