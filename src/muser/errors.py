@@ -107,3 +107,8 @@ class ComparatorError(MuserError):
 class KvStateError(MuserError):
     """A KV checkpoint, snapshot or detached install that does not fit the live cache
     (expired checkpoint, geometry mismatch, incomplete install, rows of the wrong shape)."""
+
+
+class HandoffRefused(MuserError):
+    """A remote-KV handoff refused: authentication, integrity, replay, identity, schedule or
+    link failure (book 10.7). Nothing from the refused stream reached a live plane."""
