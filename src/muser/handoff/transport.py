@@ -76,6 +76,9 @@ class Link:
             try:
                 k = self.sock.recv_into(view[got:], n - got)
             except (socket.timeout, TimeoutError):
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    raise HandoffRefused(f"link deadline passed while reading {what} ({got}/{n} bytes): "
+                                         "the link is too slow") from None
                 raise HandoffRefused(f"link stalled: no bytes for {self.sock.gettimeout():.3g} s while "
                                      f"reading {what} ({got}/{n} bytes)") from None
             except ssl.SSLError as e:
