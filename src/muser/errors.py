@@ -107,3 +107,8 @@ class ComparatorError(MuserError):
 class KvStateError(MuserError):
     """A KV checkpoint, snapshot or detached install that does not fit the live cache
     (expired checkpoint, geometry mismatch, incomplete install, rows of the wrong shape)."""
+
+
+class BatchError(MuserError):
+    """A step batch the engine cannot serve: a session from another engine or listed twice, a
+    bad logits-row request, too many rows."""
