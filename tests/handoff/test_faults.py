@@ -15,7 +15,7 @@ from muser.handoff.transport import Frame
 from .conftest import ByteProxy, Relay, assert_unchanged, plane_state, prompt
 
 HELD, NEW = 40, 100  # a held prefix (delta handoff) so "unchanged" covers real live rows
-CHUNK = 64  # two NoPE tiles for the new rows
+CHUNK = 64  # NoPE chunk tiles 0, 1, 2 (chunk 0 reaches into the held prefix)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_tampered_stream(case, nodes, models, certs_dir, tmp_path, reference, ca
     msg, rp, s = _attempt(models, relay.addr, certs_dir, tmp_path, ids)
     relay.thread.join(10)
     assert relay.error is None, relay.error
-    assert len(relay.recorded) == 1 + 2 + 3 + 1 + 1  # manifest, 2 NoPE, 3 SWA groups, logits, end
+    assert len(relay.recorded) == 1 + 3 + 1 + 1 + 1  # manifest, NoPE chunks 0-2, SWA tail, logits, end
     import re
 
     assert re.search(reason, msg), msg

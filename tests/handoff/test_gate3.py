@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from muser.handoff import RemotePrefill, manifest as mf
+from muser.handoff import RemotePrefill, manifest as mf, tiles
+from muser.kv.serial import KvLayout
 
 from .conftest import prompt
 
@@ -38,8 +39,8 @@ def test_remote_equals_local(kv, nodes, models, certs_dir, tmp_path):
     lr = rp.prefill(remote, ids)
     assert rp.last.path == "remote" and rp.last.reason is None
     assert remote.n_past == len(ids)
-    assert rp.last.payload_bytes == mf.payload_formula(m.config, 512, 0, len(ids), kv)
-    assert [a[1] for a in rp.last.arrivals] == ["manifest"] + ["nope"] * 3 + ["swa"] * 3 + ["logits", "end"]
+    assert rp.last.kv_bytes == KvLayout.of_config(m.config, kv).state_bytes(len(ids))  # book 15.7
+    assert [a[1] for a in rp.last.arrivals] == ["manifest"] + ["nope"] * 3 + ["swa", "logits", "end"]
     local = m.session(max_context=512, chunk=128)
     ll = local.prefill(ids)
     _same_planes(remote, local)
@@ -55,9 +56,11 @@ def test_delta_sends_only_the_suffix(nodes, models, certs_dir, tmp_path):
     remote.prefill(ids[:cut])
     lr = rp.prefill(remote, ids[cut:], history=ids[:cut])
     assert rp.last.path == "remote" and rp.last.cut == cut
-    # only the 100 new NoPE rows and min(100, W) ring rows travel, not the held 200
-    assert rp.last.payload_bytes == mf.payload_formula(m.config, 1024, cut, len(ids), "f16")
-    assert rp.last.payload_bytes < mf.payload_formula(m.config, 1024, 0, len(ids), "f16") * 0.7
+    # NoPE rows from the chunk holding the cut (192) on and the ring tail travel, not [0, 192)
+    layout = tiles.layout_of(remote)
+    held_nope = len(layout.full_layers) * 192 * 2 * layout.row_bytes
+    assert rp.last.kv_bytes == mf.kv_rows_formula(layout, cut, len(ids)) == \
+        layout.state_bytes(len(ids)) - held_nope
     local = m.session(max_context=1024, chunk=64)
     local.prefill(ids[:cut])
     ll = local.prefill(ids[cut:])

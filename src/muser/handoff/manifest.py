@@ -7,16 +7,18 @@ the reader verifies the tag on the bytes received, then parses them strictly (no
 duplicate keys, objects only). The key is the certs dir's hmac.key (muser certs init).
 
 Plan: for a prompt of n tokens of which the decode node already holds the first `cut`, with
-prefill chunk C and window W (the SWA ring capacity is min(max_context, W)):
+tile chunk C (the prefill chunk, 512 by default) and window W, tiles in muser.kv.serial's byte
+form (one KV byte format in the project):
 
-  - one NoPE tile per producer chunk [c, min(c + C, n)), c = cut, cut + C, ... : every full
-    (NoPE) layer's K and V rows for that range, sent as soon as the chunk is computed;
-  - one SWA tile per collar slot (sliding layers il % 4 == 0, 1, 2): rows
-    [max(cut, n - cap), n), the retained logical tail, sent after the last chunk;
+  - one NOPE tile per C-token chunk [cC, min((c+1)C, n)) from the chunk holding `cut` on: every
+    full (NoPE) layer's K and V rows, sent as soon as the producer's prefill has passed its end;
+  - the SWA tile: every sliding layer's logical tail [n - min(n, W), n) with its explicit
+    origin, sent after the last chunk (its rows depend on the whole prompt's end);
   - the last row's logits (f32 [vocab]), then the end seal listing every tile's SHA-256.
 
-Wire payload = n_full (n - cut) 2 kv_dim e + n_swa min(n - cut, cap) 2 kv_dim e + 4 vocab bytes,
-e = 2 (f16) or 4 (f32) (book 15.7's per-token formula, NoPE growing, SWA bounded).
+K/V bytes = (n_full (n - floor(cut / C) C) + n_swa min(n, W)) x 2 x kv_dim x e, e = 2 (f16) or
+4 (f32) (book 15.7: NoPE grows with the prompt, SWA is bounded by the window); each tile adds
+serial's 64-byte header, layer index and 32-byte digest, each frame its seal.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from ..errors import HandoffRefused
 VERSION = 2
 DOMAIN = b"muser-handoff-v2\0"
 TAG_BYTES = 32
-KV_ELEM = {"f16": 2, "f32": 4}
 
 
 def canonical(doc: dict) -> bytes:
@@ -126,38 +127,34 @@ def ids_sha256(ids) -> str:
 # --- the tile plan -------------------------------------------------------------------------
 
 
-def plan_tiles(cfg, max_context: int, cut: int, n: int, chunk: int, kv: str) -> list[dict]:
-    """Every tile of a handoff in wire order (see module doc). `cfg`: a MuseConfig."""
-    from ..model.config import COLLAR
+def plan_tiles(layout, max_context: int, cut: int, n: int, vocab: int) -> list[dict]:
+    """Every tile of a handoff in wire order (see module doc). `layout`: muser.kv.serial.KvLayout
+    (its chunk_tokens is the producer's prefill chunk)."""
+    from ..kv.serial import KIND_NOPE, KIND_SWA
 
     if not 0 <= cut < n <= max_context:
         raise HandoffRefused(f"handoff range: held {cut} of {n} tokens in max_context {max_context} is invalid")
-    if chunk < 1:
-        raise HandoffRefused(f"prefill chunk {chunk} must be >= 1")
-    kv_dim, e = cfg.kv_dim, KV_ELEM[kv]
-    full = [il for il, s in enumerate(cfg.swa_pattern) if not s]
+    C = layout.chunk_tokens
     tiles: list[dict] = []
-    for c in range(cut, n, chunk):
-        a, b = c, min(c + chunk, n)
-        tiles.append({"kind": "nope", "layers": full, "range": [a, b], "dtype": kv,
-                      "shape": [len(full), 2, b - a, kv_dim], "nbytes": len(full) * 2 * (b - a) * kv_dim * e})
-    cap = min(max_context, cfg.sliding_window)
-    a = max(cut, n - cap)
-    for slot in range(COLLAR):
-        layers = [il for il, s in enumerate(cfg.swa_pattern) if s and il % COLLAR == slot]
-        if layers:
-            tiles.append({"kind": "swa", "layers": layers, "range": [a, n], "dtype": kv,
-                          "shape": [len(layers), 2, n - a, kv_dim],
-                          "nbytes": len(layers) * 2 * (n - a) * kv_dim * e})
-    tiles.append({"kind": "logits", "layers": [], "range": [n - 1, n], "dtype": "f32",
-                  "shape": [cfg.vocab], "nbytes": 4 * cfg.vocab})
+    if layout.full_layers:
+        for c in range(cut // C, -(-n // C)):
+            a, b = c * C, min((c + 1) * C, n)
+            tiles.append({"kind": "nope", "chunk": c, "range": [a, b], "layers": list(layout.full_layers),
+                          "dtype": layout.dtype, "nbytes": layout.tile_bytes(KIND_NOPE, b - a)})
+    if layout.sliding_layers:
+        a = n - min(n, layout.window)
+        tiles.append({"kind": "swa", "chunk": None, "range": [a, n], "layers": list(layout.sliding_layers),
+                      "dtype": layout.dtype, "nbytes": layout.tile_bytes(KIND_SWA, n - a)})
+    tiles.append({"kind": "logits", "chunk": None, "range": [n - 1, n], "layers": [], "dtype": "f32",
+                  "nbytes": 4 * vocab})
     for i, t in enumerate(tiles):
         t["seq"] = i + 1  # seq 0 is the manifest
     return tiles
 
 
-def payload_formula(cfg, max_context: int, cut: int, n: int, kv: str) -> int:
-    """Book 15.7's bytes for this handoff (module doc), independent of the plan's tiling."""
-    e = KV_ELEM[kv]
-    cap = min(max_context, cfg.sliding_window)
-    return (cfg.n_full * (n - cut) + cfg.n_swa * min(n - cut, cap)) * 2 * cfg.kv_dim * e + 4 * cfg.vocab
+def kv_rows_formula(layout, cut: int, n: int) -> int:
+    """Book 15.7's K/V bytes this plan carries: n_full rows from the chunk holding `cut` to n,
+    n_swa rows of the last min(n, W) -- (rows) x 2 (K, V) x kv_dim x element bytes."""
+    a = (cut // layout.chunk_tokens) * layout.chunk_tokens
+    rows = len(layout.full_layers) * (n - a) + len(layout.sliding_layers) * min(n, layout.window)
+    return 2 * rows * layout.row_bytes

@@ -188,7 +188,8 @@ class PrefillNode:
         max_context = _field(req, "max_context", int)
         if not 0 < max_context <= cfg.context_length:
             raise HandoffRefused(f"max_context {max_context} is outside [1, {cfg.context_length}]")
-        chunk = _field(req, "chunk", int)
+        if _field(req, "chunk", int) < 1:
+            raise HandoffRefused(f"prefill chunk {req['chunk']} must be >= 1")
         req["history"] = _id_list(req.get("history"), "history", cfg.vocab)
         req["ids"] = _id_list(req.get("ids"), "ids", cfg.vocab)
         return req
@@ -198,61 +199,54 @@ class PrefillNode:
         link = Link(sock, self.stall_s)
         req = self._request(link)
         eng = self.model.engine
-        cfg = eng.cfg
-        history, ids = req["history"], req["ids"]
+        history, ids, C = req["history"], req["ids"], req["chunk"]
         cut, n = len(history), len(history) + len(ids)
-        plan = mf.plan_tiles(cfg, req["max_context"], cut, n, req["chunk"], eng.kv)
-        man = {
-            "version": mf.VERSION, "session": req["session"], "request": req["request"],
-            "epoch": req["epoch"], "nonce": secrets.token_hex(16), "timestamp": time.time(),
-            "identity": self.identity, "lane": eng.lane.value, "kv": eng.kv, "device": eng.device.type,
-            "producer": self.certs.name, "consumer": peer_name, "n_tokens": n, "cut": cut,
-            "chunk": req["chunk"], "max_context": req["max_context"],
-            "ids_sha256": mf.ids_sha256(history + ids), "tiles": plan,
-        }
-        sealed = mf.seal(key, MANIFEST, 0, man)
-        man_sha = mf.sha256(sealed[mf.TAG_BYTES:])
-        sender = _Sender(sock)
-        sender.start()
-        digests: list[str] = []
+        with self._engine_lock:
+            s = self.model.session(max_context=req["max_context"], chunk=C)  # validates chunk
+            layout = codec.layout_of(s)
+            plan = mf.plan_tiles(layout, req["max_context"], cut, n, eng.cfg.vocab)
+            man = {
+                "version": mf.VERSION, "session": req["session"], "request": req["request"],
+                "epoch": req["epoch"], "nonce": secrets.token_hex(16), "timestamp": time.time(),
+                "identity": self.identity, "lane": eng.lane.value, "kv": eng.kv, "device": eng.device.type,
+                "producer": self.certs.name, "consumer": peer_name, "n_tokens": n, "cut": cut,
+                "chunk": C, "max_context": req["max_context"], "layout": layout.to_json(),
+                "ids_sha256": mf.ids_sha256(history + ids), "tiles": plan,
+            }
+            sealed = mf.seal(key, MANIFEST, 0, man)
+            man_sha = mf.sha256(sealed[mf.TAG_BYTES:])
+            sender = _Sender(sock)
+            sender.start()
+            digests: list[str] = []
 
-        def tile(t: dict, data: bytes) -> None:
-            d = dict(t, sha256=mf.sha256(data), manifest=man_sha)
-            digests.append(d["sha256"])
-            sender.send(TILE, t["seq"], mf.seal_tile(key, TILE, t["seq"], d, data))
+            def tile(t: dict, data: bytes) -> None:
+                d = dict(t, sha256=mf.sha256(data), manifest=man_sha)
+                digests.append(d["sha256"])
+                sender.send(TILE, t["seq"], mf.seal_tile(key, TILE, t["seq"], d, data))
 
-        try:
-            sender.send(MANIFEST, 0, sealed)
-            with self._engine_lock:
+            try:
+                sender.send(MANIFEST, 0, sealed)
                 t0 = time.perf_counter()
-                s = self.model.session(max_context=req["max_context"], chunk=req["chunk"])
                 if cut:
                     s.prefill(np.asarray(history, dtype=np.int64))
-                nope = iter(t for t in plan if t["kind"] == "nope")
+                nope = [t for t in plan if t["kind"] == "nope"]
                 logits = None
-                for c in range(cut, n, req["chunk"]):
-                    b = min(c + req["chunk"], n)
-                    logits = s.prefill(np.asarray(ids[c - cut:b - cut], dtype=np.int64))
-                    t = next(nope)
-                    tile(t, codec.encode_rows([_rows(s, il, c, b) for il in t["layers"]]))
+                for c in range(cut, n, C):  # the decode node's own chunking from n_past = cut
+                    logits = s.prefill(np.asarray(ids[c - cut:min(c + C, n) - cut], dtype=np.int64))
+                    while nope and nope[0]["range"][1] <= s.n_past:  # chunk complete: ship it now
+                        t = nope.pop(0)
+                        tile(t, codec.encode_nope(s, layout, t["chunk"]))
                 prefill_s = time.perf_counter() - t0
                 compute_done = time.time()
                 for t in plan:
                     if t["kind"] == "swa":
-                        a, b = t["range"]
-                        tile(t, codec.encode_rows([_rows(s, il, a, b) for il in t["layers"]]))
+                        tile(t, codec.encode_swa(s, layout))
                     elif t["kind"] == "logits":
                         tile(t, codec.encode_logits(logits))
-            end = {"seq": len(plan) + 1, "manifest": man_sha, "tiles": digests,
-                   "stats": {"prefill_s": prefill_s, "compute_done_unix": compute_done}}
-            sender.send(END, len(plan) + 1, mf.seal(key, END, len(plan) + 1, end))
-        finally:
-            sender.finish()
+                end = {"seq": len(plan) + 1, "manifest": man_sha, "tiles": digests,
+                       "stats": {"prefill_s": prefill_s, "compute_done_unix": compute_done}}
+                sender.send(END, len(plan) + 1, mf.seal(key, END, len(plan) + 1, end))
+            finally:
+                sender.finish()
         log.info("handoff to %s: %d tokens (%d held), %d tiles, %d bytes", peer_name, n, cut, len(plan),
                  sender.bytes_out)
-
-
-def _rows(s, layer: int, a: int, b: int):
-    """Logical rows [a, b) of one layer's plane, token-major [b - a, kv_dim]."""
-    p = s.cache.plane(layer)
-    return p.read(p.physical_of(np.arange(a, b, dtype=np.int64)))

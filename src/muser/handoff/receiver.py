@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import HandoffRefused
+from ..errors import HandoffRefused, KvStateError
+from ..kv.serial import KIND_NOPE, KIND_SWA, decode_tile
 from . import manifest as mf
 from . import tiles as codec
 from .certs import Certs
@@ -53,8 +54,9 @@ class Outcome:
     reason: str | None = None
     n_tokens: int = 0
     cut: int = 0
-    payload_bytes: int = 0
-    wire_bytes: int = 0
+    kv_bytes: int = 0  # K/V row bytes in the tiles received
+    tile_bytes: int = 0  # tile bytes (serial headers, layer index and digests included) + logits
+    wire_bytes: int = 0  # everything read from the link: frames, seals, descriptors
     ttft_s: float = 0.0
     producer_prefill_s: float | None = None
     compute_done_unix: float | None = None
@@ -81,7 +83,7 @@ class RemotePrefill:
     def prefill(self, session, ids, history=None) -> np.ndarray:
         """Logits [vocab] of the last of `ids`, with the session's KV holding history + ids.
         `history`: the tokens the session already holds (len == session.n_past), not sent as KV."""
-        a = session._tokens(ids, "remote prefill")  # the session's own validation, before any work
+        a = session.check(ids, "prefill")  # the session's own validation, before any work
         held = [] if history is None else [int(t) for t in np.asarray(history).reshape(-1)]
         if len(held) != session.n_past:
             raise HandoffRefused(f"history has {len(held)} tokens but the session holds {session.n_past}")
@@ -122,7 +124,7 @@ class RemotePrefill:
         eng, cfg = session.engine, session.cfg
         key = self.certs.hmac_key
         cut, n = len(history), len(history) + len(ids)
-        plan = mf.plan_tiles(cfg, session.max_context, cut, n, session.chunk, eng.kv)
+        plan = mf.plan_tiles(codec.layout_of(session), session.max_context, cut, n, cfg.vocab)
         ident = mf.model_identity(eng.model_file.identity)
         req = {"version": mf.VERSION, "request": secrets.token_hex(16), "epoch": self.ledger.epoch,
                "session": secrets.token_hex(16), "identity": ident, "lane": eng.lane.value, "kv": eng.kv,
@@ -182,9 +184,9 @@ class RemotePrefill:
             for il in range(cfg.n_layers):
                 a, _ = install.expected(il)
                 if a < cut:
-                    p = session.cache.plane(il)
-                    k, v = p.read(p.physical_of(np.arange(a, cut, dtype=np.int64)))
+                    k, v = codec.rows(session, il, a, cut)
                     install.put(il, a, k, v)
+        layout = codec.layout_of(session)
         limit = max(t["nbytes"] for t in plan) + TILE_OVERHEAD
         digests: list[str] = []
         logits = None
@@ -194,21 +196,18 @@ class RemotePrefill:
                 raise HandoffRefused(f"frame out of order: expected tile seq {t['seq']}, got kind {fr.kind} "
                                      f"seq {fr.seq} (reordered, duplicated or dropped)")
             desc, data = mf.open_tile(key, TILE, t["seq"], fr.payload, f"tile seq {t['seq']}")
-            want = dict(t, sha256=desc.get("sha256"), manifest=man_sha)
-            if desc != want:
+            if desc != dict(t, sha256=desc.get("sha256"), manifest=man_sha):
                 raise HandoffRefused(f"tile seq {t['seq']}: descriptor does not match the manifest's plan")
-            if mf.sha256(data) != desc["sha256"]:
+            if len(data) != t["nbytes"] or mf.sha256(data) != desc["sha256"]:
                 raise HandoffRefused(f"tile seq {t['seq']}: payload SHA-256 mismatch (tampered tile)")
             if t["kind"] == "logits":
                 logits = codec.decode_logits(data, cfg.vocab)
                 if not np.isfinite(logits).all():
                     raise HandoffRefused("the shipped logits are not finite (book 10.9)")
             else:
-                a = t["range"][0]
-                for il, (k, v) in zip(t["layers"], codec.decode_rows(data, t)):
-                    install.put(il, a, k, v)
+                out.kv_bytes += self._scatter(session, install, layout, t, data, cut)
             digests.append(desc["sha256"])
-            out.payload_bytes += len(data)
+            out.tile_bytes += len(data)
             out.arrivals.append((t["seq"], t["kind"], fr.wire_bytes, time.time()))
         seq = len(plan) + 1
         fr = self._frame(link, MAX_DOC, "end seal")
@@ -223,3 +222,27 @@ class RemotePrefill:
         out.arrivals.append((seq, "end", fr.wire_bytes, time.time()))
         install.validate_complete()
         return install, logits
+
+    @staticmethod
+    def _scatter(session, install, layout, t: dict, data, cut: int) -> int:
+        """Parse one serial tile (strict) and write its rows at or after `cut` into the detached
+        install; rows below `cut` (the chunk or tail reaching into the held prefix) must equal
+        the held rows bit for bit, else the producer computed another prefix. Returns K/V bytes."""
+        try:
+            tile = decode_tile(data, layout, KIND_NOPE if t["kind"] == "nope" else KIND_SWA)
+        except KvStateError as e:
+            raise HandoffRefused(f"tile seq {t['seq']}: {e}") from None
+        a, b = t["range"]
+        if (tile.start, tile.start + tile.rows, tile.n_tokens, list(tile.layers)) != (a, b, b, t["layers"]):
+            raise HandoffRefused(f"tile seq {t['seq']}: rows [{tile.start}, {tile.start + tile.rows}) of "
+                                 f"layers {list(tile.layers)} where the plan has [{a}, {b}) of {t['layers']}")
+        lo = max(a, cut)
+        for il, k, v in zip(tile.layers, tile.keys, tile.values):
+            if a < cut:
+                hk, hv = codec.rows(session, il, a, cut)
+                if not (codec.same_bits(hk, k[:cut - a]) and codec.same_bits(hv, v[:cut - a])):
+                    raise HandoffRefused(f"tile seq {t['seq']}: layer {il} rows [{a}, {cut}) differ from the held "
+                                         "prefix: the producer computed another history")
+            if lo < b:
+                install.put(il, lo, k[lo - a:], v[lo - a:])
+        return 2 * len(tile.layers) * tile.rows * layout.row_bytes

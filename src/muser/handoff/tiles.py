@@ -1,53 +1,73 @@
-"""Tile payload bytes: the K/V rows of a group of layers for one logical range.
+"""Tile bytes for the wire: muser.kv.serial's NOPE and SWA tiles (the project's one KV byte
+format, docs/kvpack.md), cut from a live session's planes without a whole-cache snapshot, and
+the logits row (f32 little-endian [vocab]).
 
-    payload = for each layer in tile order: K rows [n, kv_dim] then V rows [n, kv_dim],
-              token-major (each row head by head, muser.kv's row convention), little-endian,
-              in the plane element type (f16 | f32); logits tiles are f32 [vocab].
-
-This is the only place that turns plane rows into wire bytes and back; the descriptor
-(muser.handoff.manifest.plan_tiles) fixes layers, range, dtype and shape before the bytes are
-read, so decoding is a bounds-checked view, never a parse.
+A chunk's NOPE tile reads only that chunk's rows; the SWA tile reads only the sliding layers'
+tail. Both go through serial's own encoder by way of a KvSnapshot that carries just those
+rows (the planes a tile does not read are empty), so the bytes are exactly serial's.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
-import torch
 
-from ..errors import HandoffRefused
-
-NP_DTYPE = {"f16": np.dtype("<f2"), "f32": np.dtype("<f4")}
-
-
-def _host_bytes(t) -> bytes:
-    if isinstance(t, torch.Tensor):
-        t = t.detach().to("cpu").contiguous().numpy()
-    return np.ascontiguousarray(t).astype(t.dtype.newbyteorder("<"), copy=False).tobytes()
+from ..errors import HandoffRefused, KvStateError
+from ..kv import KvSnapshot, PlaneSnapshot
+from ..kv.serial import KvLayout, nope_tile, swa_tile
 
 
-def encode_rows(rows: Sequence[tuple[object, object]]) -> bytes:
-    """[(keys [n, kv_dim], values [n, kv_dim]) per layer] -> payload bytes."""
-    return b"".join(_host_bytes(k) + _host_bytes(v) for k, v in rows)
+def layout_of(session) -> KvLayout:
+    """The session's tile layout: its model's layer kinds and KV type, chunked like its prefill."""
+    base = KvLayout.of_config(session.cfg, session.kv_dtype)
+    return KvLayout(base.sliding, base.window, base.n_kv_heads, base.head_dim, base.dtype, session.chunk)
 
 
-def decode_rows(data: memoryview | bytes, desc: dict) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Payload bytes -> [(keys, values) per layer of desc["layers"]], views of `data`."""
-    n_layers, two, n, kv_dim = desc["shape"]
-    dt = NP_DTYPE[desc["dtype"]]
-    if len(data) != n_layers * two * n * kv_dim * dt.itemsize:
-        raise HandoffRefused(f"tile seq {desc['seq']}: {len(data)} bytes, expected "
-                             f"{n_layers * two * n * kv_dim * dt.itemsize} for shape {desc['shape']}")
-    a = np.frombuffer(data, dtype=dt).reshape(n_layers, two, n, kv_dim)  # [L, K|V, n, kv_dim]
-    return [(a[i, 0], a[i, 1]) for i in range(n_layers)]
+def rows(session, layer: int, a: int, b: int):
+    """Logical rows [a, b) of one live plane, token-major [b - a, kv_dim] (a device copy)."""
+    p = session.cache.plane(layer)
+    return p.read(p.physical_of(np.arange(a, b, dtype=np.int64)))
+
+
+def _partial(session, layout: KvLayout, n_tokens: int, spans: dict[int, tuple[int, int]]) -> KvSnapshot:
+    empty = np.zeros((0, layout.kv_dim), dtype=np.float16 if layout.dtype == "f16" else np.float32)
+    planes = []
+    for pl in layout.planes():
+        if pl.layer in spans:
+            a, b = spans[pl.layer]
+            k, v = rows(session, pl.layer, a, b)
+            planes.append(PlaneSnapshot(pl, a, k, v))
+        else:
+            planes.append(PlaneSnapshot(pl, n_tokens, empty, empty))
+    return KvSnapshot(n_tokens, tuple(planes))
+
+
+def encode_nope(session, layout: KvLayout, chunk: int) -> bytes:
+    """serial's NOPE tile of chunk `chunk` (rows [cC, min((c+1)C, n_past))) from live planes."""
+    a = chunk * layout.chunk_tokens
+    b = min(a + layout.chunk_tokens, session.n_past)
+    if a >= b:
+        raise KvStateError(f"chunk {chunk} holds no rows of a {session.n_past}-token session")
+    return nope_tile(_partial(session, layout, b, {il: (a, b) for il in layout.full_layers}), chunk, layout)
+
+
+def encode_swa(session, layout: KvLayout) -> bytes:
+    """serial's SWA tile: the sliding layers' tail [n - min(n, W), n) with its origin."""
+    n = session.n_past
+    a = n - min(n, layout.window)
+    return swa_tile(_partial(session, layout, n, {il: (a, n) for il in layout.sliding_layers}), layout)
+
+
+def same_bits(live, wire: np.ndarray) -> bool:
+    """Bit equality of live plane rows (a torch tensor) and wire rows (numpy, same dtype)."""
+    host = live.detach().to("cpu").contiguous().numpy() if hasattr(live, "detach") else np.asarray(live)
+    return host.shape == wire.shape and host.tobytes() == np.ascontiguousarray(wire).tobytes()
 
 
 def encode_logits(logits: np.ndarray) -> bytes:
     return np.ascontiguousarray(logits, dtype="<f4").tobytes()
 
 
-def decode_logits(data: memoryview | bytes, vocab: int) -> np.ndarray:
+def decode_logits(data, vocab: int) -> np.ndarray:
     if len(data) != 4 * vocab:
         raise HandoffRefused(f"logits tile: {len(data)} bytes, expected {4 * vocab}")
     return np.frombuffer(data, dtype="<f4").astype(np.float32)  # a copy the caller owns

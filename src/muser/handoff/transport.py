@@ -30,7 +30,7 @@ KIND_NAMES = {REQUEST: "request", MANIFEST: "manifest", TILE: "tile", END: "end"
 class Frame:
     kind: int
     seq: int
-    payload: bytes
+    payload: bytes | bytearray  # bytearray when read: serial's row views stay writable
 
     @property
     def wire_bytes(self) -> int:
@@ -67,7 +67,7 @@ class Link:
             raise HandoffRefused("link deadline passed")
         return min(self.stall_s, left)
 
-    def _exact(self, n: int, what: str) -> bytes:
+    def _exact(self, n: int, what: str) -> bytearray:
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
@@ -89,7 +89,7 @@ class Link:
                 raise HandoffRefused(f"peer closed the link while sending {what} ({got}/{n} bytes)")
             got += k
         self.bytes_in += n
-        return bytes(buf)
+        return buf
 
     def read(self, max_len: int | dict[int, int], what: str) -> Frame:
         """One frame whose payload is at most `max_len` bytes (or max_len[kind])."""
