@@ -4,12 +4,8 @@ man-in-the-middle relay / byte proxy for fault injection."""
 
 from __future__ import annotations
 
-import os
 import select
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from muser.errors import HandoffRefused
 from muser.handoff import certs as C
+from muser.handoff.spawn import NodeProcess
 from muser.handoff.transport import END, REFUSE, REQUEST, Link, send_frame
 from muser.model.synth import SynthSpec
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
 # 8 layers = two collars: 6 SWA rings (window 64, wrapped by the prompts), 2 NoPE planes
 SPEC = SynthSpec(n_layers=8, hidden=128, n_heads=4, head_dim=32, ffn=256, sliding_window=64,
                  context_length=2048)
@@ -55,39 +52,8 @@ def other_gguf(make_gguf) -> Path:
     return make_gguf(SPEC.with_(seed=7))
 
 
-class Node:
-    """`muser prefill-node` in its own process."""
-
-    def __init__(self, model: Path, certs: Path, kv: str):
-        env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "muser", "prefill-node", "--listen", "127.0.0.1:0", "--certs", str(certs),
-             "--model", str(model), "--kv", kv, "--stall-timeout", "5"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        self.addr: str | None = None
-
-    def wait(self, timeout: float = 120.0) -> "Node":
-        end = time.monotonic() + timeout
-        while self.addr is None:
-            r, _, _ = select.select([self.proc.stdout], [], [], max(0.0, end - time.monotonic()))
-            if not r:
-                self.stop()
-                raise RuntimeError("prefill-node did not start in time")
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"prefill-node exited: {self.proc.stderr.read()[-2000:]}")
-            if line.startswith("prefill-node listening on "):
-                self.addr = line.split()[-1]
-        return self
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def Node(model: Path, certs: Path, kv: str) -> NodeProcess:
+    return NodeProcess(model, certs, kv=kv, stall_s=5.0)
 
 
 @pytest.fixture(scope="session")
@@ -146,7 +112,7 @@ class Relay:
         self.client_ctx = C.Certs.load(certs_dir, "decode").client_context()
         self.upstream, self.mutate, self.hold = upstream, mutate, hold_manifest_s
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
         self.recorded: list = []
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -172,7 +138,7 @@ class Relay:
             request = Link(conn, 30.0).read(1 << 24, "relay request")
             frames = self._upstream_frames(request)
             self.recorded = frames
-        except BaseException as e:  # surfaced by the test
+        except (OSError, HandoffRefused) as e:  # surfaced by the test
             self.error = e
             self.sock.close()
             return
@@ -196,7 +162,7 @@ class ByteProxy:
     def __init__(self, upstream: str, limit: int, on_limit=None, bytes_per_s: float | None = None):
         self.upstream, self.limit, self.on_limit, self.rate = upstream, limit, on_limit, bytes_per_s
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()

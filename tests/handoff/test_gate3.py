@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from muser.handoff import RemotePrefill, manifest as mf, tiles
+from muser.handoff import RemotePrefill, tiles
+from muser.handoff import manifest as mf
 from muser.kv.serial import KvLayout
 
 from .conftest import prompt

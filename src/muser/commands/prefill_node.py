@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     import muser
+
     from ..handoff import Certs, PrefillNode
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -16,4 +16,4 @@ from .ledger import ReplayLedger
 from .producer import PrefillNode
 from .receiver import Outcome, RemotePrefill
 
-__all__ = ["Certs", "ReplayLedger", "PrefillNode", "RemotePrefill", "Outcome"]
+__all__ = ["Certs", "Outcome", "PrefillNode", "RemotePrefill", "ReplayLedger"]

@@ -22,9 +22,9 @@ import os
 import re
 import secrets
 import ssl
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from ..errors import HandoffRefused, MuserError
 
@@ -81,7 +81,7 @@ def init(directory: str | os.PathLike) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"muser handoff CA {secrets.token_hex(4)}")])
-    now = _dt.datetime.now(_dt.timezone.utc)
+    now = _dt.datetime.now(_dt.UTC)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - _dt.timedelta(minutes=5)).not_valid_after(now + _dt.timedelta(days=CA_DAYS))
@@ -116,7 +116,7 @@ def issue(directory: str | os.PathLike, name: str) -> Path:
     if (d / f"{name}.crt").exists() or (d / f"{name}.key").exists():
         raise MuserError(f"{d / (name + '.crt')} already exists: peer {name!r} was issued before")
     key = ec.generate_private_key(ec.SECP256R1())
-    now = _dt.datetime.now(_dt.timezone.utc)
+    now = _dt.datetime.now(_dt.UTC)
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
             .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
@@ -162,7 +162,7 @@ class Certs:
     peers: dict[str, str]
 
     @classmethod
-    def load(cls, directory: str | os.PathLike, name: str | None) -> "Certs":
+    def load(cls, directory: str | os.PathLike, name: str | None) -> Certs:
         d = Path(directory)
         if not (d / "ca.crt").is_file():
             raise MuserError(f"{d / 'ca.crt'} is missing: run `muser certs init {d}` first")

@@ -83,7 +83,7 @@ class _Sender(threading.Thread):
                     t0 = time.perf_counter()
                     self.bytes_out += send_frame(self.sock, *item)
                     self.busy_s += time.perf_counter() - t0
-                except BaseException as e:  # the compute loop sees it and stops
+                except (OSError, ssl.SSLError) as e:  # the compute loop sees it and stops
                     self.error = e
 
     def send(self, kind: int, seq: int, payload: bytes) -> None:

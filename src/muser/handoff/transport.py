@@ -75,7 +75,7 @@ class Link:
             self.sock.settimeout(self._timeout())
             try:
                 k = self.sock.recv_into(view[got:], n - got)
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 if self.deadline is not None and time.monotonic() >= self.deadline:
                     raise HandoffRefused(f"link deadline passed while reading {what} ({got}/{n} bytes): "
                                          "the link is too slow") from None
