@@ -53,7 +53,19 @@ def other_gguf(make_gguf) -> Path:
 
 
 def Node(model: Path, certs: Path, kv: str) -> NodeProcess:
-    return NodeProcess(model, certs, kv=kv, stall_s=5.0)
+    return NodeProcess(model, certs, kv=kv, stall_s=5.0, threads=1)
+
+
+@pytest.fixture(scope="package", autouse=True)
+def one_thread():
+    """Both sides single-threaded: the same thread count as the nodes, and no OpenMP spinning
+    against the node processes on a small machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv", default="f16", choices=("f16", "f32"))
     p.add_argument("--stall-timeout", type=float, default=30.0, metavar="S",
                    help="seconds a link may stay silent before it is dropped (default 30)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for torch (default: torch's own choice)")
     p.set_defaults(func=run)
 
 
@@ -32,6 +34,12 @@ def run(args: argparse.Namespace) -> int:
 
     from ..handoff import Certs, PrefillNode
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise MuserError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     certs = Certs.load(args.certs, args.name)
     model = muser.load(args.model, device=args.device, lane=args.lane, kv=args.kv)

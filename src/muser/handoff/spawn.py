@@ -19,12 +19,12 @@ SRC = str(Path(__file__).resolve().parents[2])
 
 class NodeProcess:
     def __init__(self, model: str | os.PathLike, certs: str | os.PathLike, kv: str = "f16",
-                 lane: str = "exact", device: str = "cpu", stall_s: float = 30.0):
+                 lane: str = "exact", device: str = "cpu", stall_s: float = 30.0, threads: int | None = None):
         env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "muser", "prefill-node", "--listen", "127.0.0.1:0", "--certs", str(certs),
              "--model", str(model), "--kv", kv, "--lane", lane, "--device", device,
-             "--stall-timeout", str(stall_s)],
+             "--stall-timeout", str(stall_s)] + ([] if threads is None else ["--threads", str(threads)]),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.addr: str | None = None
 

@@ -36,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gate-tokens", type=int, default=16, help="greedy steps compared by Gate 3 (default 16)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads on both sides (default 1: two processes share the host)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=None, help="receipt directory (default bench/receipts)")
     p.set_defaults(func=run)
@@ -82,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
     from ...handoff import manifest as mf
     from ...handoff.spawn import NodeProcess
 
+    import torch
+
+    if args.threads < 1:
+        raise LaneError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     path = args.model
     if path is None:
         shipped = shipped_model()
@@ -96,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         certs.init(tmp)
         certs.issue(tmp, "prefill")
         certs.issue(tmp, "decode")
-        with NodeProcess(path, tmp, kv=args.kv, lane=args.lane, stall_s=300.0) as node:
+        with NodeProcess(path, tmp, kv=args.kv, lane=args.lane, stall_s=300.0, threads=args.threads) as node:
             rp = RemotePrefill(node.addr, tmp, ledger=f"{tmp}/ledger.json", stall_s=300.0)
             gate = _gate3(m, rp, ids, args.gate_tokens)
             outcomes = []
@@ -138,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     out = write_receipt(
         "handoff", model={"path": path, "identity": m.identity.to_json()}, device=device_description("cpu"),
         lane=args.lane, gate=gate, results=results, cells=cells, out_dir=args.out_dir,
-        extra={"kv": args.kv, "transport": "TLS 1.3 mutual auth over 127.0.0.1 (one host, two processes)",
+        extra={"kv": args.kv, "threads_each_side": args.threads, "transport": "TLS 1.3 mutual auth over 127.0.0.1 (one host, two processes)",
                "not_measured": "two-GPU arm (producer GPU 0, decode node GPU 1): needs a two-GPU machine"},
     )
     tag = "" if gate["status"] == "pass" else "  (NOT A RESULT: Gate 3 failed)"
