@@ -138,8 +138,11 @@ class RemotePrefill:
                 send_frame(sock, REQUEST, 0, mf.seal(key, REQUEST, 0, req))
             except (OSError, ssl.SSLError) as e:
                 raise HandoffRefused(f"sending the request failed: {e}") from None
-            install, logits = self._receive(session, link, req, plan, out)
-            session.commit(install)  # one swap; validate_complete ran already (muser.kv)
+            try:
+                install, logits = self._receive(session, link, req, plan, out)
+                session.commit(install)  # one swap; validate_complete ran already (muser.kv)
+            except KvStateError as e:  # rows that do not fit the install: nothing was swapped in
+                raise HandoffRefused(f"the streamed KV does not install: {e}") from None
             session.logits = logits.copy()
         finally:
             sock.close()

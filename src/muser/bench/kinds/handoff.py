@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     import numpy as np
+    import torch
 
     import muser
 
@@ -83,8 +84,6 @@ def run(args: argparse.Namespace) -> int:
     from ...handoff import RemotePrefill, certs, tiles
     from ...handoff import manifest as mf
     from ...handoff.spawn import NodeProcess
-
-    import torch
 
     if args.threads < 1:
         raise LaneError(f"--threads must be >= 1, got {args.threads}")
