@@ -94,3 +94,22 @@ def test_mutual_tls_admission(certs_dir, other_ca, tmp_path):
     (d2 / "peers.json").write_text(json.dumps(peers))
     r = _handshake(C.Certs.load(d2, "prefill"), decode)
     assert isinstance(r["server"], HandoffRefused) and "peers.json records" in str(r["server"])
+
+
+def test_cli(tmp_path, capsys):
+    from muser.cli import main
+
+    d = tmp_path / "cli"
+    assert main(["certs", "init", str(d)]) == 0
+    assert main(["certs", "issue", str(d), "prefill"]) == 0
+    assert C.load_peers(d)["prefill"] in capsys.readouterr().out
+    assert main(["certs", "issue", str(d), "prefill"]) == 2
+    assert main(["certs", "init", str(d)]) == 2
+    assert "refusing to replace a CA" in capsys.readouterr().err
+    for argv, msg in ((["--listen", ":0", "--certs", str(d)], "must be HOST:PORT"),
+                      (["--listen", "127.0.0.1:0", "--certs", str(tmp_path / "none")], "certs init"),
+                      (["--listen", "127.0.0.1:0", "--certs", str(d), "--name", "decode"], "certs issue"),
+                      (["--listen", "127.0.0.1:0", "--certs", str(d), "--threads", "0"], "--threads")):
+        assert main(["prefill-node", *argv]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -32,8 +32,11 @@ def run(args: argparse.Namespace) -> int:
 
     import muser
 
+    from ..errors import MuserError
     from ..handoff import Certs, PrefillNode
+    from ..handoff.producer import parse_addr
 
+    parse_addr(args.listen)  # cheap refusals before the model loads
     if args.threads is not None:
         if args.threads < 1:
             raise MuserError(f"--threads must be >= 1, got {args.threads}")
