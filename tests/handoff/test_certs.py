@@ -46,22 +46,23 @@ def _handshake(server: C.Certs, client: C.Certs, allow=None):
 
     def serve():
         raw, _ = lsock.accept()
+        s = None
         try:
             s = server.server_context().wrap_socket(raw, server_side=True)
             result["server"] = server.check_peer(s, allow)
             s.sendall(b"ok")
-            s.close()
         except (ssl.SSLError, OSError, HandoffRefused) as e:
             result["server"] = e
-            raw.close()
+        finally:
+            (s or raw).close()
 
     t = threading.Thread(target=serve)
     t.start()
     try:
         c = client.client_context().wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=5))
         result["client"] = client.check_peer(c, None)
+        result["version"] = c.version()
         result["read"] = c.recv(2)
-        assert c.version() == "TLSv1.3"
         c.close()
     except (ssl.SSLError, OSError, HandoffRefused) as e:
         result.setdefault("client", e)
@@ -75,6 +76,7 @@ def test_mutual_tls_admission(certs_dir, other_ca, tmp_path):
     prefill, decode = C.Certs.load(certs_dir, "prefill"), C.Certs.load(certs_dir, "decode")
     r = _handshake(prefill, decode)
     assert r["server"] == "decode" and r["client"] == "prefill" and r["read"] == b"ok"
+    assert r["version"] == "TLSv1.3"
     # no client certificate: the server's handshake refuses it
     r = _handshake(prefill, C.Certs.load(certs_dir, None))
     assert isinstance(r["server"], ssl.SSLError) and isinstance(r["read"], (ssl.SSLError, OSError))

@@ -136,8 +136,10 @@ class RemotePrefill:
             link = Link(sock, self.stall_s, deadline)
             try:
                 send_frame(sock, REQUEST, 0, mf.seal(key, REQUEST, 0, req))
-            except (OSError, ssl.SSLError) as e:
-                raise HandoffRefused(f"sending the request failed: {e}") from None
+            except ssl.SSLError as e:
+                raise HandoffRefused(f"TLS error while sending the request: {e}") from None
+            except OSError as e:
+                raise HandoffRefused(f"sending the request failed: {e.strerror or e}") from None
             try:
                 install, logits = self._receive(session, link, req, plan, out)
                 session.commit(install)  # one swap; validate_complete ran already (muser.kv)
