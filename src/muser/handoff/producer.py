@@ -182,7 +182,7 @@ class PrefillNode:
             raise HandoffRefused(f"model identity mismatch on {diff}: the decode node has "
                                  f"{ {k: want.get(k) for k in diff} }, this node serves "
                                  f"{ {k: self.identity.get(k) for k in diff} }")
-        for k, have in (("lane", eng.lane.value), ("kv", eng.kv)):
+        for k, have in (("lane", eng.lane.value), ("kv", eng.kv), ("device", eng.device.type)):
             if _field(req, k, str) != have:
                 raise HandoffRefused(f"the decode node asks for {k} {req[k]!r}, this node serves {have!r}")
         max_context = _field(req, "max_context", int)

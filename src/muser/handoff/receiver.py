@@ -128,6 +128,7 @@ class RemotePrefill:
         ident = mf.model_identity(eng.model_file.identity)
         req = {"version": mf.VERSION, "request": secrets.token_hex(16), "epoch": self.ledger.epoch,
                "session": secrets.token_hex(16), "identity": ident, "lane": eng.lane.value, "kv": eng.kv,
+               "device": eng.device.type,
                "max_context": session.max_context, "chunk": session.chunk, "history": history, "ids": ids}
         deadline = None if self.deadline_s is None else time.monotonic() + self.deadline_s
         out = Outcome("remote", n_tokens=n, cut=cut)
@@ -171,7 +172,8 @@ class RemotePrefill:
         if man.get("request") != req["request"] or man.get("session") != req["session"]:
             raise HandoffRefused(f"manifest answers request {str(man.get('request'))[:32]!r}, not this one "
                                  f"({req['request']}): a replayed or misrouted stream")
-        expect = {"identity": req["identity"], "lane": req["lane"], "kv": req["kv"], "n_tokens": n, "cut": cut,
+        expect = {"identity": req["identity"], "lane": req["lane"], "kv": req["kv"], "device": req["device"],
+                  "n_tokens": n, "cut": cut,
                   "chunk": req["chunk"], "max_context": req["max_context"],
                   "ids_sha256": mf.ids_sha256(req["history"] + req["ids"]), "producer": self.peer}
         for k, v in expect.items():
