@@ -173,3 +173,61 @@ def test_producer_killed_mid_stream(nodes, models, certs_dir, tmp_path, referenc
         node.stop()
     assert "closed the link" in msg or "TLS" in msg or "failed" in msg, msg
     _fallback(rp, s, ids, want, caplog)
+
+
+def _reseal(key: bytes, edit):
+    """A producer holding the sealing key that lies in its manifest: edit the parsed manifest,
+    seal it again (the receiver's own checks must catch what the seal cannot)."""
+    from muser.handoff import manifest as mf
+    from muser.handoff.transport import MANIFEST
+
+    def mutate(frames):
+        doc, _ = mf.open_sealed(key, MANIFEST, 0, frames[0].payload, "manifest")
+        edit(doc)
+        return [Frame(MANIFEST, 0, mf.seal(key, MANIFEST, 0, doc))] + frames[1:]
+
+    return mutate
+
+
+def _set(path, value):
+    def edit(doc):
+        d = doc
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = value
+    return edit
+
+
+RESEALED = {
+    "identity": (("identity", "artifact_sha256"), "0" * 64, "manifest identity"),
+    "kv": (("kv",), "f32", "manifest kv"),
+    "history": (("ids_sha256",), "0" * 64, "manifest ids_sha256"),
+    "plan": (("tiles", 0, "range"), [0, 1], "tile plan differs"),
+    "epoch": (("epoch",), "f" * 32, "epoch"),
+    "nonce": (("nonce",), "not-hex", "nonce"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESEALED))
+def test_lying_manifest(case, nodes, models, certs_dir, tmp_path, reference, caplog):
+    ids, want = reference
+    path, value, reason = RESEALED[case]
+    key = Certs.load(certs_dir, "decode").hmac_key
+    relay = Relay(certs_dir, nodes["f16"].addr, _reseal(key, _set(path, value)))
+    msg, rp, s = _attempt(models, relay.addr, certs_dir, tmp_path, ids)
+    assert reason in msg, msg
+    _fallback(rp, s, ids, want, caplog)
+
+
+def test_history_differs_from_held_rows(nodes, models, certs_dir, tmp_path, reference):
+    """The caller names a history the session does not hold: the tile that straddles the cut
+    carries rows computed from that history, which differ from the held rows: refused."""
+    ids, _ = reference
+    s = models["f16"].session(max_context=512, chunk=CHUNK)
+    s.prefill(ids[:HELD])
+    before = plane_state(s)
+    rp = RemotePrefill(nodes["f16"].addr, certs_dir, ledger=tmp_path / "ledger.json", fallback=False)
+    wrong = [(t + 1) % 300 for t in ids[:HELD]]
+    with pytest.raises(HandoffRefused, match="differ from the held prefix"):
+        rp.prefill(s, ids[HELD:], history=wrong)
+    assert_unchanged(s, before)
