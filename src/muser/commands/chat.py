@@ -1,0 +1,144 @@
+"""`muser chat`: an interactive multi-turn chat over the GGUF's chat template.
+
+    muser chat --system "Be brief." --temperature 0.7
+    > hello
+    ...streamed reply...
+    > /stats
+
+Each line typed is a user message; the reply streams to stdout as it is produced and joins the
+history, and the whole history is rendered through the template for the next turn (one BOS,
+roles checked; muser.prompt). Sampling defaults are `muser generate`'s (temperature 0.8).
+
+Commands (a line starting with '/'):
+  /reset        forget the history (the --system message stays)
+  /save FILE    write the history as a JSON list of {role, content}
+  /load FILE    replace the history with one written by /save (or any such list)
+  /stats        TTFT, decode tok/s and token counts of the last reply (--stats: after every reply)
+  /help         this list
+  /quit         leave (end of input does too)
+A bad command or file is one line on stderr; the chat goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .generate import add_model_args, add_sampling_args, load_model, sampling_params, stats_line
+
+HELP = "commands: /reset, /save FILE, /load FILE, /stats, /help, /quit"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="interactive multi-turn chat over the chat template",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--system", help="system message at the start of the history")
+    p.add_argument("--max-context", type=int,
+                   help="context of each turn's session (default: history + max tokens)")
+    p.add_argument("--stats", action="store_true", help="TTFT and tok/s on stderr after every reply")
+    p.set_defaults(func=run)
+
+
+def _load_history(path: str) -> list[dict]:
+    from ..errors import TemplateError
+
+    try:
+        msgs = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise TemplateError(f"{path!r} is not valid JSON: {e}") from None
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                             and isinstance(m.get("content"), str) for m in msgs):
+        raise TemplateError(f"{path!r} must hold a JSON list of {{role, content}} string messages")
+    return msgs
+
+
+class Chat:
+    def __init__(self, model, params, args: argparse.Namespace, out=None, err=None):
+        self.model, self.params, self.args = model, params, args
+        self.out = sys.stdout if out is None else out
+        self.err = sys.stderr if err is None else err
+        self.base = [{"role": "system", "content": args.system}] if args.system else []
+        self.history = list(self.base)
+        self.last: dict | None = None
+        model.chat(self.history + [{"role": "user", "content": ""}])  # the template takes these roles
+
+    def command(self, line: str) -> bool:
+        """Run one /command; False to leave."""
+        from ..errors import MuserError
+
+        cmd, _, rest = line.partition(" ")
+        rest = rest.strip()
+        try:
+            if cmd in ("/quit", "/exit"):
+                return False
+            if cmd == "/reset":
+                self.history = list(self.base)
+                self.err.write("[history cleared]\n")
+            elif cmd == "/save" and rest:
+                Path(rest).write_text(json.dumps(self.history, ensure_ascii=False, indent=1) + "\n",
+                                      encoding="utf-8")
+                self.err.write(f"[saved {len(self.history)} messages to {rest}]\n")
+            elif cmd == "/load" and rest:
+                msgs = _load_history(rest)
+                self.model.chat(msgs)  # roles checked before the history is replaced
+                self.history = msgs
+                self.err.write(f"[loaded {len(msgs)} messages from {rest}]\n")
+            elif cmd == "/stats":
+                self.err.write(("[no reply yet]" if self.last is None else stats_line(self.last)) + "\n")
+            elif cmd == "/help":
+                self.err.write(HELP + "\n")
+            else:
+                self.err.write(f"muser: error: unknown command {line!r} ({HELP})\n")
+        except (MuserError, OSError) as e:
+            where = f" {e.filename!r}" if getattr(e, "filename", None) else ""
+            self.err.write(f"muser: error:{where} {getattr(e, 'strerror', None) or e}\n")
+        self.err.flush()
+        return True
+
+    def turn(self, text: str) -> None:
+        msgs = self.history + [{"role": "user", "content": text}]
+        gen = self.model.stream_chat(msgs, self.params.max_tokens, self.params, max_context=self.args.max_context)
+        for ev in gen:
+            if ev.text:
+                self.out.write(ev.text)
+                self.out.flush()
+        self.out.write("\n")
+        self.out.flush()
+        self.history = msgs + [{"role": "assistant", "content": gen.text}]
+        self.last = gen.stats()
+        if self.args.stats:
+            self.err.write(stats_line(self.last) + "\n")
+            self.err.flush()
+
+    def loop(self, lines) -> None:
+        tty = sys.stdin.isatty()
+        while True:
+            if tty:
+                self.err.write("> ")
+                self.err.flush()
+            line = lines.readline()
+            if not line:
+                return
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if line.startswith("/"):
+                if not self.command(line.strip()):
+                    return
+                continue
+            self.turn(line)
+
+
+def run(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    model = load_model(args)
+    try:
+        params.check_vocab(model.tokenizer.vocab_size)
+        Chat(model, params, args).loop(sys.stdin)
+    finally:
+        model.close()
+    return 0
