@@ -46,6 +46,18 @@ def test_chat_turns_history_and_commands(tiny_gguf, tmp_path):
     assert hist[2]["content"] == replies[0] and hist[4]["content"] == replies[1]
 
 
-def test_chat_stats_flag_and_bad_system_role(tiny_gguf):
-    r = _chat(tiny_gguf, "hi\n", "--stats")
-    assert r.returncode == 0 and r.stderr.count("TTFT") == 1
+def test_chat_with_penalties_starts_each_turn_fresh(tiny_gguf):
+    """Penalties need the whole prompt in the sampler: no kept KV, same replies as the API."""
+    from muser.sample import SamplingParams
+
+    r = _chat(tiny_gguf, "hi\nmore\n", "--stats", "--repeat-penalty", "1.3")
+    assert r.returncode == 0 and r.stderr.count("TTFT") == 2, r.stderr
+    m = muser.load(tiny_gguf, kv="f32")
+    p = SamplingParams(temperature=0.0, repeat_penalty=1.3)
+    msgs, want = [], ""
+    for text in ("hi", "more"):
+        msgs.append({"role": "user", "content": text})
+        g = m.stream_chat(msgs, 4, sampling=p)
+        want += "".join(ev.text for ev in g) + "\n"
+        msgs.append({"role": "assistant", "content": g.text})
+    assert r.stdout == want

@@ -9,6 +9,11 @@ Each line typed is a user message; the reply streams to stdout as it is produced
 history, and the whole history is rendered through the template for the next turn (one BOS,
 roles checked; muser.prompt). Sampling defaults are `muser generate`'s (temperature 0.8).
 
+The KV of the rendered history is kept between turns: a turn whose prompt extends the last one's
+prefills only the new tokens (the exact lane gives the same logits for any chunking, so the reply
+is the one a fresh session would give). With repetition penalties on, the sampler must see the
+whole prompt, so each turn then starts a fresh session.
+
 Commands (a line starting with '/'):
   /reset        forget the history (the --system message stays)
   /save FILE    write the history as a JSON list of {role, content}
@@ -24,10 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from .generate import add_model_args, add_sampling_args, load_model, sampling_params, stats_line
 
+DEFAULT_CONTEXT = 4096  # positions kept for the whole chat unless --max-context says otherwise
 HELP = "commands: /reset, /save FILE, /load FILE, /stats, /help, /quit"
 
 
@@ -38,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sampling_args(p)
     p.add_argument("--system", help="system message at the start of the history")
     p.add_argument("--max-context", type=int,
-                   help="context of each turn's session (default: history + max tokens)")
+                   help=f"positions for the whole chat (default: the model's context, at most {DEFAULT_CONTEXT})")
     p.add_argument("--stats", action="store_true", help="TTFT and tok/s on stderr after every reply")
     p.set_defaults(func=run)
 
@@ -65,6 +72,13 @@ class Chat:
         self.history = list(self.base)
         self.last: dict | None = None
         model.chat(self.history + [{"role": "user", "content": ""}])  # the template takes these roles
+        from .. import prompt as P
+
+        limit = model.config.context_length
+        self.n_ctx = P.context_size(1, 1, limit, args.max_context or min(limit, DEFAULT_CONTEXT), "--max-context")
+        self.session = None
+        self.kept: list[int] = []  # the prompt ids whose KV `self.snap` holds
+        self.snap = None
 
     def command(self, line: str) -> bool:
         """Run one /command; False to leave."""
@@ -77,6 +91,7 @@ class Chat:
                 return False
             if cmd == "/reset":
                 self.history = list(self.base)
+                self.session, self.kept, self.snap = None, [], None
                 self.err.write("[history cleared]\n")
             elif cmd == "/save" and rest:
                 Path(rest).write_text(json.dumps(self.history, ensure_ascii=False, indent=1) + "\n",
@@ -99,22 +114,54 @@ class Chat:
         self.err.flush()
         return True
 
+    def _start(self, ids: list[int]):
+        """(session, ids still to process): the kept KV when `ids` extends its prompt."""
+        from ..generation import generate
+
+        p = self.params
+        reuse = not p.penalties_on
+        if reuse and self.snap is not None and len(ids) > len(self.kept) and ids[: len(self.kept)] == self.kept:
+            self.session.restore(self.snap)
+            new = ids[len(self.kept):]
+        else:
+            self.session = self.model.session(max_context=self.n_ctx)
+            new = ids
+        if reuse:
+            # everything but the last prompt token now, so the KV can be kept at the prompt's end
+            if len(new) > 1:
+                self.session.prefill(new[:-1])
+            self.kept, self.snap = ids[:-1], self.session.snapshot()
+            new = new[-1:]
+        return generate(self.session, self.model.tokenizer, new, p, p.max_tokens, p.stop)
+
     def turn(self, text: str) -> None:
+        from .. import prompt as P
+
         msgs = self.history + [{"role": "user", "content": text}]
-        gen = self.model.stream_chat(msgs, self.params.max_tokens, self.params, max_context=self.args.max_context)
+        ids = self.model.encode_chat(msgs)
+        P.context_size(len(ids), self.params.max_tokens, self.model.config.context_length, self.n_ctx,
+                       name="--max-context")
+        t0 = time.perf_counter()
+        gen = self._start(ids)
+        t_first = None
         for ev in gen:
+            if t_first is None:
+                t_first = time.perf_counter()
             if ev.text:
                 self.out.write(ev.text)
                 self.out.flush()
         self.out.write("\n")
         self.out.flush()
         self.history = msgs + [{"role": "assistant", "content": gen.text}]
-        self.last = gen.stats()
+        # TTFT from the turn's start: the prefill of the new prompt tokens is part of it
+        self.last = dict(gen.stats(), prompt_tokens=len(ids), ttft_s=t_first - t0)
         if self.args.stats:
             self.err.write(stats_line(self.last) + "\n")
             self.err.flush()
 
     def loop(self, lines) -> None:
+        from ..errors import MuserError
+
         tty = sys.stdin.isatty()
         while True:
             if tty:
@@ -130,7 +177,11 @@ class Chat:
                 if not self.command(line.strip()):
                     return
                 continue
-            self.turn(line)
+            try:
+                self.turn(line)
+            except MuserError as e:  # e.g. the history outgrew the context: say so, keep chatting
+                self.err.write(f"muser: error: {e} (/reset starts over)\n")
+                self.err.flush()
 
 
 def run(args: argparse.Namespace) -> int:
