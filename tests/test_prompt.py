@@ -89,7 +89,10 @@ def test_sampling_params_max_tokens_and_stop_are_honoured(model):
 def test_one_default_temperature(model, capsys):
     assert SamplingParams().temperature == P.DEFAULT_TEMPERATURE == 0.8
     gen = model.stream("x")
-    assert gen.sampling.temperature == 0.8 and gen.max_tokens == P.DEFAULT_MAX_TOKENS
+    em = gen.emitter
+    assert em.sampler.params.temperature == 0.8 and em.max_tokens == P.DEFAULT_MAX_TOKENS
+    params, n, stops = P.resolve_sampling()
+    assert (params.temperature, n, stops) == (0.8, P.DEFAULT_MAX_TOKENS, ())
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     assert "default 0.8" in " ".join(capsys.readouterr().out.split())

@@ -10,8 +10,8 @@ history, and the whole history is rendered through the template for the next tur
 roles checked; muser.prompt). Sampling defaults are `muser generate`'s (temperature 0.8).
 
 The KV of the rendered history is kept between turns: a turn whose prompt extends the last one's
-prefills only the new tokens (the exact lane gives the same logits for any chunking, so the reply
-is the one a fresh session would give). With repetition penalties on, the sampler must see the
+prefills only the new tokens. The reply is the one a fresh session would give as far as the lane
+is row-invariant (DESIGN.md: the exact lane's logits do not depend on the prefill chunking). With repetition penalties on, the sampler must see the
 whole prompt, so each turn then starts a fresh session.
 
 Commands (a line starting with '/'):
