@@ -52,12 +52,12 @@ def tensors() -> dict[str, np.ndarray]:
     return out
 
 
-def write_safetensors(path: Path, arrays: dict[str, np.ndarray]) -> None:
+def write_safetensors(path: Path, arrays: dict[str, np.ndarray], dtype: str = "BF16") -> None:
     header: dict = {"__metadata__": {"format": "pt"}}
     blobs, at = [], 0
     for name, a in arrays.items():
-        b = _bf16(a).tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(a.shape), "data_offsets": [at, at + len(b)]}
+        b = (_bf16(a) if dtype == "BF16" else a.astype(np.float16)).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [at, at + len(b)]}
         blobs.append(b)
         at += len(b)
     h = json.dumps(header, separators=(",", ":")).encode()
@@ -101,7 +101,7 @@ def config() -> dict:
     }
 
 
-def write_tokenizer(d: Path) -> None:
+def write_tokenizer(d: Path, sharded: bool = False) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     tokens, merges = train_tokenizer(VOCAB_TARGET)
@@ -110,21 +110,37 @@ def write_tokenizer(d: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    tc = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "mask_token": MASK,
+          "add_bos_token": True, "add_eos_token": False, "model_max_length": 4096}
+    if sharded:  # Llama-3 style: BOS from the post-processor, the template in chat_template.jinja
+        from tokenizers import processors
+
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, vocab[BOS])])
+        (d / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    else:
+        tc["chat_template"] = CHAT_TEMPLATE
     tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS, "eos_token": EOS, "mask_token": MASK,
-        "add_bos_token": True, "add_eos_token": False,
-        "model_max_length": 4096,
-        "chat_template": CHAT_TEMPLATE,
-    }, indent=1))
+    (d / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
     assert EOT in vocab
 
 
-def write_checkpoint(d: str | Path) -> Path:
+def write_checkpoint(d: str | Path, sharded: bool = False) -> Path:
+    """BF16 in one model.safetensors; or (sharded) F16 in two parts with an index, a
+    TemplateProcessing post-processor and chat_template.jinja."""
     d = Path(d)
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(config(), indent=1))
-    write_safetensors(d / "model.safetensors", tensors())
-    write_tokenizer(d)
+    arrays = tensors()
+    if sharded:
+        names = list(arrays)
+        parts = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+                 "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+        for part, ns in parts.items():
+            write_safetensors(d / part, {n: arrays[n] for n in ns}, "F16")
+        index = {"metadata": {}, "weight_map": {n: part for part, ns in parts.items() for n in ns}}
+        (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    else:
+        write_safetensors(d / "model.safetensors", arrays)
+    write_tokenizer(d, sharded)
     return d

@@ -25,6 +25,12 @@ PINNED = {
     "q8_0": "14b622eb4b23cb9807d7d7c7d4f8df3697050a5c43d0218e9afedcdc6ff2a401",
 }
 
+# the sharded F16 variant (two parts + index, TemplateProcessing post-processor, chat_template.jinja)
+PINNED_SHARDED = {
+    "auto": "76eae1b8d802f4fad9ffea2e2fdc4a15b262824956f28018cf4cd13e3538d79b",
+    "q8_0": "7fb4f2aa55b7ed76924f35297206cb3fb97229dfb32f86f6c880e7ae522e9827",
+}
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
@@ -42,6 +48,18 @@ def test_byte_identical_to_the_pinned_converter(ckpt, tmp_path, to, capsys):
     assert main(["convert", str(ckpt), str(out), "--to", to, "--pre", "gpt-2"]) == 0
     assert _sha(out) == PINNED[to]
     assert "convert" in capsys.readouterr().err  # the progress bar
+
+
+@pytest.mark.parametrize("to", sorted(PINNED_SHARDED))
+def test_sharded_f16_checkpoint_is_byte_identical_too(tmp_path_factory, tmp_path, to):
+    from muser.convert import convert_hf
+    from muser.gguf.reader import read_gguf
+
+    d = write_checkpoint(tmp_path_factory.mktemp("hf2") / "Muse-Glimmer-Synth", sharded=True)
+    out = convert_hf(d, tmp_path / "m.gguf", target=to, pre="gpt-2", progress=False)
+    assert _sha(out) == PINNED_SHARDED[to]
+    f = read_gguf(out)
+    assert f.get("tokenizer.ggml.add_bos_token") is True and f.get("tokenizer.ggml.add_sep_token") is False
 
 
 def test_converted_file_loads_and_tokenizes_like_hf(ckpt, tmp_path):

@@ -53,6 +53,7 @@ INERT_KEYS = {"model_type", "architectures", "torch_dtype", "dtype", "transforme
               "initializer_range", "use_cache", "attention_dropout", "attention_bias", "text_config",
               "vision_config", "image_token_id", "_name_or_path"}
 TOKENIZER_CONFIG_KEYS = {"tokenizer_class", "bos_token", "eos_token", "unk_token", "pad_token", "mask_token",
+                         "cls_token", "sep_token",
                          "add_bos_token", "add_eos_token", "model_max_length", "chat_template",
                          "clean_up_tokenization_spaces", "added_tokens_decoder", "model_input_names",
                          "legacy", "extra_special_tokens"}
@@ -181,7 +182,12 @@ def vocab_metadata(d: Path, h: dict, pre: str) -> list[tuple[str, Any]]:
         calls.append(("add_token_merges", merges))
     # gguf.SpecialVocab: the post-processor, then tokenizer_config.json, then config.json
     add_special: dict[str, bool] = {}
-    bos, eos = _content(tc.get("bos_token")), _content(tc.get("eos_token"))
+    tc = dict(tc)
+    if not _content(tc.get("bos_token")) and _content(tc.get("cls_token")):
+        tc["bos_token"] = tc["cls_token"]  # SpecialVocab: CLS stands in for a missing BOS
+    if not _content(tc.get("eos_token")) and _content(tc.get("sep_token")):
+        tc["eos_token"] = tc["sep_token"]  # and SEP for a missing EOS
+    bos, eos, sep = (_content(tc.get(f"{k}_token")) for k in ("bos", "eos", "sep"))
     post = tj.get("post_processor")
     for proc in (post.get("processors", [post]) if post else []):
         kind = proc.get("type")
@@ -189,7 +195,7 @@ def vocab_metadata(d: Path, h: dict, pre: str) -> list[tuple[str, Any]]:
             add_special.setdefault("bos", False)
             add_special.setdefault("eos", False)
         elif kind == "TemplateProcessing":
-            add_special.update(_template_processing(proc, bos, eos))
+            add_special.update(_template_processing(proc, bos, eos, sep))
         else:
             raise MetadataError(f"tokenizer.json post_processor {kind!r} is not handled")
     ids: dict[str, int] = {}
@@ -223,7 +229,7 @@ def vocab_metadata(d: Path, h: dict, pre: str) -> list[tuple[str, Any]]:
     return calls
 
 
-def _template_processing(proc: dict, bos: str | None, eos: str | None) -> dict[str, bool]:
+def _template_processing(proc: dict, bos: str | None, eos: str | None, sep: str | None) -> dict[str, bool]:
     """The simple TemplateProcessing forms: single = [BOS, A] (add BOS) or [A]; pair = single's
     lead, A, optional separators, B."""
     single, pair = proc.get("single", []), proc.get("pair", [])
@@ -242,9 +248,8 @@ def _template_processing(proc: dict, bos: str | None, eos: str | None) -> dict[s
             seps = [m.get("SpecialToken", {}).get("id") for m in middle]
             if len(seps) > 2 or None in seps:
                 raise MetadataError(f"TemplateProcessing pair separators {middle!r} are not handled")
-            # SpecialVocab: a first separator counts only when single has no trailing token
-            add = seps[0] == eos or (len(seps) == 2 and seps[1] == eos)
-            out["sep"] = bool(add)
+            # SpecialVocab: a separator that is SEP or EOS means add_sep (single has no trailing token)
+            out["sep"] = any(x in (sep, eos) for x in seps)
     return out
 
 
