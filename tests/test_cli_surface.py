@@ -98,6 +98,7 @@ def test_inspect_check_finds_a_nan_q8_0_scale(make_gguf, tmp_path, capsys):
     out, err = capsys.readouterr()
     d = json.loads(out)
     assert d["verdict"] == "valid" and d["checked"]["problems"] == [] and "check" in err
+    assert d["checked"]["engine"] == "all"
     bad = tmp_path / "nan-scale.gguf"
     shutil.copyfile(src, bad)
     name = "blk.1.ffn_down.weight"
@@ -149,3 +150,14 @@ def test_help_lists_the_public_names():
         assert name in doc, name
         assert name in dir(muser)
         getattr(muser, name)
+
+
+def test_inspect_check_says_when_only_the_oracle_runs_a_file(tiny_gguf, tmp_path, capsys):
+    from muser.quant.convert import convert
+
+    out = tmp_path / "nvfp4.gguf"
+    convert(tiny_gguf, out, "nvfp4")
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--check", "--no-hash", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["verdict"] == "valid" and d["checked"]["engine"].startswith("oracle only (NVFP4")

@@ -4,8 +4,9 @@ verdict.
 Without --check the verdict covers the metadata, the tensor contract and the identities. With
 --check every tensor is also dequantized, block by block, and scanned: a non-finite scale or value
 (ggml_validate_row_data's rule, the one the engine applies at load) or a dequantized value that is
-not finite makes the verdict `invalid`, naming the tensor and the block (exit status 1). A
-progress bar goes to stderr."""
+not finite makes the verdict `invalid`, naming the tensor and the block (exit status 1); the
+`engine` line says whether the engine decodes every matrix or only the oracle can run the file
+(NVFP4). A progress bar goes to stderr."""
 
 from __future__ import annotations
 
@@ -62,6 +63,17 @@ def check_tensors(gguf, progress=None) -> list[dict]:
     return problems
 
 
+def engine_support(m) -> str:
+    """'all' when the engine has an exact decoder for every matrix, else which dtypes only the
+    oracle serves (muser.engine.forward refuses those at load)."""
+    from ..engine.weights import DEVICE_FORMATS
+
+    oracle_only = sorted({m.gguf.tensors[n].type.ggml_type.name for n in m.contract.dtypes
+                          if len(m.gguf.tensors[n].shape) == 2
+                          and m.gguf.tensors[n].type.ggml_type not in DEVICE_FORMATS})
+    return "all" if not oracle_only else f"oracle only ({', '.join(oracle_only)}: no exact engine decoder)"
+
+
 def describe(path: str, hash_artifact: bool = True, check: bool = False, progress: bool = True) -> dict:
     from pathlib import Path
 
@@ -109,7 +121,8 @@ def describe(path: str, hash_artifact: bool = True, check: bool = False, progres
             bar = Progress("check", sum(t.nbytes for t in m.gguf.tensors.values()), enabled=progress)
             problems = check_tensors(m.gguf, bar)
             bar.close()
-            out["checked"] = {"tensors": len(m.gguf.tensors), "problems": problems}
+            out["checked"] = {"tensors": len(m.gguf.tensors), "problems": problems,
+                              "engine": engine_support(m)}
             if problems:
                 out["verdict"] = "invalid"
         return out
@@ -151,6 +164,7 @@ def _human(d: dict) -> str:
         lines.append(f"precision       {d['weight_precision']}")
     if "checked" in d:
         lines.append(f"checked         {d['checked']['tensors']} tensors dequantized and scanned")
+        lines.append(f"engine          {d['checked']['engine']}")
         for p in d["checked"]["problems"]:
             lines.append(f"  problem       {p['error']}")
     lines.append(f"verdict         {d['verdict']}")
