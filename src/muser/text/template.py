@@ -321,8 +321,8 @@ class ChatTemplate:
                 raise TemplateError(f"messages[{i}] has role {m['role']!r}; this chat template renders "
                                     f"{', '.join(sorted(roles))}")
             c = m.get("content")
-            if not isinstance(c, (str, list, tuple)):
-                raise TemplateError(f"messages[{i}] content must be a string or a list of parts, got {c!r}")
+            if c is not None and not isinstance(c, (str, list, tuple)):
+                raise TemplateError(f"messages[{i}] content must be a string, a list of parts or null, got {c!r}")
         ctx = dict(extra)
         ctx.update(messages=[dict(m) for m in messages], tools=tools,
                    add_generation_prompt=bool(add_generation_prompt),
