@@ -34,7 +34,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
 
 
-Float = Annotated[float, Field(allow_inf_nan=False, strict=False)]
+Float = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
