@@ -98,5 +98,7 @@ def test_partial_holds_headers_and_calls():
     assert parse_atem(" to=self<|message|>thi", partial=True).reasoning == "thi"
     got = parse_atem(" to=special_function<|message|><atem:function_calls>", [TOOL], partial=True)
     assert (got.content, got.tool_calls) == ("", [])
+    assert parse_atem("def f(", partial=True).content == "def f("  # not the protocol: streamed as content
+    assert parse_atem(" t", partial=True).content == ""  # could still be a header
     assert held_marker_suffix("abc<|eo") == len("<|eo")
     assert held_marker_suffix("abc") == 0

@@ -209,7 +209,12 @@ def parse_atem(text: str, tools: Sequence[dict] | None = None, parse_calls: bool
     elif rest.startswith(MSG):
         body = rest[len(MSG):]
     else:
-        return whole if (partial or not out.reasoning) else ParsedTurn(content=text)
+        if partial:
+            header = rest.startswith(" to=") or any(mk.startswith(rest) for mk in (" to=", MSG))
+            if not out.reasoning and not header:
+                out.content = text  # not the protocol: all of it is content, streamed as it comes
+            return out
+        return whole if not out.reasoning else ParsedTurn(content=text)
     end = body.find(EOM)
     if end < 0:
         out.content = body
