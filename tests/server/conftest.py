@@ -3,70 +3,34 @@ real `openai` client and httpx."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
+import httpx
 import pytest
+
+from muser.bench.kinds.serve import muser_server
 
 from .fixtures import write_atem_fixture
 
 API_KEY = "test-key"
-SRC = Path(__file__).resolve().parents[2] / "src"
-LINE = re.compile(r"listening on (http://127\.0\.0\.1:\d+/v1) \(model (\S+),")
 
 
 class Served:
     def __init__(self, args: list[str]):
-        env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        self.proc = subprocess.Popen([sys.executable, "-m", "muser", "serve", "--port", "0", *args],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        self.log: list[str] = []
-        found = threading.Event()
-
-        def pump():
-            for line in self.proc.stderr:
-                self.log.append(line)
-                m = LINE.search(line)
-                if m:
-                    self.base_url, self.model = m.group(1), m.group(2)
-                    found.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        deadline = time.monotonic() + 180
-        while not found.wait(0.2):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("muser serve did not start:\n" + "".join(self.log))
-        self.root = self.base_url[: -len("/v1")]
+        self.proc = muser_server(args)
+        self.root, self.model = self.proc.base, self.proc.model
+        self.base_url = self.root + "/v1"
 
     def client(self, **kw):
         import openai
 
         return openai.OpenAI(base_url=self.base_url, api_key=API_KEY, max_retries=0, **kw)
 
-    def aclient(self, **kw):
-        import openai
-
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=API_KEY, max_retries=0, **kw)
-
     def alive(self) -> bool:
-        import httpx
-
-        return self.proc.poll() is None and httpx.get(self.root + "/health", timeout=10).status_code == 200
+        return self.proc.proc.poll() is None and httpx.get(self.root + "/health", timeout=10).status_code == 200
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.proc.stop()
 
 
 @pytest.fixture(scope="session")

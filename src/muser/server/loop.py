@@ -109,7 +109,15 @@ class PerSessionBackend:
         self.context = context
 
     def new_session(self):
-        return self.model.session(max_context=self.context)
+        sess = self.model.session(max_context=self.context)
+        # an empty-cache checkpoint with a block as long as the context: rolling back to it
+        # empties the cache at no cost (no ring row is live yet), so a slot keeps its buffers
+        sess.muser_empty = sess.checkpoint(block=self.context)
+        return sess
+
+    def reset(self, sess) -> None:
+        if sess.n_past:
+            sess.rollback(sess.muser_empty)
 
     def step(self, items: list[tuple[Any, list[int]]]) -> list[np.ndarray | BaseException]:
         out: list[np.ndarray | BaseException] = []
@@ -128,7 +136,8 @@ class Slot:
     def __init__(self, index: int):
         self.index = index
         self.job: Job | None = None
-        self.session = None
+        self.own = None  # the slot's session, kept across requests
+        self.session = None  # the one serving the job: `own` or a named session
         self.todo: list[int] = []  # prompt tokens not prefilled yet
         self.next_token: int | None = None  # sampled, to be fed back (decode row)
         self.emitter: Emitter | None = None
@@ -291,8 +300,13 @@ class EngineLoop:
                 # reuse only when the new prompt extends what the cache holds, leaving >= 1 token to run
                 if n < len(job.prompt) and job.prompt[:n] == toks:
                     s.session, s.history, s.cached = sess, list(toks), n
+        if s.session is None and job.session_name is not None:
+            s.session = self.backend.new_session()  # becomes the named session's own KV
         if s.session is None:
-            s.session = self.backend.new_session()
+            if s.own is None:
+                s.own = self.backend.new_session()
+            self.backend.reset(s.own)
+            s.session = s.own
         s.todo = list(job.prompt[s.cached:])
 
     def _advance(self, s: Slot, logits: np.ndarray) -> None:
