@@ -66,13 +66,12 @@ def test_sixteen_clients_on_four_slots_match_alone(atem):
     with ThreadPoolExecutor(16) as ex:
         got = list(ex.map(lambda p: _chat(atem.client(), atem.model, p, max_tokens=5), jobs))
     for p, g in zip(jobs, got):
-        text, lps, n_prompt = alone[p]
+        text, lps, _ = alone[p]
         assert g[0] == text  # greedy tokens identical
-        if n_prompt <= 64:  # one prefill chunk either way: bitwise the same logprobs
-            assert g[1] == lps
-        else:  # prefilled in 64-token chunks here, one chunk alone: the engine's CPU prefill
-            # is not yet invariant to chunking (~5e-4 on this fixture), so only closeness holds
-            assert max(abs(a - b) for a, b in zip(g[1], lps)) < 5e-3
+        # Logprobs: the CPU engine is not yet row-invariant across batch shapes (a row stepped
+        # beside others moves by ~1e-5, prefilled in 64- vs 512-token chunks by ~5e-4 here),
+        # so they are held close, not bitwise equal.
+        assert max(abs(a - b) for a, b in zip(g[1], lps)) < 5e-3
     h = _health(atem)
     assert h["slots_busy"] == 0 and h["queue"] == 0
 
@@ -133,7 +132,8 @@ def test_slow_reader_does_not_hold_others(atem):
 def test_full_queue_is_503_and_timeouts_are_504(atem_gguf):
     s = Served(["--model", str(atem_gguf), "--slots", "1", "--queue", "1", "--timeout", "3"])
     try:
-        body = {"model": s.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "temperature": 0}
+        body = {"model": s.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "temperature": 0,
+                "logit_bias": {"1": -100, "2": -100}}  # no EOS/EOT: 200 tokens take longer than the timeout
         with ThreadPoolExecutor(4) as ex:
             rs = list(ex.map(lambda _: httpx.post(s.base_url + "/chat/completions", json=body, timeout=60), range(4)))
         codes = sorted(r.status_code for r in rs)

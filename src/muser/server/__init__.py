@@ -1,5 +1,6 @@
-"""The OpenAI-compatible server: HTTP API (app), engine loop and slots (loop), per-token
-output (emit), chat rendering and the Muse Glimmer turn parser (chat), metrics.
+"""The OpenAI-compatible server: HTTP API (app, responses, protocol), the engine loop and slots
+over Engine.step with muser.generation's Emitter per request (loop), chat rendering and the Muse
+Glimmer turn parser (chat), metrics.
 
     from muser.server import Server
     srv = Server(model, slots=4, context=1024, host="127.0.0.1", port=8080)

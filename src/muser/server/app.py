@@ -28,7 +28,7 @@ from starlette.routing import Route
 from ..errors import MuserError
 from ..sample import SamplingParams
 from . import chat as chatfmt
-from .emit import Emitter
+from ..generation import emitter as make_emitter
 from .loop import Done, EngineLoop, Failed, Job
 from .metrics import Metrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse
@@ -151,12 +151,12 @@ class Api:
 
     def _job(self, prompt, params, stop, max_tokens, logprobs, render_special, session) -> Job:
         try:  # the sampler and stop strings are checked here, before the job is queued
-            emitter = Emitter(self.tokenizer, prompt, params, max_tokens, stop, logprobs, render_special)
+            em = make_emitter(self.tokenizer, prompt, params, max_tokens, stop, render_special, logprobs or 0)
         except MuserError as e:
             raise ApiError(400, str(e), None) from None
         self.metrics.prompt_tokens.inc(len(prompt))
-        return Job(prompt=prompt, emitter=emitter, deadline=time.monotonic() + self.cfg.timeout_s,
-                   session_name=session)
+        return Job(prompt=prompt, emitter=em, logprobs=logprobs is not None,
+                   deadline=time.monotonic() + self.cfg.timeout_s, session_name=session)
 
     # -- chat ----------------------------------------------------------------------------------
     def _chat_prompt(self, req: ChatRequest) -> list[int]:
@@ -199,7 +199,7 @@ class Api:
         atem = self.format == "atem"
         job = self._job(prompt, params, stop, max_tokens, logprobs, atem, session)
         tools = chatfmt.template_tools(req) if req.tool_choice != "none" else None
-        turn = Turn(self, atem, tools, req.parallel_tool_calls)
+        turn = Turn(self, atem, tools, req.parallel_tool_calls, req.logprobs)
         cid = "chatcmpl-" + uuid.uuid4().hex[:24]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -233,7 +233,7 @@ class Api:
         echo = (req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt, render_special=False)) \
             if req.echo else ""
         cid = "cmpl-" + uuid.uuid4().hex[:24]
-        comp = Completion(self, cid, echo)
+        comp = Completion(self, cid, echo, req.logprobs is not None)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse(request, job, lambda ev: comp.chunks(ev, include_usage), "completions")

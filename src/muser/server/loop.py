@@ -3,7 +3,7 @@
     loop = EngineLoop(model, slots=4, context=1024)
     loop.start()
     job = loop.submit(Job(...))      # ApiError(503, Retry-After) when the queue is full
-    ... job.events (an asyncio.Queue on the server's event loop) receives Piece / Done / Failed
+    ... job.events (an asyncio.Queue on the server's event loop) receives GenEvent / Done / Failed
 
 Scheduling (book 10.2-10.5, 10.10; the scheduler sees ids and counts, the backend owns tensors):
 * N slots, each with its own session (its own KV). A free slot takes the oldest queued job.
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MuserError
-from .emit import Emitter, Piece
+from ..generation import Emitter, GenEvent
 from .protocol import ApiError
 
 PREFILL_CHUNK = 512  # PREFILL_BATCH_TOKENS (book 10.10)
@@ -50,8 +50,9 @@ class Failed:
 @dataclass
 class Job:
     prompt: list[int]
-    emitter: Emitter  # built (and its arguments checked) before the job is queued
+    emitter: Emitter  # muser.generation's, built (its arguments checked) before the job is queued
     deadline: float  # time.monotonic() seconds
+    logprobs: bool = False  # the client asked for logprobs
     session_name: str | None = None
     id: str = ""
     cancelled: bool = False
@@ -100,13 +101,20 @@ class SessionStore:
             return self._d.pop(name, None) is not None
 
 
-class PerSessionBackend:
-    """Steps over the per-session API: each item is one prefill chunk or one decode on its own
-    session. `step(items)` -> one float32 logits row [vocab] (or the exception) per item."""
+class StepBackend:
+    """The engine side of the loop: sessions and one Engine.step per iteration (engine/step.py).
+    `step(items)` takes (session, tokens) pairs and gives each item its last row's float32
+    logits [vocab], or the exception that item raised: a step that fails is all-or-nothing in
+    the engine (every session back where it was), so its items are re-run one by one and only
+    the ones that fail alone are failed."""
 
     def __init__(self, model, context: int):
+        from ..engine import StepItem
+
         self.model = model
+        self.engine = model.engine
         self.context = context
+        self._item = StepItem
 
     def new_session(self):
         sess = self.model.session(max_context=self.context)
@@ -119,15 +127,21 @@ class PerSessionBackend:
         if sess.n_past:
             sess.rollback(sess.muser_empty)
 
+    def _run(self, items: list[tuple[Any, list[int]]]) -> list[np.ndarray]:
+        res = self.engine.step([self._item(sess, toks, "last") for sess, toks in items])
+        return [r.logits[-1] for r in res]  # [vocab] each
+
     def step(self, items: list[tuple[Any, list[int]]]) -> list[np.ndarray | BaseException]:
+        try:
+            return list(self._run(items))
+        except Exception as e:  # noqa: BLE001 - isolate the failing items below
+            if len(items) == 1:
+                return [e]
         out: list[np.ndarray | BaseException] = []
-        for sess, toks in items:
+        for it in items:
             try:
-                if len(toks) == 1 and sess.n_past > 0:
-                    out.append(sess.decode(toks[0]))
-                else:
-                    out.append(sess.prefill(toks))
-            except Exception as e:  # noqa: BLE001 - the job fails, the loop goes on
+                out.append(self._run([it])[0])
+            except Exception as e:  # noqa: BLE001 - this item fails, the others go on
                 out.append(e)
         return out
 
@@ -159,7 +173,7 @@ class EngineLoop:
         self.model = model
         self.tokenizer = model.tokenizer
         self.context = context
-        self.backend = backend or PerSessionBackend(model, context)
+        self.backend = backend or StepBackend(model, context)
         self.slots = [Slot(i) for i in range(slots)]
         self.queue: collections.deque[Job] = collections.deque()
         self.queue_limit = queue_limit
@@ -311,7 +325,7 @@ class EngineLoop:
 
     def _advance(self, s: Slot, logits: np.ndarray) -> None:
         job = s.job
-        piece: Piece = s.emitter.step(logits)
+        piece: GenEvent = s.emitter.step(logits)
         if job.t_first is None:
             job.t_first = time.monotonic()
             if self.metrics is not None:
@@ -322,10 +336,10 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.completion_tokens.inc()
         job.put(piece)
-        if piece.finish is None:
+        if piece.finish_reason is None:
             s.next_token = piece.token
             return
-        job.put(Done(piece.finish, len(job.prompt), len(s.emitter.tokens), s.cached))
+        job.put(Done(piece.finish_reason, len(job.prompt), len(s.emitter.tokens), s.cached))
         self._release(s, keep=True)
 
     def _fail(self, s: Slot, err: ApiError) -> None:

@@ -1,4 +1,4 @@
-"""OpenAI response bodies and stream chunks from engine events (Piece ... Done).
+"""OpenAI response bodies and stream chunks from engine events (GenEvent ... Done).
 
 Chat: `logprobs.content` entries are {token, logprob, bytes, top_logprobs: [{token, logprob,
 bytes}]}; a stream is role chunk, delta chunks (content / reasoning_content / tool_calls), a
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from . import chat as chatfmt
-from .emit import Piece
+from ..generation import GenEvent
 from .loop import Done
 
 
@@ -46,17 +46,17 @@ class _Base:
 class Turn(_Base):
     """One chat turn: raw model text -> content, reasoning_content and tool_calls."""
 
-    def __init__(self, api, atem: bool, tools, parallel: bool):
+    def __init__(self, api, atem: bool, tools, parallel: bool, logprobs: bool):
         super().__init__(api)
-        self.atem, self.tools, self.parallel = atem, tools, parallel
+        self.atem, self.tools, self.parallel, self.logprobs = atem, tools, parallel, logprobs
         self.raw = ""
         self.sent_content = self.sent_reasoning = 0
         self.role_sent = False
 
-    def _entry(self, p: Piece) -> dict:
+    def _entry(self, p: GenEvent) -> dict:
         return {"token": self.token_text(p.token), "logprob": p.logprob, "bytes": list(self.piece_bytes(p.token)),
                 "top_logprobs": [{"token": self.token_text(t), "logprob": lp, "bytes": list(self.piece_bytes(t))}
-                                 for t, lp in p.top]}
+                                 for t, lp in p.top_logprobs]}
 
     def _parse(self, final: bool) -> chatfmt.ParsedTurn:
         if not self.atem:
@@ -71,7 +71,7 @@ class Turn(_Base):
                  "function": {"name": c["name"], "arguments": c["arguments"]}} for c in turn.tool_calls]
 
     def message(self, events: list, cid: str) -> dict:
-        pieces = [e for e in events if isinstance(e, Piece)]
+        pieces = [e for e in events if isinstance(e, GenEvent)]
         done: Done = events[-1]
         self.raw = "".join(p.text for p in pieces)
         turn = self._parse(final=True)
@@ -82,7 +82,7 @@ class Turn(_Base):
         if calls:
             msg["tool_calls"] = calls
         logprobs = None
-        if pieces and pieces[0].logprob is not None:
+        if self.logprobs:
             logprobs = {"content": [self._entry(p) for p in pieces]}
         return {"id": cid, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "message": msg, "logprobs": logprobs,
@@ -108,9 +108,9 @@ class Turn(_Base):
         if not self.role_sent:
             out.append(self._chunk(cid, {"role": "assistant", "content": ""}))
             self.role_sent = True
-        if isinstance(ev, Piece):
+        if isinstance(ev, GenEvent):
             self.raw += ev.text
-            lp = {"content": [self._entry(ev)]} if ev.logprob is not None else None
+            lp = {"content": [self._entry(ev)]} if self.logprobs else None
             delta = self._deltas(self._parse(final=False))
             if delta or lp:
                 out.append(self._chunk(cid, delta, lp))
@@ -131,26 +131,26 @@ class Turn(_Base):
 
 
 class Completion(_Base):
-    def __init__(self, api, cid: str, echo: str):
+    def __init__(self, api, cid: str, echo: str, logprobs: bool):
         super().__init__(api)
-        self.cid, self.echo = cid, echo
+        self.cid, self.echo, self.logprobs = cid, echo, logprobs
         self.offset = len(echo)
         self.first = True
 
-    def _logprobs(self, pieces: list[Piece], offset: int) -> dict | None:
-        if not pieces or pieces[0].logprob is None:
+    def _logprobs(self, pieces: list[GenEvent], offset: int) -> dict | None:
+        if not self.logprobs:
             return None
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for p in pieces:
             out["tokens"].append(self.token_text(p.token))
             out["token_logprobs"].append(p.logprob)
-            out["top_logprobs"].append({self.token_text(t): lp for t, lp in p.top})
+            out["top_logprobs"].append({self.token_text(t): lp for t, lp in p.top_logprobs})
             out["text_offset"].append(offset)
             offset += len(p.text)
         return out
 
     def body(self, events: list) -> dict:
-        pieces = [e for e in events if isinstance(e, Piece)]
+        pieces = [e for e in events if isinstance(e, GenEvent)]
         done: Done = events[-1]
         text = self.echo + "".join(p.text for p in pieces)
         return {"id": self.cid, "object": "text_completion", "created": self.created, "model": self.model,
@@ -167,7 +167,7 @@ class Completion(_Base):
         if self.first and self.echo:
             out.append(self._chunk(self.echo))
         self.first = False
-        if isinstance(ev, Piece):
+        if isinstance(ev, GenEvent):
             out.append(self._chunk(ev.text, self._logprobs([ev], self.offset)))
             self.offset += len(ev.text)
         elif isinstance(ev, Done):
