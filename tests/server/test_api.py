@@ -167,6 +167,13 @@ def test_nan_body_and_bad_json_and_wrong_key_and_model(micro):
         openai.OpenAI(base_url=micro.base_url, api_key="nope", max_retries=0).models.list()
 
 
+def test_unknown_route_and_method_are_json_errors(micro):
+    r = httpx.get(micro.base_url + "/nope", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(micro.base_url + "/chat/completions", timeout=10)
+    assert r.status_code == 405 and "error" in r.json()
+
+
 def test_huge_body_is_413(micro):
     r = _post(micro, "/completions", {"model": micro.model, "prompt": "x" * (5 << 20)})
     assert r.status_code == 413 and r.json()["error"]["param"] == "body"

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -340,7 +341,17 @@ def build_app(loop: EngineLoop, cfg: ServerConfig, metrics: Metrics) -> Starlett
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={ApiError: on_error})
+    async def on_http(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return await on_error(request, ApiError(exc.status_code, f"{request.method} {request.url.path}: "
+                                                                 f"{exc.detail}", None, kind))
+
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        return await on_error(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", None,
+                                                "server_error"))
+
+    app = Starlette(routes=routes, exception_handlers={ApiError: on_error, HTTPException: on_http,
+                                                       Exception: on_bug})
     app.state.api = api
     return app
 
