@@ -139,6 +139,7 @@ BAD = [
     ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0].extra"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # the micro template has no tools
     ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "word " * 2000}]}, "messages"),  # over the context
 ]
 

@@ -130,10 +130,10 @@ def test_slow_reader_does_not_hold_others(atem):
 
 
 def test_full_queue_is_503_and_timeouts_are_504(atem_gguf):
-    s = Served(["--model", str(atem_gguf), "--slots", "1", "--queue", "1", "--timeout", "3"])
+    s = Served(["--model", str(atem_gguf), "--slots", "1", "--queue", "1", "--timeout", "2"])
     try:
-        body = {"model": s.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "temperature": 0,
-                "logit_bias": {"1": -100, "2": -100}}  # no EOS/EOT: 200 tokens take longer than the timeout
+        body = {"model": s.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 450, "temperature": 0,
+                "logit_bias": {"1": -100, "2": -100}}  # no EOS/EOT: 450 tokens outlast the 2 s timeout
         with ThreadPoolExecutor(4) as ex:
             rs = list(ex.map(lambda _: httpx.post(s.base_url + "/chat/completions", json=body, timeout=60), range(4)))
         codes = sorted(r.status_code for r in rs)

@@ -112,7 +112,9 @@ class Api:
                 if not k.isdigit() or int(k) >= self.tokenizer.vocab_size:
                     raise ApiError(400, f"logit_bias key {k[:40]!r} is not a token id in [0, "
                                         f"{self.tokenizer.vocab_size})", "logit_bias")
-                bias[int(k)] = max(-100.0, min(100.0, v)) if v > -100 else float("-inf")
+                if not -100.0 <= v <= 100.0:
+                    raise ApiError(400, f"logit_bias[{k}] = {v} is outside [-100, 100]", "logit_bias")
+                bias[int(k)] = float("-inf") if v == -100.0 else v  # -100 bans the token (OpenAI)
             kw["logit_bias"] = bias
         try:
             return SamplingParams(**kw), stop
@@ -288,7 +290,7 @@ class Api:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "slots": len(self.loop.slots), "slots_busy": self.loop.active,
-                             "queue": len(self.loop.queue)})
+                             "queue": len(self.loop.queue), "steps": self.loop.steps})
 
     async def metrics_text(self, request: Request) -> Response:
         self._auth(request)

@@ -273,7 +273,11 @@ class EngineLoop:
                 del s.todo[: len(toks)]
                 if s.todo:
                     continue
-            self._advance(s, res)
+            try:
+                self._advance(s, res)
+            except Exception as e:  # noqa: BLE001 - this job fails, the others go on
+                msg = str(e) if isinstance(e, MuserError) else f"{type(e).__name__}: {e}"
+                self._fail(s, ApiError(500, f"sampling failed: {msg}", None, "server_error"))
 
     def _admit(self, now: float) -> None:
         for s in self.slots:
@@ -300,6 +304,9 @@ class EngineLoop:
                 self._fail(s, e)
             except MuserError as e:
                 self._fail(s, ApiError(400, str(e), None))
+            except Exception as e:  # noqa: BLE001 - e.g. no memory for a session: this job fails
+                self._fail(s, ApiError(500, f"cannot start the request: {type(e).__name__}: {e}", None,
+                                       "server_error"))
 
     def _start(self, s: Slot, job: Job) -> None:
         s.job = job
