@@ -109,6 +109,26 @@ def test_half_cancelled_streams_free_their_slots(atem):
     assert atem.alive()
 
 
+def test_disconnect_frees_the_slot_within_a_step(atem):
+    c = atem.client()
+    st = c.chat.completions.create(model=atem.model, messages=[{"role": "user", "content": PROMPTS[2]}],
+                                   temperature=0, max_tokens=150, stream=True, logit_bias={"1": -100, "2": -100})
+    n = 0
+    for k in st:
+        n += bool(k.choices and k.choices[0].delta.content)
+        if n == 3:
+            break
+    before = _health(atem)
+    assert before["slots_busy"] == 1
+    st.close()
+    deadline = time.monotonic() + 10
+    while _health(atem)["slots_busy"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    after = _health(atem)
+    assert after["slots_busy"] == 0
+    assert after["steps"] - before["steps"] <= 2  # the step in flight, at most one more
+
+
 def test_slow_reader_does_not_hold_others(atem):
     c = atem.client()
     alone = _stream(atem, PROMPTS[1], 8)[0]
