@@ -7,9 +7,9 @@
 
 Scheduling (book 10.2-10.5, 10.10; the scheduler sees ids and counts, the backend owns tensors):
 * N slots, each with its own session (its own KV). A free slot takes the oldest queued job.
-* Every iteration is one step: each decoding slot contributes its one next-token row, and one
-  prefilling slot contributes a chunk of its prompt (512 tokens, 64 while decoders wait), so a
-  long prompt never starves the decoders and decoders never starve a prompt.
+* Every iteration is one step: each decoding slot contributes its one next-token row, and the
+  prefilling slots, oldest first, share a budget of prompt rows (512, 64 while decoders wait),
+  so a long prompt never starves the decoders and decoders never starve a prompt.
 * A job that is cancelled (client gone) or past its deadline leaves its slot before the next
   step is built. A failing step fails only the jobs in it; the loop goes on.
 * Named sessions keep a conversation's KV across requests: a request whose prompt extends the
@@ -255,10 +255,12 @@ class EngineLoop:
         decoders = [s for s in self.slots if s.decoding]
         prefillers = sorted((s for s in self.slots if s.prefilling), key=lambda s: s.job.t_submit)
         items: list[tuple[Slot, list[int]]] = [(s, [s.next_token]) for s in decoders]
-        if prefillers:
-            p = prefillers[0]
-            n = WAITING_CHUNK if decoders else PREFILL_CHUNK
-            items.append((p, p.todo[:n]))
+        budget = WAITING_CHUNK if decoders else PREFILL_CHUNK  # prompt rows this step, oldest first
+        for p in prefillers:
+            if budget <= 0:
+                break
+            items.append((p, p.todo[:budget]))
+            budget -= len(items[-1][1])
         if not items:
             return
         results = self.backend.step([(s.session, toks) for s, toks in items])
