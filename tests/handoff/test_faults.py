@@ -231,3 +231,21 @@ def test_history_differs_from_held_rows(nodes, models, certs_dir, tmp_path, refe
     with pytest.raises(HandoffRefused, match="differ from the held prefix"):
         rp.prefill(s, ids[HELD:], history=wrong)
     assert_unchanged(s, before)
+
+
+def test_caller_errors_are_not_fallbacks(nodes, models, certs_dir, tmp_path):
+    """Bad input is the caller's typed error before any work; a capturing session falls back."""
+    from muser.errors import KvStateError, TokenOutOfRange
+
+    m = models["f16"]
+    rp = RemotePrefill(nodes["f16"].addr, certs_dir, ledger=tmp_path / "ledger.json", fallback=False)
+    s = m.session(max_context=512, chunk=CHUNK)
+    with pytest.raises(TokenOutOfRange):
+        rp.prefill(s, [m.config.vocab])
+    s.prefill([7, 8, 9])
+    with pytest.raises(KvStateError, match="history has 0 tokens but the session holds 3"):
+        rp.prefill(s, [10])
+    cap = m.session(max_context=512, chunk=CHUNK, capture=[1])
+    with pytest.raises(HandoffRefused, match="captures layer inputs"):
+        rp.prefill(cap, [7, 8, 9])
+    assert cap.n_past == 0

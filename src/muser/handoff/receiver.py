@@ -86,7 +86,7 @@ class RemotePrefill:
         a = session.check(ids, "prefill")  # the session's own validation, before any work
         held = [] if history is None else [int(t) for t in np.asarray(history).reshape(-1)]
         if len(held) != session.n_past:
-            raise HandoffRefused(f"history has {len(held)} tokens but the session holds {session.n_past}")
+            raise KvStateError(f"history has {len(held)} tokens but the session holds {session.n_past}")
         t0 = time.perf_counter()
         try:
             logits = self._remote(session, held, [int(t) for t in a], t0)
@@ -122,6 +122,9 @@ class RemotePrefill:
 
     def _remote(self, session, history: list[int], ids: list[int], t0: float) -> np.ndarray:
         eng, cfg = session.engine, session.cfg
+        if session.capture_layers:  # the drafter's hidden-state capture is computed, not shipped
+            raise HandoffRefused(f"the session captures layer inputs {list(session.capture_layers)}, which a "
+                                 "handoff does not carry")
         key = self.certs.hmac_key
         cut, n = len(history), len(history) + len(ids)
         plan = mf.plan_tiles(codec.layout_of(session), session.max_context, cut, n, cfg.vocab)
