@@ -1,6 +1,6 @@
 # Muser: two entry points on a fresh machine.
 #   make run   -> sets up .venv and runs `muser generate` on the embedded default model
-#   make test  -> sets up .venv (+ the pinned llama.cpp comparator) and runs the test suite
+#   make test  -> sets up .venv (+ the pinned llama.cpp comparator), lints (ruff, mypy), runs the test suite
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 PYTEST_ARGS ?=
 
-.PHONY: setup comparator run test clean
+.PHONY: setup comparator run lint test clean
 
 $(VENV)/.stamp-base: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,7 +27,11 @@ comparator: $(VENV)/.stamp-comparator
 run: setup
 	$(BIN)/muser generate
 
-test: setup comparator
+lint: setup
+	$(BIN)/ruff check src tests tools
+	$(BIN)/python -m mypy
+
+test: setup comparator lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

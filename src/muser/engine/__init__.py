@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
-import torch
 
 from ..model.loader import ModelFile, open_model
 from .forward import Forward, ModelWeights

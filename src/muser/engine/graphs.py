@@ -85,7 +85,7 @@ class StepGraph:
         self.splits = [pick_splits(p.capacity) for p in sess.cache.planes]
         self.scratch = AttnScratch(T, cfg.n_heads, cfg.head_dim, max(self.splits), dev)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.key = None
+        self.key: tuple | None = None
         self.copied = torch.cuda.Event() if self.cuda else None
         self.captures = 0
 

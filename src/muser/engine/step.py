@@ -222,7 +222,7 @@ def step(engine, batch: Sequence[StepItem]) -> list[StepResult]:
         res = [(host_rows(lg), cap) for lg, cap in run_rows(engine, works)]
         for i, (w, (lg, _)) in enumerate(zip(works, res)):
             bad = None if lg is None else first_non_finite(lg)
-            if bad is not None:
+            if lg is not None and bad is not None:
                 raise non_finite_error(lg, bad, i, int(w.row_indices()[bad[0]]), n0[i])
         return res
 
