@@ -112,3 +112,21 @@ class KvStateError(MuserError):
 class BatchError(MuserError):
     """A step batch the engine cannot serve: a session from another engine or listed twice, a
     bad logits-row request, too many rows."""
+
+
+class KvFormatError(KvStateError):
+    """KV bytes that do not parse or verify (truncated, wrong magic or version, bad digest,
+    inconsistent counts); `field` names the offending field."""
+
+    def __init__(self, message: str, field: str | None = None):
+        self.field = field
+        super().__init__(message)
+
+
+class KvLayoutMismatch(KvStateError):
+    """Well-formed KV bytes of another layout (layer kinds, KV type, heads, head_dim, window,
+    chunk size); `field` names the layout key."""
+
+    def __init__(self, message: str, field: str | None = None):
+        self.field = field
+        super().__init__(message)
