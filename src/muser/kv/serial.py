@@ -78,12 +78,14 @@ class KvLayout:
         for i, p in enumerate(ls):
             if p.layer != i or (p.n_kv_heads, p.head_dim, p.dtype) != (first.n_kv_heads, first.head_dim, first.dtype):
                 raise KvLayoutMismatch(f"layer {i}: layout {p} does not share layer 0's heads/head_dim/dtype")
+        if chunk_tokens < 1:
+            raise KvLayoutMismatch(f"chunk_tokens must be >= 1, got {chunk_tokens}", field="chunk_tokens")
         return cls(tuple(p.sliding for p in ls), windows.pop() if windows else 0, first.n_kv_heads,
                    first.head_dim, first.dtype, chunk_tokens)
 
     @classmethod
-    def of_cache(cls, cache: Any) -> "KvLayout":
-        return cls.of_planes(cache.layouts)
+    def of_cache(cls, cache: Any, chunk_tokens: int = CHUNK_TOKENS) -> "KvLayout":
+        return cls.of_planes(cache.layouts, chunk_tokens)
 
     @classmethod
     def of_config(cls, config: Any, dtype: str) -> "KvLayout":
@@ -163,8 +165,15 @@ def _host(rows: Any, dtype: str) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=_LE[dtype])
 
 
-def _encode(layout: KvLayout, kind: int, start: int, rows: int, n_tokens: int,
-            layers: Sequence[int], keys: Sequence[Any], values: Sequence[Any]) -> bytes:
+def encode_tile(layout: KvLayout, kind: int, start: int, n_tokens: int, keys: Sequence[Any],
+                values: Sequence[Any]) -> bytes:
+    """One tile from per-layer token-major rows [n_tokens - start, kv_dim] (numpy or torch) of
+    the layout's full layers (KIND_NOPE) or sliding layers (KIND_SWA), in layer order."""
+    layers = layout.full_layers if kind == KIND_NOPE else layout.sliding_layers
+    rows = n_tokens - start
+    if len(keys) != len(layers) or len(values) != len(layers):
+        raise KvLayoutMismatch(f"{len(keys)} key / {len(values)} value row sets for {len(layers)} layers",
+                               field="layers")
     payload = 2 * len(layers) * rows * layout.row_bytes
     head = _TILE.pack(TILE_MAGIC, FORMAT_VERSION, kind, DTYPE_CODES[layout.dtype], len(layers),
                       layout.n_kv_heads, layout.head_dim, 0, layout.window if kind == KIND_SWA else 0,
@@ -195,8 +204,8 @@ def nope_tile(snap: KvSnapshot, chunk: int, layout: KvLayout | None = None) -> b
         raise KvFormatError(f"chunk {chunk} holds no rows of a {snap.n_tokens}-token state", field="chunk")
     full = layout.full_layers
     ps = [snap.planes[i] for i in full]
-    return _encode(layout, KIND_NOPE, a, b - a, b, full, [p.keys[a - p.origin_logical:b - p.origin_logical] for p in ps],
-                   [p.values[a - p.origin_logical:b - p.origin_logical] for p in ps])
+    return encode_tile(layout, KIND_NOPE, a, b, [p.keys[a - p.origin_logical:b - p.origin_logical] for p in ps],
+                       [p.values[a - p.origin_logical:b - p.origin_logical] for p in ps])
 
 
 def swa_tile(snap: KvSnapshot, layout: KvLayout | None = None) -> bytes:
@@ -212,8 +221,8 @@ def swa_tile(snap: KvSnapshot, layout: KvLayout | None = None) -> bytes:
         if p.origin_logical > origin or p.origin_logical + p.len != n:
             raise KvFormatError(f"layer {p.layer}: snapshot rows [{p.origin_logical}, {p.origin_logical + p.len}) "
                                 f"do not hold the tail [{origin}, {n})", field="origin")
-    return _encode(layout, KIND_SWA, origin, rows, n, sl, [p.keys[origin - p.origin_logical:] for p in ps],
-                   [p.values[origin - p.origin_logical:] for p in ps])
+    return encode_tile(layout, KIND_SWA, origin, n, [p.keys[origin - p.origin_logical:] for p in ps],
+                       [p.values[origin - p.origin_logical:] for p in ps])
 
 
 def encode_tiles(snap: KvSnapshot, layout: KvLayout | None = None) -> list[bytes]:
@@ -400,5 +409,5 @@ def decode_snapshot(data: bytes | bytearray | memoryview, layout: KvLayout) -> K
     return assemble(tiles, layout, [int(x) for x in ids] if n_ids else None, n_tokens)
 
 
-__all__ = ["FORMAT_VERSION", "CHUNK_TOKENS", "KIND_NOPE", "KIND_SWA", "KvLayout", "Tile", "nope_tile", "swa_tile",
+__all__ = ["FORMAT_VERSION", "CHUNK_TOKENS", "KIND_NOPE", "KIND_SWA", "KvLayout", "Tile", "encode_tile", "nope_tile", "swa_tile",
            "encode_tiles", "decode_tile", "assemble", "encode_snapshot", "decode_snapshot"]
