@@ -127,6 +127,21 @@ class KvLayout:
                 "head_dim": self.head_dim, "dtype": self.dtype, "chunk_tokens": self.chunk_tokens,
                 "format_version": FORMAT_VERSION}
 
+    @classmethod
+    def from_json(cls, d: Any) -> "KvLayout":
+        """The layout a manifest records (to_json), every key checked."""
+        try:
+            if d["format_version"] != FORMAT_VERSION:
+                raise KvFormatError(f"layout format_version {d['format_version']!r} is not {FORMAT_VERSION}",
+                                    field="format_version")
+            sliding = tuple(bool(x) for x in d["sliding"] if x in (0, 1))
+            if len(sliding) != len(d["sliding"]) or d["dtype"] not in DTYPE_CODES:
+                raise ValueError
+            ints = [int(d[k]) for k in ("window", "n_kv_heads", "head_dim", "chunk_tokens")]
+        except (KeyError, TypeError, ValueError):
+            raise KvFormatError(f"layout record {d!r} is malformed", field="layout") from None
+        return cls(sliding, ints[0], ints[1], ints[2], d["dtype"], ints[3])
+
     def check_equal(self, other: "KvLayout", what: str) -> None:
         """Refuse `other` (from `what`) naming the first differing key and both values."""
         for key in ("dtype", "sliding", "window", "n_kv_heads", "head_dim", "chunk_tokens"):

@@ -63,6 +63,15 @@ class Binding:
             kv = model.kv
         return cls(ident.artifact_sha256, ident.tokenizer_sha256, ident.template_sha256, lane, kv, layout)
 
+    @classmethod
+    def from_json(cls, d: Any) -> "Binding":
+        """The binding a manifest records (to_json); malformed records are KvFormatError."""
+        if not isinstance(d, dict) or set(d) != set(BINDING_FIELDS):
+            raise KvFormatError(f"binding record has fields {sorted(d) if isinstance(d, dict) else d!r}, expected "
+                                f"{sorted(BINDING_FIELDS)}", field="binding")
+        return cls(d["artifact_sha256"], d["tokenizer_sha256"], d["template_sha256"], d["lane"], d["kv"],
+                   KvLayout.from_json(d["layout"]))
+
     def to_json(self) -> dict:
         return {"artifact_sha256": self.artifact_sha256, "tokenizer_sha256": self.tokenizer_sha256,
                 "template_sha256": self.template_sha256, "lane": self.lane, "kv": self.kv,
@@ -175,7 +184,10 @@ def decode_entry(data: bytes | bytearray | memoryview, binding: Binding, address
     if tile.sha256 != manifest.get("tile_sha256"):
         raise KvFormatError(f"{where}: field tile_sha256 {manifest.get('tile_sha256')!r} != the tile's {tile.sha256!r}",
                             field="tile_sha256")
-    end = (int(manifest["chunk"]) + 1) * binding.layout.chunk_tokens
+    chunk = manifest.get("chunk")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise KvFormatError(f"{where}: field chunk is {chunk!r}, not a chunk index", field="chunk")
+    end = (chunk + 1) * binding.layout.chunk_tokens
     if tile.n_tokens != end or manifest.get("n_tokens") != end:
         raise KvFormatError(f"{where}: field n_tokens: the tile ends at {tile.n_tokens}, chunk end {end}",
                             field="n_tokens")

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 from ..errors import IdentityMismatch, KvStateError, MuserError
 from ..kv.serial import Tile
-from .entry import Binding, decode_entry
+from .entry import Binding, decode_entry, read_manifest
 
 log = logging.getLogger("muser.kvpack")
 MARKER = {"format": "muser-kvpack-dir", "version": 1}
@@ -294,3 +294,32 @@ class Store:
 
     def total_bytes(self) -> int:
         return sum(o.size for o in self.backend.list())
+
+
+@dataclass(frozen=True)
+class Audit:
+    name: str
+    size: int
+    ok: bool
+    reason: str  # "" when ok
+    manifest: dict | None
+
+
+def audit(backend: StoreBackend) -> list[Audit]:
+    """Verify every entry against its own manifest (any binding): structure, manifest digest,
+    address and kind against the name, tile digest and layout. `muser kvpack verify` prints it."""
+    out = []
+    for o in backend.list():
+        data = backend.get(o.name)
+        if data is None:
+            continue  # evicted meanwhile
+        manifest = None
+        try:
+            manifest, _ = read_manifest(data)
+            binding = Binding.from_json(manifest.get("binding"))
+            address, _, kind = o.name.partition(".")
+            decode_entry(data, binding, address, kind)
+            out.append(Audit(o.name, o.size, True, "", manifest))
+        except (MuserError, KeyError, TypeError) as e:
+            out.append(Audit(o.name, o.size, False, f"{type(e).__name__}: {e}", manifest))
+    return out
