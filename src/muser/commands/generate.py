@@ -56,6 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--parse-special", action="store_true", help="let --prompt text contain special tokens")
     p.add_argument("--render-special", action="store_true", help="show control tokens' text in the output")
     p.add_argument("--json", action="store_true", help="JSON lines: one per token, then a summary")
+    p.add_argument("--kvpack", metavar="DIR", help="reuse stored KV prefixes from DIR and store new ones "
+                   "(muser kvpack; created if absent)")
     p.set_defaults(func=run)
 
 
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                                   f"exceeds the model's context_length {limit}")
         if n_ctx < len(ids) + args.max_tokens - 1:
             raise SamplingError(f"--max-context {n_ctx} is smaller than prompt + max tokens")
-        session = model.session(max_context=n_ctx)
+        session = model.session(max_context=n_ctx, kvpack=args.kvpack)
         gen = generate(session, tok, ids, params, args.max_tokens, render_special=args.render_special)
         out = sys.stdout
         for ev in gen:
