@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 CH = 16  # tile tokens in these tests (the format's default is 512)
-SESSION_CHUNK = 8  # prefill rows per forward; divides CH as warm reuse requires
+SESSION_CHUNK = 16  # prefill rows per forward; must divide CH (warm reuse checks it)
 
 
 @pytest.fixture(scope="session")

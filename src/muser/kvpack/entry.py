@@ -160,7 +160,10 @@ def read_manifest(data: bytes | bytearray | memoryview) -> tuple[dict, int]:
     if not isinstance(manifest, dict) or manifest.get("format") != "muser-kvpack":
         raise KvFormatError("entry field format: not a muser-kvpack manifest", field="format")
     off = _HEAD.size + mlen
-    off += (-off) % 8
+    pad = (-off) % 8
+    if bytes(buf[off:off + pad]).strip(b"\0"):
+        raise KvFormatError("entry field padding: the bytes after the manifest must be zero", field="padding")
+    off += pad
     if manifest.get("tile_bytes") != len(buf) - off:
         raise KvFormatError(f"entry field tile_bytes: manifest says {manifest.get('tile_bytes')!r}, the file "
                             f"holds {len(buf) - off} (truncated?)", field="tile_bytes")
