@@ -61,7 +61,7 @@ def test_sigkill_writer_entries_complete_or_absent(models, seeded, tmp_path):  #
     assert all(p.parent == d / "tmp" for p in stale)  # leftovers only in tmp/, never visible
     for p in stale:
         p.unlink()
-    w, logits = warm_prefill(models, d, seeded[1])  # the next run: correct, and warm again
+    _, logits = warm_prefill(models, d, seeded[1])  # the next run: correct, and warm again
     assert np.array_equal(logits, seeded[3])
     w2, logits2 = warm_prefill(models, d, seeded[1])
     assert w2.last["restored"] == 32 and np.array_equal(logits2, seeded[3])

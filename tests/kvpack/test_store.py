@@ -17,7 +17,14 @@ import pytest
 
 from muser.cli import main
 from muser.errors import IdentityMismatch
-from muser.kvpack import Binding, DirectoryBackend, Store, decode_entry, encode_entry, read_manifest, warm_session
+from muser.kvpack import (
+    DirectoryBackend,
+    Store,
+    decode_entry,
+    encode_entry,
+    read_manifest,
+    warm_session,
+)
 from muser.kvpack.store import audit
 
 from .conftest import CH, SESSION_CHUNK

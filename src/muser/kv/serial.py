@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,7 @@ class KvLayout:
     chunk_tokens: int = CHUNK_TOKENS
 
     @classmethod
-    def of_planes(cls, layouts: Sequence[PlaneLayout], chunk_tokens: int = CHUNK_TOKENS) -> "KvLayout":
+    def of_planes(cls, layouts: Sequence[PlaneLayout], chunk_tokens: int = CHUNK_TOKENS) -> KvLayout:
         ls = tuple(layouts)
         if not ls:
             raise KvLayoutMismatch("a KV layout needs at least one layer")
@@ -84,11 +85,11 @@ class KvLayout:
                    first.head_dim, first.dtype, chunk_tokens)
 
     @classmethod
-    def of_cache(cls, cache: Any, chunk_tokens: int = CHUNK_TOKENS) -> "KvLayout":
+    def of_cache(cls, cache: Any, chunk_tokens: int = CHUNK_TOKENS) -> KvLayout:
         return cls.of_planes(cache.layouts, chunk_tokens)
 
     @classmethod
-    def of_config(cls, config: Any, dtype: str) -> "KvLayout":
+    def of_config(cls, config: Any, dtype: str) -> KvLayout:
         return cls(tuple(bool(s) for s in config.swa_pattern), int(config.sliding_window),
                    int(config.n_kv_heads), int(config.head_dim), dtype)
 
@@ -128,7 +129,7 @@ class KvLayout:
                 "format_version": FORMAT_VERSION}
 
     @classmethod
-    def from_json(cls, d: Any) -> "KvLayout":
+    def from_json(cls, d: Any) -> KvLayout:
         """The layout a manifest records (to_json), every key checked."""
         try:
             if d["format_version"] != FORMAT_VERSION:
@@ -142,7 +143,7 @@ class KvLayout:
             raise KvFormatError(f"layout record {d!r} is malformed", field="layout") from None
         return cls(sliding, ints[0], ints[1], ints[2], d["dtype"], ints[3])
 
-    def check_equal(self, other: "KvLayout", what: str) -> None:
+    def check_equal(self, other: KvLayout, what: str) -> None:
         """Refuse `other` (from `what`) naming the first differing key and both values."""
         for key in ("dtype", "sliding", "window", "n_kv_heads", "head_dim", "chunk_tokens"):
             a, b = getattr(self, key), getattr(other, key)
@@ -338,10 +339,9 @@ def assemble(tiles: Sequence[Tile], layout: KvLayout, tokens: Sequence[int] | No
         pos = t.n_tokens
     if layout.full_layers and pos != n_tokens:
         raise KvFormatError(f"nope tiles cover [0, {pos}), the state has {n_tokens} tokens", field="n_tokens")
-    if layout.sliding_layers and n_tokens:
-        if len(swa) != 1 or swa[0].n_tokens != n_tokens:
-            raise KvFormatError(f"need one swa tile at {n_tokens} tokens, got {[t.n_tokens for t in swa]}",
-                                field="n_tokens")
+    if layout.sliding_layers and n_tokens and (len(swa) != 1 or swa[0].n_tokens != n_tokens):
+        raise KvFormatError(f"need one swa tile at {n_tokens} tokens, got {[t.n_tokens for t in swa]}",
+                            field="n_tokens")
     planes = []
     for pl in layout.planes():
         if pl.sliding:
@@ -424,5 +424,19 @@ def decode_snapshot(data: bytes | bytearray | memoryview, layout: KvLayout) -> K
     return assemble(tiles, layout, [int(x) for x in ids] if n_ids else None, n_tokens)
 
 
-__all__ = ["FORMAT_VERSION", "CHUNK_TOKENS", "KIND_NOPE", "KIND_SWA", "KvLayout", "Tile", "encode_tile", "nope_tile", "swa_tile",
-           "encode_tiles", "decode_tile", "assemble", "encode_snapshot", "decode_snapshot"]
+__all__ = [
+    "CHUNK_TOKENS",
+    "FORMAT_VERSION",
+    "KIND_NOPE",
+    "KIND_SWA",
+    "KvLayout",
+    "Tile",
+    "assemble",
+    "decode_snapshot",
+    "decode_tile",
+    "encode_snapshot",
+    "encode_tile",
+    "encode_tiles",
+    "nope_tile",
+    "swa_tile",
+]

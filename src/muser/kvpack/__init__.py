@@ -15,5 +15,17 @@ from .entry import Binding, Entry, decode_entry, encode_entry, read_manifest
 from .reuse import WarmSession, warm_session
 from .store import DirectoryBackend, Hit, ObjectInfo, Store, StoreBackend
 
-__all__ = ["Binding", "Entry", "decode_entry", "encode_entry", "read_manifest", "WarmSession", "warm_session",
-           "DirectoryBackend", "Hit", "ObjectInfo", "Store", "StoreBackend"]
+__all__ = [
+           "Binding",
+           "DirectoryBackend",
+           "Entry",
+           "Hit",
+           "ObjectInfo",
+           "Store",
+           "StoreBackend",
+           "WarmSession",
+           "decode_entry",
+           "encode_entry",
+           "read_manifest",
+           "warm_session",
+]

@@ -20,13 +20,22 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..errors import IdentityMismatch, KvFormatError
-from ..kv.serial import CHUNK_TOKENS, FORMAT_VERSION, KIND_NOPE, KIND_SWA, KvLayout, Tile, decode_tile
+from ..kv.serial import (
+    CHUNK_TOKENS,
+    FORMAT_VERSION,
+    KIND_NOPE,
+    KIND_SWA,
+    KvLayout,
+    Tile,
+    decode_tile,
+)
 
 ENTRY_MAGIC = b"MUSKVPK\x00"
 ENTRY_VERSION = 1
@@ -48,7 +57,7 @@ class Binding:
     layout: KvLayout
 
     @classmethod
-    def of_session(cls, session: Any, chunk_tokens: int = CHUNK_TOKENS) -> "Binding":
+    def of_session(cls, session: Any, chunk_tokens: int = CHUNK_TOKENS) -> Binding:
         """The binding of an engine session (muser.engine) or an oracle session (muser.oracle)."""
         layout = KvLayout.of_cache(session.cache, chunk_tokens)
         engine = getattr(session, "engine", None)
@@ -64,7 +73,7 @@ class Binding:
         return cls(ident.artifact_sha256, ident.tokenizer_sha256, ident.template_sha256, lane, kv, layout)
 
     @classmethod
-    def from_json(cls, d: Any) -> "Binding":
+    def from_json(cls, d: Any) -> Binding:
         """The binding a manifest records (to_json); malformed records are KvFormatError."""
         if not isinstance(d, dict) or set(d) != set(BINDING_FIELDS):
             raise KvFormatError(f"binding record has fields {sorted(d) if isinstance(d, dict) else d!r}, expected "

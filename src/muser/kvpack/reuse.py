@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -145,7 +146,7 @@ class WarmSession:
                     blob = encode_entry(store.binding, addrs[c], "swa", c, tile)
                     if store.put(name, blob, addrs[c], "swa"):
                         self.persisted.append(name)
-        except Exception as e:  # the response never depends on persistence
+        except Exception as e:  # noqa: BLE001 - a thread's failure must not reach the response
             log.warning("kvpack persistence stopped: %s: %s", type(e).__name__, e)
 
 

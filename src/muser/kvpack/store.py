@@ -21,10 +21,11 @@ import json
 import logging
 import os
 import secrets
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Protocol
 
 from ..errors import IdentityMismatch, KvStateError, MuserError
 from ..kv.serial import Tile
@@ -227,7 +228,7 @@ class Store:
         self.misses: list[str] = []  # reasons, newest last (also logged)
 
     @classmethod
-    def open(cls, root: str | os.PathLike, binding: Binding, budget_bytes: int | None = None) -> "Store":
+    def open(cls, root: str | os.PathLike, binding: Binding, budget_bytes: int | None = None) -> Store:
         return cls(DirectoryBackend(root), binding, budget_bytes)
 
     @staticmethod

@@ -73,7 +73,6 @@ def run(args: argparse.Namespace) -> int:
 
     from ...errors import ContextOverflow, LaneError
     from ...kv.serial import assemble
-    from ...kvpack import Store, warm_session
     from ..receipt import device_description, run_interleaved, write_receipt
     from ..speed import model_json
 
