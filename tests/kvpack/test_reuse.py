@@ -43,9 +43,9 @@ def test_restored_equals_cold_bitwise_at_every_boundary(models, prompt, name, tm
 
 
 def test_warm_against_one_forward_cold(models, prompt, tmp_path):
-    """A cold prefill in one 512-row forward against restore + 8-row chunks: the CPU engine's
+    """A cold prefill in one 512-row forward against restore + 16-row chunks: the CPU engine's
     kernels are not yet row-invariant across chunkings, so this is not bitwise. Measured on this
-    fixture (f16 K/V): max |d log-softmax| = 1.27e-3 over the prompt's last row and 4 greedy
+    fixture (f16 K/V): max |d log-softmax| = 7.3e-4 over the prompt's last row and 4 greedy
     steps; asserted: greedy tokens identical and max |d| <= 2e-3. When the kernels become
     row-invariant this comparison turns bitwise and the bound should tighten to equality."""
     from muser.gates import log_softmax
