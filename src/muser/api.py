@@ -4,7 +4,8 @@
     m = muser.load(path=None, device="cpu" | "cuda", lane="exact" | "fast", kv="f16" | "f32", pin=None)
     m.config, m.identity, m.tokenizer, m.chat(messages, add_generation_prompt=True)
     s = m.session(max_context=...)        # prefill / decode / verify / checkpoint / rollback
-    for piece in m.generate(prompt, max_tokens, sampling=muser.SamplingParams(...)): ...
+    for piece in m.generate(prompt, max_tokens=None, sampling=muser.SamplingParams(...)): ...
+    gen = m.stream_chat(messages, sampling=...)   # the template's prompt, one BOS
 
 `load` fails closed: an unknown device, lane or KV type, a file that breaks the model contract,
 a mismatched pin, or a weight the engine cannot decode exactly is a typed error before any
@@ -104,6 +105,13 @@ class Model:
 
         return ChatTemplate.from_gguf(self.engine.model_file.gguf)
 
+    def encode(self, text: str, parse_special: bool = False) -> list[int]:
+        """A text prompt's ids as generate/stream and the CLI take it (muser.prompt.encode_text):
+        the GGUF's BOS, special-token text literal unless `parse_special`."""
+        from . import prompt as P
+
+        return P.encode_text(self.tokenizer, text, parse_special)
+
     def chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kw) -> str:
         """The GGUF's chat template rendered over `messages` (sandboxed)."""
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kw)
@@ -122,33 +130,52 @@ class Model:
 
         return warm_session(s, kvpack)
 
-    def stream(self, prompt: str | Sequence[int], max_tokens: int, sampling: Any = None,
+    def stream(self, prompt: str | Sequence[int], max_tokens: int | None = None, sampling: Any = None,
                draft: Any = None, stop: Sequence[str] | None = None, max_context: int | None = None,
-               add_special: bool = True, parse_special: bool = True):
+               parse_special: bool = False):
         """The generation as a muser.generation.Generation: GenEvents (token, text, logprob,
         finish_reason) and, once exhausted, its record (finish reason, TTFT, decode tok/s).
 
-        A text prompt is tokenized with BOS as the GGUF asks (add_special) and special-token text
-        parsed (parse_special), as llama.cpp's CLI does; pass add_special=False for text rendered
-        by `chat`, which already starts with the template's BOS. `sampling=None` is greedy."""
+        The defaults are muser.prompt's, the same as the CLI's: a text prompt gets the GGUF's BOS
+        and its special-token text is literal unless `parse_special=True`; token ids are taken as
+        given. A chat goes through `stream_chat` (or `encode_chat`), which never doubles the BOS.
+        `sampling=None` is SamplingParams() (temperature 0.8); max_tokens and stop come from the
+        arguments or from `sampling` (both given and different is refused); max_tokens defaults to
+        muser.prompt.DEFAULT_MAX_TOKENS."""
+        from . import prompt as P
+
         if draft is not None:
             raise LaneError("speculative drafting is not served by this engine build (draft must be None)")
+        params, n, stops = P.resolve_sampling(sampling, max_tokens, stop)
+        ids = P.encode_prompt(self.tokenizer, prompt, parse_special)
+        return self._run(ids, params, n, stops, max_context)
+
+    def stream_chat(self, messages: Sequence[dict], max_tokens: int | None = None, sampling: Any = None,
+                    stop: Sequence[str] | None = None, max_context: int | None = None):
+        """`stream` over the chat template rendered for `messages` (with the generation prompt)."""
+        from . import prompt as P
+
+        params, n, stops = P.resolve_sampling(sampling, max_tokens, stop)
+        return self._run(self.encode_chat(messages), params, n, stops, max_context)
+
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The ids of the rendered chat: specials parsed, one BOS (muser.prompt.encode_chat)."""
+        from . import prompt as P
+
+        return P.encode_chat(self.tokenizer, self.template, messages, add_generation_prompt)
+
+    def _run(self, ids: list[int], params: Any, n: int, stops: tuple[str, ...], max_context: int | None):
         from . import generation
-        from .sample import SamplingParams
+        from . import prompt as P
 
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special=add_special, parse_special=parse_special)
-        else:
-            ids = [int(t) for t in prompt]
-        params = sampling if sampling is not None else SamplingParams(temperature=0.0)
-        n_ctx = max_context if max_context is not None else len(ids) + int(max_tokens)
-        return generation.generate(self.session(max_context=max(1, n_ctx)), self.tokenizer, ids, params,
-                                   max_tokens, stop)
+        n_ctx = P.context_size(len(ids), n, self.config.context_length, max_context)
+        params.check_vocab(self.tokenizer.vocab_size)
+        return generation.generate(self.session(max_context=n_ctx), self.tokenizer, ids, params, n, stops)
 
-    def generate(self, prompt: str | Sequence[int], max_tokens: int, sampling: Any = None,
+    def generate(self, prompt: str | Sequence[int], max_tokens: int | None = None, sampling: Any = None,
                  draft: Any = None, **kw) -> Iterator[str]:
-        """Stream the text pieces of `stream(...)`: stops at an end-of-generation token (EOS or
-        EOT), a stop string or max_tokens."""
+        """Stream the text pieces of `stream(...)` (same defaults): stops at an end-of-generation
+        token (EOS or EOT), a stop string or max_tokens."""
         gen = self.stream(prompt, max_tokens, sampling, draft, **kw)
         for ev in gen:
             if ev.text:

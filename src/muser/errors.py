@@ -109,6 +109,11 @@ class KvStateError(MuserError):
     (expired checkpoint, geometry mismatch, incomplete install, rows of the wrong shape)."""
 
 
+class BatchError(MuserError):
+    """A step batch the engine cannot serve: a session from another engine or listed twice, a
+    bad logits-row request, too many rows."""
+
+
 class KvFormatError(KvStateError):
     """KV bytes that do not parse or verify (truncated, wrong magic or version, bad digest,
     inconsistent counts); `field` names the offending field."""

@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_RECEIPTS = REPO_ROOT / "bench" / "receipts"
+
+
+def default_receipts_dir() -> Path:
+    """Where a receipt goes when no out_dir is given: the per-user cache, not the repository."""
+    from ..api import cache_dir
+
+    return cache_dir() / "receipts"
 
 
 @dataclass
@@ -118,7 +124,7 @@ def write_receipt(kind: str, *, model: dict | None, device: dict, lane: str | No
     }
     if extra:
         body.update(extra)
-    out = Path(out_dir or os.environ.get("MUSER_RECEIPTS") or DEFAULT_RECEIPTS)
+    out = Path(out_dir or os.environ.get("MUSER_RECEIPTS") or default_receipts_dir())
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{now.strftime('%Y%m%dT%H%M%SZ')}-{kind}"
     path = out / f"{stem}.json"

@@ -100,7 +100,7 @@ def register_kind(sub: argparse._SubParsersAction, kind: str, help: str, doc: st
     p.add_argument("--llama-tarball", default=None,
                    help=f"CUDA: pinned llama.cpp source tarball for {DEVICE_SCRIPT} "
                         f"(default: {LLAMA_TARBALL} under shared/)")
-    p.add_argument("--out-dir", default=None, help="receipt directory (default bench/receipts)")
+    p.add_argument("--out-dir", default=None, help="receipt directory (default: the per-user cache, muser.api.cache_dir()/receipts; give bench/receipts for the project's evidence)")
     p.set_defaults(func=lambda a, _k=kind: run(a, _k))
 
 

@@ -72,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Muser only, for files the pinned llama.cpp cannot load (gate n/a)")
     p.add_argument("--corpus-root", default=None,
                    help="CPython standard-library folder (default: the root the provenance records)")
-    p.add_argument("--out-dir", default=None, help="receipt directory (default bench/receipts)")
+    p.add_argument("--out-dir", default=None, help="receipt directory (default: the per-user cache, muser.api.cache_dir()/receipts; give bench/receipts for the project's evidence)")
     p.set_defaults(func=run)
 
 
