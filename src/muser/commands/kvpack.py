@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +36,8 @@ def _row(a) -> dict:
     b = m.get("binding") or {}
     return {"name": a.name, "ok": a.ok, "reason": a.reason, "bytes": a.size, "kind": m.get("kind"),
             "chunk": m.get("chunk"), "n_tokens": m.get("n_tokens"), "lane": b.get("lane"), "kv": b.get("kv"),
-            "artifact_sha256": b.get("artifact_sha256")}
+            "artifact_sha256": b.get("artifact_sha256"),
+            "last_used_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(a.last_used))}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
             out.write(json.dumps(r) + "\n")
         elif args.kvpack_cmd == "ls":
             out.write(f"{r['name'][:16]}… {r['kind'] or '?':4} chunk {r['chunk']!s:>4} to {r['n_tokens']!s:>7} "
-                      f"{r['bytes']:>10} B  {r['lane']} kv={r['kv']}{'' if r['ok'] else '  BAD'}\n")
+                      f"{r['bytes']:>10} B  {r['lane']} kv={r['kv']} used {r['last_used_utc']}"
+                      f"{'' if r['ok'] else '  BAD'}\n")
         else:
             out.write(f"{'ok ' if r['ok'] else 'BAD'} {r['name']}{'' if r['ok'] else '  ' + r['reason']}\n")
     total = sum(r["bytes"] for r in rows)

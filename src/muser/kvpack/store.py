@@ -304,6 +304,7 @@ class Audit:
     ok: bool
     reason: str  # "" when ok
     manifest: dict | None
+    last_used: float = 0.0  # mtime, seconds since the epoch
 
 
 def audit(backend: StoreBackend) -> list[Audit]:
@@ -320,7 +321,7 @@ def audit(backend: StoreBackend) -> list[Audit]:
             binding = Binding.from_json(manifest.get("binding"))
             address, _, kind = o.name.partition(".")
             decode_entry(data, binding, address, kind)
-            out.append(Audit(o.name, o.size, True, "", manifest))
+            out.append(Audit(o.name, o.size, True, "", manifest, o.last_used))
         except (MuserError, KeyError, TypeError) as e:
-            out.append(Audit(o.name, o.size, False, f"{type(e).__name__}: {e}", manifest))
+            out.append(Audit(o.name, o.size, False, f"{type(e).__name__}: {e}", manifest, o.last_used))
     return out
