@@ -81,3 +81,20 @@ def test_binding_and_chunk_refusals(models, tmp_path):
     b16, b32 = Binding.of_session(s16, CH), Binding.of_session(session(m32, 64), CH)
     assert b16.addresses(list(range(40))) != b32.addresses(list(range(40)))
     assert len(b16.addresses(list(range(40)))) == 2
+
+
+def test_bad_input_refused_before_any_restore(models, prompt, tmp_path):
+    from muser.errors import ContextOverflow, TokenOutOfRange
+
+    m = models["oracle-f32-f32"]
+    first = warm_session(session(m, 64), tmp_path, chunk_tokens=CH)
+    first.prefill(prompt[:40])
+    first.wait()
+    w = warm_session(session(m, 64), tmp_path, chunk_tokens=CH)
+    with pytest.raises(TokenOutOfRange, match="index 39"):
+        w.prefill(prompt[:39] + [10**6])
+    with pytest.raises(ContextOverflow, match="max_context 64"):
+        w.prefill(prompt[:65] + prompt[:5])
+    assert w.n_past == 0 and not w.last and not w.store.misses
+    assert np.array_equal(w.prefill(prompt[:40]), session(m, 64).prefill(prompt[:40]))
+    assert w.last["restored"] == 32

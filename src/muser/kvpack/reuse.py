@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import LaneError
 from ..kv.serial import CHUNK_TOKENS, KIND_NOPE, KIND_SWA, assemble, encode_tile
+from ..sequence import check_span, check_tokens
 from .entry import encode_entry
 from .store import Store
 
@@ -87,7 +88,10 @@ class WarmSession:
             self.last = {"restored": 0, "prefilled": len(ids), "reuse": False}
             return s.prefill(ids, all_logits=all_logits, **kw)
         self.wait()
-        toks = [int(t) for t in np.asarray(ids).reshape(-1)] if np.ndim(ids) else [int(ids)]
+        # the session's own validation, before any restore (bad input: typed error, no work)
+        arr = check_tokens(ids, s.vocab, "prefill")
+        check_span(0, arr.size, s.max_context, None, "prefill")
+        toks = [int(t) for t in arr]
         if len(toks) < 2:
             return s.prefill(toks)
         ch = self.store.binding.layout.chunk_tokens
