@@ -15,6 +15,7 @@ eviction under the exclusive lock removes the least recently used entries until 
 
 from __future__ import annotations
 
+import builtins
 import errno
 import fcntl
 import json
@@ -52,7 +53,7 @@ class StoreBackend(Protocol):
     def delete(self, name: str) -> None: ...
     def touch(self, name: str) -> None: ...
     def list(self) -> Iterator[ObjectInfo]: ...
-    def evict(self, budget_bytes: int) -> list[str]: ...
+    def evict(self, budget_bytes: int) -> builtins.list[str]: ...
 
 
 def _fsync_dir(path: Path) -> None:
@@ -178,7 +179,7 @@ class DirectoryBackend:
                     continue
                 yield ObjectInfo(p.name, st.st_size, st.st_mtime)
 
-    def evict(self, budget_bytes: int) -> list[str]:
+    def evict(self, budget_bytes: int) -> builtins.list[str]:
         """Remove least recently used objects until the total is <= budget_bytes."""
         with self.locked():
             objs = sorted(self.list(), key=lambda o: (o.last_used, o.name))
@@ -192,7 +193,7 @@ class DirectoryBackend:
                 gone.append(o.name)
             return gone
 
-    def stale_temps(self) -> list[Path]:
+    def stale_temps(self) -> builtins.list[Path]:
         """Temp files whose writer process is gone (a killed writer leaves one; never visible)."""
         out = []
         for p in sorted(self.tmp.glob("*.tmp")) if self.tmp.is_dir() else []:
