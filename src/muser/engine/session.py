@@ -29,7 +29,7 @@ from ..errors import (
 )
 from ..kv import DEFAULT_BLOCK, DetachedInstall, KvCache, KvCheckpoint, KvSnapshot
 from .forward import Forward
-from .kernels.attention import AttnScratch, CpuAttnScratch, attend_cpu, attend_ref, attend_triton, pick_splits
+from .kernels.attention import AttnScratch, attend_ref, attend_triton, pick_splits
 from ..kv.torch_backend import TORCH_KV, device_cache, resident_bytes
 
 PREFILL_CHUNK = 512  # PREFILL_BATCH_TOKENS (book 10.10)
@@ -50,7 +50,6 @@ class _EagerKv:
     def __init__(self, sess: "Session", p0: int, T: int):
         self.s, self.p0, self.T = sess, p0, T
         self.cuda = sess.device.type == "cuda"
-        self.cpu_fast = not self.cuda  # Forward may take its CPU small-T path (attend_cpu below)
         if self.cuda:
             meta = np.array([[p.origin_logical, p.origin_physical, p.len, p.capacity]
                              for p in sess.cache.planes], dtype=np.int64)
@@ -69,10 +68,12 @@ class _EagerKv:
             splits = pick_splits(plane.capacity) if self.T <= MAX_VERIFY else 1
             out = attend_triton(q, kq, vq, plane.keys, plane.values, g.head_major, self.meta[il],
                                 self.pos, window, cfg.attn_scale, self.scratch, splits=splits)
-        elif self.T <= MAX_VERIFY:  # decode / verify shapes: contiguous runs, no gather
-            out = attend_cpu(q, kq, vq, plane.keys, plane.values, g.head_major, plane.origin_logical,
-                             plane.origin_physical, plane.len, plane.capacity, self.p0, window,
-                             cfg.attn_scale, s._cpu_attn)
+        elif s.device.type == "cpu":  # the C kernel: fixed order per row, any T (row-invariant)
+            from .kernels import cpu_native
+
+            out = cpu_native.attend(q, kq, vq, plane.keys, plane.values, g.head_major, plane.origin_logical,
+                                    plane.origin_physical, plane.len, plane.capacity, self.p0, window,
+                                    cfg.attn_scale)
         else:
             out = attend_ref(q, kq, vq, plane.keys, plane.values, g.head_major, plane.origin_logical,
                              plane.origin_physical, plane.len, plane.capacity, self.p0, window,
@@ -108,7 +109,6 @@ class Session:
             raise LaneError("CUDA graphs need device 'cuda'")
         self._graphs: dict = {}
         self._scratches: dict[bool, AttnScratch] = {}
-        self._cpu_attn = CpuAttnScratch(cfg.n_kv_heads, cfg.head_dim)  # grows on first use
         self.captured: dict[int, np.ndarray] = {}  # layer -> [T, hidden] inputs, last call
         self.logits: np.ndarray | None = None  # the installed distribution (last row)
 
