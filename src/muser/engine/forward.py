@@ -264,6 +264,8 @@ class Forward:
         residual leaving the last layer). Returns logits f32 [R, vocab] (R = 1 or T) or None.
         Capture-safe: no host sync, no host-built tensors."""
         cfg, W, lin = self.cfg, self.w, self.linear
+        if self.native:
+            self.tails.follow_torch_threads()
         T = tokens.shape[0]
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         eps = cfg.rms_eps

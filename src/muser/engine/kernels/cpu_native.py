@@ -59,11 +59,11 @@ def _load() -> ctypes.CDLL:
         f = getattr(lib, name)
         f.restype, f.argtypes = res, args
     lib.mu_init()
-    lib.mu_set_threads(max(1, torch.get_num_threads()))
     return lib
 
 
 _lib = _load()
+_threads = [1]
 
 
 def set_threads(n: int) -> None:
@@ -72,6 +72,14 @@ def set_threads(n: int) -> None:
         raise LaneError(f"CPU kernel threads must be an integer in [1, 64], got {n!r}")
     if _lib.mu_set_threads(int(n)) != 0:
         raise LaneError(f"could not start {n} CPU kernel threads")
+    _threads[0] = int(n)
+
+
+def follow_torch_threads() -> None:
+    """One thread knob for the CPU lane: torch's (torch.set_num_threads, `--threads`)."""
+    n = min(64, max(1, torch.get_num_threads()))
+    if n != _threads[0]:
+        set_threads(n)
 
 
 def get_threads() -> int:
