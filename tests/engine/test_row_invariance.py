@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from muser.engine import Engine
 from muser.model.synth import SynthSpec
@@ -17,6 +18,14 @@ N = 80  # positions: > 2 x the fixture's window (32), so every sliding ring wrap
 
 def _ids(vocab: int) -> list[int]:
     return [3 + (i * 37 + (i * i) % 11) % (vocab - 3) for i in range(N)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():  # the thread count cannot change results (test_cpu_native.py); 1 keeps CI fast
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
