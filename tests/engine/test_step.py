@@ -137,22 +137,24 @@ def test_every_item_is_validated_before_any_work(eng, tiny_gguf):
 
 
 def test_non_finite_row_rolls_every_session_back(eng, monkeypatch):
+    # the forward's last op: the C kernel's softcap on the CPU, the torch one elsewhere
     import muser.engine.forward as fw
 
+    fw, name = (eng.forward.tails, "softcap") if eng.forward.native else (fw, "softcap_logits")
     ss = [_session(eng, i) for i in range(3)]  # rings wrapped: rollback must restore ring rows
     before = [s.n_past for s in ss]
-    orig = fw.softcap_logits
+    orig = getattr(fw, name)
 
     def poison_row_4(lg, a, b):
         out = orig(lg, a, b)
         out[4, 11] = float("inf")  # global row 4 = item 1, row 1 (3 rows per item)
         return out
 
-    monkeypatch.setattr(fw, "softcap_logits", poison_row_4)
+    monkeypatch.setattr(fw, name, poison_row_4)
     with pytest.raises(NonFiniteLogits, match=r"non-finite logit inf at item 1, row 1, token 11"):
         eng.step([StepItem(s, _tokens(i, 3), logits="all") for i, s in enumerate(ss)])
     assert [s.n_past for s in ss] == before
-    monkeypatch.setattr(fw, "softcap_logits", orig)
+    monkeypatch.setattr(fw, name, orig)
     out = eng.step([StepItem(s, _tokens(i, 3), logits="all") for i, s in enumerate(ss)])
     fresh = eng.step([StepItem(_session(eng, i), _tokens(i, 3), logits="all") for i in range(3)])
     for a, b in zip(out, fresh):
