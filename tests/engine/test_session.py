@@ -233,10 +233,13 @@ def test_fast_lane_drift_is_measured_not_exact(tiny_gguf, eng32):
         gate2(tiny_gguf, fast, None, "f32", n_gen=1)
 
 
-def test_graph_step_device_metadata_path(eng16, kernels):
+def test_graph_step_device_metadata_path(eng16, tiny_gguf, kernels):
     """The CUDA-graph step (device-resident positions, plane metadata and write slots; Triton
-    attention; static capture buffers) run without capture on the CPU, against the eager path."""
+    attention; static capture buffers) run without capture on the CPU, against the eager path
+    (the C attention kernel: another summation order, so within twice the f16-K/V noise floor)."""
     from muser.engine.graphs import StepGraph
+
+    nf = oracle.load(tiny_gguf, arithmetic="f32", kv="f16").noise_floor(PROMPT[:33]).value
 
     ref = eng16.session(max_context=64, capture=(1,))
     ref.prefill(PROMPT[:30])
@@ -247,7 +250,7 @@ def test_graph_step_device_metadata_path(eng16, kernels):
         got = g.run(np.array(blk)).numpy().copy()
         want = ref.verify(blk)
         assert s.n_past == ref.n_past
-        assert max_dlsm(got, want) <= GATE_FLOOR  # summation order only (f16 K/V)
+        assert max_dlsm(got, want) <= max(GATE_FLOOR, 2 * nf)  # summation order only (f16 K/V)
         assert np.abs(g.captured[1].numpy() - ref.captured[1]).max() <= 1e-5
         assert int(g.top[-1]) == int(np.argmax(got[-1])) and bool(g.finite)
     for pa, pb in zip(s.snapshot().planes, ref.snapshot().planes):
