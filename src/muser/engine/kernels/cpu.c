@@ -302,47 +302,69 @@ int mu_gemm(int fmt, const void *w, const float *d, int64_t n_out, int64_t n_in,
 }
 
 /* ------------------------------------------------------------------------------------------- */
-/* exp and tanh: Cody-Waite reduction and a degree-7 polynomial in plain f32 ops */
+/* exp and tanh: Cody-Waite reduction and a degree-7 polynomial in plain f32 ops, eight lanes at
+ * a time (element-wise: a value's lane cannot change it). exp(x) = 0 below -86 (< 4.5e-38),
+ * inf above 88.72, NaN stays NaN. */
 
-static inline float exp_f32(float x) {
-    if (x != x) return x;
-    if (x > 88.72283935546875f) return INFINITY;
-    if (x < -103.97208404541015625f) return 0.0f;
-    const float shifter = 12582912.0f; /* 1.5 * 2^23: round to nearest integer */
-    float n = (x * 1.44269502162933349609375f + shifter) - shifter;
-    float r = x - n * 0.693145751953125f; /* ln2 high part: n * hi is exact */
-    r = r - n * 1.428606765330187045e-06f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int e = (int)n;
-    union { uint32_t u; float f; } s;
-    if (e > 127) {
-        s.u = (uint32_t)(127 + 127) << 23;
-        return p * s.f * 2.0f;
-    }
-    if (e < -126) {
-        s.u = (uint32_t)(e + 100 + 127) << 23;
-        return p * s.f * 7.8886090522101180541e-31f; /* 2^-100 */
-    }
-    s.u = (uint32_t)(e + 127) << 23;
-    return p * s.f;
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8 sel(v8i m, v8 a, v8 b) { return (v8)((m & (v8i)a) | (~m & (v8i)b)); }
+
+static inline v8 exp_v8(v8 x) {
+    const v8i big = x > splat(88.72283935546875f), small = x < splat(-86.0f), nan = x != x;
+    v8 xc = sel(big | nan, splat(0.0f), sel(small, splat(0.0f), x));
+    const v8 shifter = splat(12582912.0f); /* 1.5 * 2^23: round to nearest integer */
+    v8 n = (xc * splat(1.44269502162933349609375f) + shifter) - shifter;
+    v8 r = xc - n * splat(0.693145751953125f); /* ln2 high part: n * hi is exact */
+    r = r - n * splat(1.428606765330187045e-06f);
+    v8 p = splat(1.0f / 5040.0f);
+    p = p * r + splat(1.0f / 720.0f);
+    p = p * r + splat(1.0f / 120.0f);
+    p = p * r + splat(1.0f / 24.0f);
+    p = p * r + splat(1.0f / 6.0f);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    v8i e = __builtin_convertvector(n, v8i);
+    v8 s2 = (v8)((e + 126) << 23); /* 2^(n-1): n reaches 128 just below the overflow bound */
+    v8 y = (p * s2) * splat(2.0f);
+    y = sel(small, splat(0.0f), y);
+    y = sel(big, splat(INFINITY), y);
+    return sel(nan, x, y);
 }
 
-static inline float tanh_f32(float x) {
-    if (x != x) return x;
-    float ax = x < 0 ? -x : x;
-    float t = 1.0f - 2.0f / (exp_f32(2.0f * ax) + 1.0f);
-    return x < 0 ? -t : t;
+/* v[i] = exp(v[i]) in place; the tail goes through a padded group (the same lanes' code) */
+static inline void exp_inplace(float *v, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) st8(v + i, exp_v8(ld8(v + i)));
+    if (i < n) {
+        float t[8] = {0};
+        memcpy(t, v + i, sizeof(float) * (size_t)(n - i));
+        st8(t, exp_v8(ld8(t)));
+        memcpy(v + i, t, sizeof(float) * (size_t)(n - i));
+    }
+}
+
+static inline float exp_f32(float x) {
+    float t = x;
+    exp_inplace(&t, 1);
+    return t;
+}
+
+/* tanh(x) = sign(x) (1 - 2 / (exp(2|x|) + 1)) */
+static inline float tanh_from_exp(float x, float e) {
+    float t = 1.0f - 2.0f / (e + 1.0f);
+    return x != x ? x : (x < 0 ? -t : t);
 }
 
 float mu_exp(float x) { return exp_f32(x); }
-float mu_tanh(float x) { return tanh_f32(x); }
+float mu_tanh(float x) {
+    float ax = x < 0 ? -x : x, e = 2.0f * ax;
+    exp_inplace(&e, 1);
+    return tanh_from_exp(x, e);
+}
+
+#define CH 256 /* element-wise tails work in groups of CH through a stack buffer */
 
 /* ------------------------------------------------------------------------------------------- */
 /* element-wise tails, each in the op order of the torch reference (engine/forward.py) */
@@ -412,23 +434,37 @@ MU_CLONES void mu_qk_norm_rope(const float *y, int64_t sy, int64_t q_off, int64_
 
 /* silu = 0: out = a * (1 / (1 + exp(-g)))       (ggml_vec_sigmoid_f32; attention gate, book 9.8)
  * silu = 1: out = (g / (1 + exp(-g))) * a       (ggml_silu_f32, then * up) */
-void mu_gate(const float *a, int64_t sa, const float *g, int64_t sg, float *out, int64_t so, int64_t R, int64_t N,
-             int silu) {
+MU_CLONES void mu_gate(const float *a, int64_t sa, const float *g, int64_t sg, float *out, int64_t so, int64_t R,
+                       int64_t N, int silu) {
+    float e[CH];
     for (int64_t r = 0; r < R; r++) {
         const float *ar = a + r * sa, *gr = g + r * sg;
         float *o = out + r * so;
-        if (silu)
-            for (int64_t i = 0; i < N; i++) o[i] = (gr[i] / (1.0f + exp_f32(-gr[i]))) * ar[i];
-        else
-            for (int64_t i = 0; i < N; i++) o[i] = ar[i] * (1.0f / (1.0f + exp_f32(-gr[i])));
+        for (int64_t c = 0; c < N; c += CH) {
+            int64_t m = N - c < CH ? N - c : CH;
+            for (int64_t i = 0; i < m; i++) e[i] = -gr[c + i];
+            exp_inplace(e, m);
+            if (silu)
+                for (int64_t i = 0; i < m; i++) o[c + i] = (gr[c + i] / (1.0f + e[i])) * ar[c + i];
+            else
+                for (int64_t i = 0; i < m; i++) o[c + i] = ar[c + i] * (1.0f / (1.0f + e[i]));
+        }
     }
 }
 
 /* l = l * scale; then cap * tanh(l * inv_cap) when cap > 0 (book 9.10), in place */
-void mu_softcap(float *l, int64_t n, float scale, float inv_cap, float cap) {
-    for (int64_t i = 0; i < n; i++) {
-        float v = l[i] * scale;
-        l[i] = cap > 0 ? tanh_f32(v * inv_cap) * cap : v;
+MU_CLONES void mu_softcap(float *l, int64_t n, float scale, float inv_cap, float cap) {
+    float u[CH], e[CH];
+    for (int64_t c = 0; c < n; c += CH) {
+        int64_t m = n - c < CH ? n - c : CH;
+        for (int64_t i = 0; i < m; i++) l[c + i] = l[c + i] * scale;
+        if (!(cap > 0)) continue;
+        for (int64_t i = 0; i < m; i++) {
+            u[i] = l[c + i] * inv_cap;
+            e[i] = 2.0f * (u[i] < 0 ? -u[i] : u[i]);
+        }
+        exp_inplace(e, m);
+        for (int64_t i = 0; i < m; i++) l[c + i] = tanh_from_exp(u[i], e[i]) * cap;
     }
 }
 
@@ -522,11 +558,10 @@ MU_CLONES static void attn_task(void *p, int ith, int nth) {
             float *s = sc + hh * S;
             float m = s[0];
             for (int64_t i = 1; i < S; i++) m = s[i] > m ? s[i] : m;
+            for (int64_t i = 0; i < S; i++) s[i] = s[i] - m;
+            exp_inplace(s, S);
             float sum = 0.0f;
-            for (int64_t i = 0; i < S; i++) {
-                s[i] = exp_f32(s[i] - m);
-                sum = sum + s[i];
-            }
+            for (int64_t i = 0; i < S; i++) sum = sum + s[i];
             for (int64_t i = 0; i < S; i++) s[i] = s[i] / sum;
             float *o = a->out + (t * a->H + g * hpk + hh) * D;
             for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
