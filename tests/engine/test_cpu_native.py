@@ -1,8 +1,9 @@
 """The CPU kernel library (kernels/cpu.c via kernels/cpu_native.py) against its references.
 
 * GEMM: every output equals the scalar fixed-order reference (`dot_ref`) bit for bit, for any
-  row count and either thread count; Q8_0 read as stored equals the GEMM over its ggml decode
-  bit for bit; and the torch matmul within 1e-5 relative (another summation order).
+  row count, either thread count and either ISA instantiation (AVX2 / baseline); Q8_0 read as
+  stored equals the GEMM over its ggml decode bit for bit; the float64 product within 1e-6 of
+  the sum of |x| |w| (another summation order).
 * Attention vs attention.attend_ref (both plane layouts, f16 / f32 K/V, fresh / wrapped rings,
   windows cutting the live rows, T = 1..16): |d| <= 2e-6.
 * Tails vs the torch ops of engine/forward.py (ggml's op order): <= 4 ulp-scale (rtol 1e-6).
@@ -64,6 +65,21 @@ def test_gemm_fixed_order_any_rows_any_threads(n_in, threads):
     xo = torch.randn(3, 70, generator=g)
     yo = C.gemm(odd, xo)
     assert yo[2, 4].item() == C.dot_ref(xo[2].contiguous(), odd.w[4].contiguous())
+
+
+def test_gemm_does_not_depend_on_the_isa():
+    g = torch.Generator().manual_seed(3)
+    q8 = C.CpuMat.of(_q8_weight(45, 256, seed=3))
+    f32 = C.CpuMat(C.FMT_F32, torch.randn(45, 200, generator=g), None, 45, 200)
+    for m in (q8, f32):
+        x = torch.randn(7, m.n_in, generator=g)
+        fast = [C.gemm(m, x[:1]), C.gemm(m, x)]
+        C.gemm_baseline(True)
+        try:
+            base = [C.gemm(m, x[:1]), C.gemm(m, x)]
+        finally:
+            C.gemm_baseline(False)
+        assert all(torch.equal(a, b) for a, b in zip(fast, base))
 
 
 def test_gemm_refuses_bad_shapes():

@@ -283,11 +283,15 @@ MU_AVX2 static inline v8 q8_avx2(const int8_t *q) {
 GEMM_TASK(gemm_task_avx2, MU_AVX2, q8_avx2)
 #endif
 
+static int baseline_only = 0; /* tests: run the baseline instantiation on any CPU */
+
+void mu_gemm_baseline(int on) { baseline_only = on; }
+
 static task_fn gemm_task(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     static int avx2 = -1;
     if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
-    if (avx2) return gemm_task_avx2;
+    if (avx2 && !baseline_only) return gemm_task_avx2;
 #endif
     return gemm_task_generic;
 }

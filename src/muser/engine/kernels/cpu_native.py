@@ -54,6 +54,7 @@ def _load() -> ctypes.CDLL:
         "mu_attend": (ctypes.c_int, [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, ctypes.c_int, _I, _I, _I, _I,
                                      _I, _I, _F, _P]),
         "mu_init": (None, []),
+        "mu_gemm_baseline": (None, [ctypes.c_int]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)
@@ -184,6 +185,11 @@ def gemm(m: CpuMat, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
     if rc:
         raise LaneError(f"CPU gemm refused fmt {m.fmt} with n_in {m.n_in}")
     return out
+
+
+def gemm_baseline(on: bool) -> None:
+    """Tests: run the GEMM's baseline-ISA instantiation even where AVX2 is present."""
+    _lib.mu_gemm_baseline(int(bool(on)))
 
 
 def dot_ref(x: torch.Tensor, w: torch.Tensor) -> float:
