@@ -253,12 +253,14 @@ class Forward:
         self.native = device.type == "cpu"
         self.fused = True
         if self.native:
-            from .kernels import cpu_native as tails
+            from .kernels import cpu_native
 
+            self.tails = cpu_native
             self._ones = torch.ones(cfg.hidden, dtype=torch.float32)  # the weightless entry norm
         else:
-            from .kernels import fused as tails
-        self.tails = tails
+            from .kernels import fused
+
+            self.tails = fused
         self._cos = torch.empty((0, cfg.head_dim // 2), dtype=torch.float32, device=device)
         self._sin = self._cos
 
