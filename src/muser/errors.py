@@ -107,3 +107,7 @@ class ComparatorError(MuserError):
 class KvStateError(MuserError):
     """A KV checkpoint, snapshot or detached install that does not fit the live cache
     (expired checkpoint, geometry mismatch, incomplete install, rows of the wrong shape)."""
+
+
+class ReceiptError(MuserError):
+    """A receipt the writer refuses (or a file it could not have written)."""
