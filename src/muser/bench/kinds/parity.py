@@ -90,6 +90,8 @@ class ParityRun:
     ok: bool
     median_floor: float
     median_threshold: float
+    noise_jitter: float  # the two parts of noise_floor (OracleModel.noise_floor)
+    noise_order: float
     argmax_position: int
     top1_mismatches: list[int] = field(default_factory=list)
     per_position_max: list[float] = field(default_factory=list, repr=False)
@@ -119,6 +121,14 @@ class ParitySuite:
         return max(r.noise_floor for r in self.runs)
 
     @property
+    def noise_jitter(self) -> float:
+        return max(r.noise_jitter for r in self.runs)
+
+    @property
+    def noise_order(self) -> float:
+        return max(r.noise_order for r in self.runs)
+
+    @property
     def top1(self) -> float:
         n = sum(r.n_tokens for r in self.runs)
         return sum(r.top1_agreement * r.n_tokens for r in self.runs) / n
@@ -142,7 +152,8 @@ class ParitySuite:
                 "max": self.max, "median": self.median, "top1_agreement": self.top1, "top1_need": self.top1_need,
                 "runs_over_max": [r.label for r in self.runs if r.max > r.threshold],
                 "runs_over_median": [r.label for r in self.runs if r.median > r.median_threshold],
-                "noise_floor": self.noise_floor, "max_le_1e-4": self.outright,
+                "noise_floor": self.noise_floor, "noise_jitter": self.noise_jitter, "noise_order": self.noise_order,
+                "max_le_1e-4": self.outright,
                 "runs": len(self.runs), "positions": sum(r.n_tokens for r in self.runs)}
 
 
@@ -177,7 +188,7 @@ def run_suite(oracle, runner, tokens: Sequence[int], runs: Sequence[tuple[str | 
         per_pos = np.abs(ours - log_softmax(theirs)).max(axis=-1)
         v = judge(per_pos, st["top1_agreement"], nf, top1_need=0.0)  # top-1 is judged over the suite
         out.append(ParityRun(mode, n, st["max"], st["median"], st["top1_agreement"], nf.value, v["bounds"]["max"],
-                             v["ok"], nf.median, v["bounds"]["median"], st["argmax_position"],
+                             v["ok"], nf.median, v["bounds"]["median"], nf.jitter, nf.order, st["argmax_position"],
                              st["top1_mismatches"], [float(x) for x in per_pos]))
     return ParitySuite(gate_name(oracle.arithmetic, oracle.kv, _all_f32(oracle)), oracle.arithmetic, oracle.kv, out)
 
