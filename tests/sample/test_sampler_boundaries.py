@@ -18,9 +18,8 @@ import llama_cpp as L
 import numpy as np
 import pytest
 
-from muser.sample import Sampler, SamplingParams
+from muser.sample import Sampler, SamplingParams, libm
 from muser.sample import chain as C
-from muser.sample import libm
 from muser.sample.mt19937 import MT19937
 
 F32 = np.float32
@@ -145,6 +144,7 @@ def test_min_p_exactly_at_threshold_unsorted_path(p):
 def test_min_p_exactly_at_threshold_sorted_path(p):
     """Sorted input (after top-k): the sorted path stops at the first logit < logit[0] + logf(p)."""
     x, thr = at_min_p(p)
+    assert np.count_nonzero(x == thr) == 4
     k = 20
     ours_c = C.Candidates(np.arange(x.size, dtype=np.int32), x.copy(), None)
     C.top_k(ours_c, k, True)
