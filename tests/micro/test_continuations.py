@@ -19,8 +19,8 @@ from .conftest import REPO, SHIPPED
 pytestmark = pytest.mark.comparator
 
 CARD = re.compile(r"```python\n# (?P<file>\S+): first (?P<lines>\d+) lines \((?P<tokens>\d+) tokens with BOS\), "
-                  r"ending\n(?:# \|.*\n)+# greedy continuation \((?P<new>\d+) tokens\):\n(?P<text>.*?)\n```", re.S)
-TOP = re.compile(r"```python\n# (?P<file>\S+), first (?P<lines>\d+) lines; prompt ends with: .*\n"
+                  r"ending\n(?:# \|[^\n]*\n)+# greedy continuation \((?P<new>\d+) tokens\):\n(?P<text>.*?)\n```", re.S)
+TOP = re.compile(r"```python\n# (?P<file>\S+), first (?P<lines>\d+) lines; prompt ends with: [^\n]*\n"
                  r"(?P<text>.*?)\n```", re.S)
 Q8_LINE = re.compile(r"^- `(?P<file>[^`]+)`: (?P<claim>.*)$", re.M)
 
