@@ -268,5 +268,6 @@ def test_cli_generate_device_cuda(tiny_gguf, capsys):
     else:
         assert rc == 2 and err.strip().count("\n") == 0
         assert err.startswith("muser: error:") and "'cuda'" in err
-    rc = main(["generate", "--model", str(tiny_gguf), "--device", "tpu", "--prompt", "x"])
-    assert rc == 2 and "unknown device 'tpu'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse's choices: refused before anything loads
+        main(["generate", "--model", str(tiny_gguf), "--device", "tpu", "--prompt", "x"])
+    assert e.value.code == 2 and "invalid choice: 'tpu'" in capsys.readouterr().err

@@ -4,12 +4,14 @@
     m = muser.load(path=None, device="cpu" | "cuda", lane="exact" | "fast", kv="f16" | "f32", pin=None)
     m.config, m.identity, m.tokenizer, m.chat(messages, add_generation_prompt=True)
     s = m.session(max_context=...)        # prefill / decode / verify / checkpoint / rollback
-    for piece in m.generate(prompt, max_tokens, sampling=muser.SamplingParams(...)): ...
+    for piece in m.generate(prompt, max_tokens=None, sampling=muser.SamplingParams(...)): ...
+    gen = m.stream_chat(messages, sampling=...)   # the template's prompt, one BOS
 
 `load` fails closed: an unknown device, lane or KV type, a file that breaks the model contract,
 a mismatched pin, or a weight the engine cannot decode exactly is a typed error before any
 weight reaches the device. `path=None` loads `default_model_path()` (the shipped micro model
-is checked against the pin file shipped beside it).
+is checked against the pin file shipped beside it); the shipped model is looked up along
+`model_search_path()`.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from .errors import LaneError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MODELS_DIR = REPO_ROOT / "models"
+PACKAGE_DIR = Path(__file__).resolve().parent  # .../muser
+MODEL_PATH_ENV = "MUSER_MODEL_PATH"
 
 
 def cache_dir() -> Path:
@@ -35,14 +37,37 @@ def cache_dir() -> Path:
     return Path(base)
 
 
-def shipped_model() -> Path | None:
-    """The micro model shipped in models/ (its Q8_0 file, else F16), if the repository has one."""
-    if not MODELS_DIR.is_dir():
+def source_checkout() -> Path | None:
+    """The repository root when this package runs from its source checkout (src/muser beside a
+    pyproject.toml naming the project), else None (an installed package)."""
+    root = PACKAGE_DIR.parent.parent
+    if PACKAGE_DIR.parent.name != "src" or not (root / "pyproject.toml").is_file():
         return None
-    for suffix in ("-q8_0.gguf", "-f16.gguf"):
-        found = sorted(p for p in MODELS_DIR.glob(f"*{suffix}") if p.is_file())
-        if found:
-            return found[0]
+    return root
+
+
+def model_search_path() -> list[Path]:
+    """Folders searched for the shipped micro model, in order: each entry of $MUSER_MODEL_PATH
+    (os.pathsep-separated), then the repository's models/ when running from a source checkout,
+    then the package's own models/ folder (package data of an installed build)."""
+    out = [Path(p) for p in os.environ.get(MODEL_PATH_ENV, "").split(os.pathsep) if p]
+    root = source_checkout()
+    if root is not None:
+        out.append(root / "models")
+    out.append(PACKAGE_DIR / "models")
+    return out
+
+
+def shipped_model() -> Path | None:
+    """The micro model in the first folder of model_search_path() holding one (its Q8_0 file,
+    else its F16 file), or None."""
+    for d in model_search_path():
+        if not d.is_dir():
+            continue
+        for suffix in ("-q8_0.gguf", "-f16.gguf"):
+            found = sorted(p for p in d.glob(f"*{suffix}") if p.is_file())
+            if found:
+                return found[0]
     return None
 
 
@@ -104,6 +129,13 @@ class Model:
 
         return ChatTemplate.from_gguf(self.engine.model_file.gguf)
 
+    def encode(self, text: str, parse_special: bool = False) -> list[int]:
+        """A text prompt's ids as generate/stream and the CLI take it (muser.prompt.encode_text):
+        the GGUF's BOS, special-token text literal unless `parse_special`."""
+        from . import prompt as P
+
+        return P.encode_text(self.tokenizer, text, parse_special)
+
     def chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kw) -> str:
         """The GGUF's chat template rendered over `messages` (sandboxed)."""
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kw)
@@ -115,33 +147,52 @@ class Model:
 
         return self.engine.session(max_context, PREFILL_CHUNK if chunk is None else chunk, capture, graphs)
 
-    def stream(self, prompt: str | Sequence[int], max_tokens: int, sampling: Any = None,
+    def stream(self, prompt: str | Sequence[int], max_tokens: int | None = None, sampling: Any = None,
                draft: Any = None, stop: Sequence[str] | None = None, max_context: int | None = None,
-               add_special: bool = True, parse_special: bool = True):
+               parse_special: bool = False):
         """The generation as a muser.generation.Generation: GenEvents (token, text, logprob,
         finish_reason) and, once exhausted, its record (finish reason, TTFT, decode tok/s).
 
-        A text prompt is tokenized with BOS as the GGUF asks (add_special) and special-token text
-        parsed (parse_special), as llama.cpp's CLI does; pass add_special=False for text rendered
-        by `chat`, which already starts with the template's BOS. `sampling=None` is greedy."""
+        The defaults are muser.prompt's, the same as the CLI's: a text prompt gets the GGUF's BOS
+        and its special-token text is literal unless `parse_special=True`; token ids are taken as
+        given. A chat goes through `stream_chat` (or `encode_chat`), which never doubles the BOS.
+        `sampling=None` is SamplingParams() (temperature 0.8); max_tokens and stop come from the
+        arguments or from `sampling` (both given and different is refused); max_tokens defaults to
+        muser.prompt.DEFAULT_MAX_TOKENS."""
+        from . import prompt as P
+
         if draft is not None:
             raise LaneError("speculative drafting is not served by this engine build (draft must be None)")
+        params, n, stops = P.resolve_sampling(sampling, max_tokens, stop)
+        ids = P.encode_prompt(self.tokenizer, prompt, parse_special)
+        return self._run(ids, params, n, stops, max_context)
+
+    def stream_chat(self, messages: Sequence[dict], max_tokens: int | None = None, sampling: Any = None,
+                    stop: Sequence[str] | None = None, max_context: int | None = None):
+        """`stream` over the chat template rendered for `messages` (with the generation prompt)."""
+        from . import prompt as P
+
+        params, n, stops = P.resolve_sampling(sampling, max_tokens, stop)
+        return self._run(self.encode_chat(messages), params, n, stops, max_context)
+
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The ids of the rendered chat: specials parsed, one BOS (muser.prompt.encode_chat)."""
+        from . import prompt as P
+
+        return P.encode_chat(self.tokenizer, self.template, messages, add_generation_prompt)
+
+    def _run(self, ids: list[int], params: Any, n: int, stops: tuple[str, ...], max_context: int | None):
         from . import generation
-        from .sample import SamplingParams
+        from . import prompt as P
 
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special=add_special, parse_special=parse_special)
-        else:
-            ids = [int(t) for t in prompt]
-        params = sampling if sampling is not None else SamplingParams(temperature=0.0)
-        n_ctx = max_context if max_context is not None else len(ids) + int(max_tokens)
-        return generation.generate(self.session(max_context=max(1, n_ctx)), self.tokenizer, ids, params,
-                                   max_tokens, stop)
+        n_ctx = P.context_size(len(ids), n, self.config.context_length, max_context)
+        params.check_vocab(self.tokenizer.vocab_size)
+        return generation.generate(self.session(max_context=n_ctx), self.tokenizer, ids, params, n, stops)
 
-    def generate(self, prompt: str | Sequence[int], max_tokens: int, sampling: Any = None,
+    def generate(self, prompt: str | Sequence[int], max_tokens: int | None = None, sampling: Any = None,
                  draft: Any = None, **kw) -> Iterator[str]:
-        """Stream the text pieces of `stream(...)`: stops at an end-of-generation token (EOS or
-        EOT), a stop string or max_tokens."""
+        """Stream the text pieces of `stream(...)` (same defaults): stops at an end-of-generation
+        token (EOS or EOT), a stop string or max_tokens."""
         gen = self.stream(prompt, max_tokens, sampling, draft, **kw)
         for ev in gen:
             if ev.text:
@@ -171,4 +222,5 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", lane: str =
     return Model(Engine.open(p, device=device, lane=lane, kv=kv, pin=pin), p)
 
 
-__all__ = ["Model", "load", "default_model_path", "cache_dir", "shipped_model"]
+__all__ = ["Model", "load", "default_model_path", "cache_dir", "model_search_path", "shipped_model",
+           "source_checkout"]

@@ -15,9 +15,10 @@ from .errors import MuserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import commands
+    from . import __version__, commands
 
     parser = argparse.ArgumentParser(prog="muser", description="Muse Glimmer inference engine")
+    parser.add_argument("--version", action="version", version=f"muser {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):

@@ -109,5 +109,33 @@ class KvStateError(MuserError):
     (expired checkpoint, geometry mismatch, incomplete install, rows of the wrong shape)."""
 
 
+class BatchError(MuserError):
+    """A step batch the engine cannot serve: a session from another engine or listed twice, a
+    bad logits-row request, too many rows."""
+
+
+class KvFormatError(KvStateError):
+    """KV bytes that do not parse or verify (truncated, wrong magic or version, bad digest,
+    inconsistent counts); `field` names the offending field."""
+
+    def __init__(self, message: str, field: str | None = None):
+        self.field = field
+        super().__init__(message)
+
+
+class KvLayoutMismatch(KvStateError):
+    """Well-formed KV bytes of another layout (layer kinds, KV type, heads, head_dim, window,
+    chunk size); `field` names the layout key."""
+
+    def __init__(self, message: str, field: str | None = None):
+        self.field = field
+        super().__init__(message)
+
+
+class HandoffRefused(MuserError):
+    """A remote-KV handoff refused: authentication, integrity, replay, identity, schedule or
+    link failure (book 10.7). Nothing from the refused stream reached a live plane."""
+
+
 class ReceiptError(MuserError):
     """A receipt the writer refuses (or a file it could not have written)."""

@@ -72,24 +72,29 @@ LEGACY = {
     "20261130T161749Z-decode.json": "57400a24ec482efe965b982c6cc2c31ef630d9d9faf16fb7281c647dfb47f94f",
     "20261130T161758Z-prefill.json": "8bc3bfda94f219b3868f9e4d6313558b054ba093511183d1f438353128ffe732",
     "20261130T163301Z-engine-gate2-cpu.json": "e6b1507791e57fd4c9d12070ac750bc6cfa0337bc389ec234f70515e11aae48e",
+    "20261201T070127Z-handoff.json": "37674b5a7fdc49d32824eff77e6ff7de6cfda7b405c55d9298a214335c016518",
+    "20261201T070151Z-serve.json": "e9894dc5ef31bb4559222eda94ac59adbc3262f4319f0b899e59cf8cd019f9ab",
+    "20261201T070539Z-serve.json": "9b4f0f0720b22c5a8e10b08f6b2460e7deb696c727672124d261efe833948fc7",
+    "20261201T071406Z-handoff.json": "808dbc8eaed919e7c3330d4067d2434ca02ed1e881fcabe6aff20ca9ba140ba6",
+    "20261201T071925Z-handoff.json": "79055c5ca7fadff69cc3f9874aa899f523fdedf1212dc2730cd0af656ff9b606",
 }
 
 
 def test_every_receipt_is_one_the_writer_could_have_written():
-    files = sorted(R.DEFAULT_RECEIPTS.glob("*.json"))
-    assert files, R.DEFAULT_RECEIPTS
+    files = sorted(R.REPO_RECEIPTS.glob("*.json"))
+    assert files, R.REPO_RECEIPTS
     bad = {p.name: why for p in files if (why := R.verify_receipt(p, LEGACY))}
     assert not bad, json.dumps(bad, indent=1)
-    stray = sorted(p.name for p in R.DEFAULT_RECEIPTS.iterdir() if p.suffix != ".json" and p.name != "RETIRED.md")
+    stray = sorted(p.name for p in R.REPO_RECEIPTS.iterdir() if p.suffix != ".json" and p.name != "RETIRED.md")
     assert not stray, stray
 
 
 def test_retired_receipts_are_gone_and_listed():
-    text = (R.DEFAULT_RECEIPTS / "RETIRED.md").read_text()
+    text = (R.REPO_RECEIPTS / "RETIRED.md").read_text()
     listed = [line.split("`")[1] for line in text.splitlines() if line.startswith("| `")]
     assert len(listed) >= 10
     for name in listed:
-        assert not (R.DEFAULT_RECEIPTS / name).exists(), name
+        assert not (R.REPO_RECEIPTS / name).exists(), name
         assert name not in LEGACY
 
 

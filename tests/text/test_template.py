@@ -123,6 +123,6 @@ def test_real_template_idioms_render():
 
 def test_output_bound_is_configurable():
     t = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}", max_output_chars=10)
-    assert t.render([{"role": "u", "content": "12345"}]) == "12345"
+    assert t.render([{"role": "user", "content": "12345"}]) == "12345"
     with pytest.raises(TemplateSecurityError):
-        t.render([{"role": "u", "content": "123456789012"}])
+        t.render([{"role": "user", "content": "123456789012"}])

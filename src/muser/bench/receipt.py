@@ -30,7 +30,14 @@ from typing import Any, Callable
 from ..errors import ReceiptError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_RECEIPTS = REPO_ROOT / "bench" / "receipts"
+REPO_RECEIPTS = REPO_ROOT / "bench" / "receipts"  # the repository's receipts (kept, scanned by the tests)
+
+
+def default_receipts_dir() -> Path:
+    """Where a receipt goes when no out_dir is given: the per-user cache, not the repository."""
+    from ..api import cache_dir
+
+    return cache_dir() / "receipts"
 
 
 @dataclass
@@ -179,7 +186,7 @@ def write_receipt(kind: str, *, model: dict | None, device: dict, lane: str | No
     body["writer"] = WRITER
     body = json.loads(json.dumps(body, default=_jsonable))  # the digest covers what is stored
     body["digest"] = digest(body)
-    out = Path(out_dir or os.environ.get("MUSER_RECEIPTS") or DEFAULT_RECEIPTS)
+    out = Path(out_dir or os.environ.get("MUSER_RECEIPTS") or default_receipts_dir())
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{now.strftime('%Y%m%dT%H%M%SZ')}-{kind}"
     text = json.dumps(body, indent=2) + "\n"

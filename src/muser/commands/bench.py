@@ -1,4 +1,5 @@
-"""`muser bench KIND ...`: benchmark commands that write receipts under bench/receipts/."""
+"""`muser bench KIND ...`: benchmark commands that write receipts (per-user cache by default;
+`--out-dir bench/receipts` adds them to the project's evidence)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """`muser generate`: stream a completion from a Muse Glimmer GGUF.
 
     muser generate --prompt "def fib(n):" --max-tokens 64
+    echo "import json" | muser generate --prompt - --echo
     muser generate --chat "Explain the sliding window." --system "Be brief." --temperature 0
     muser generate --messages @conversation.json --json
 
@@ -9,9 +10,11 @@ written to stdout as it is produced; time to first token and decode tokens/s go 
 --json, one JSON object per generated token (id, text piece, logprob) is written per line, then
 a summary object.
 
-Prompt handling: --prompt is tokenized with the BOS the GGUF asks for and without parsing special
-token text (pass --parse-special to allow it); --chat / --messages are rendered through the
-GGUF's chat template (which writes its own BOS) and tokenized with special tokens parsed.
+Defaults (muser.prompt, the same as the Python API's): sampling at temperature 0.8 with
+top-k 40, top-p 0.95, min-p 0.05 (llama.cpp's defaults; --temperature 0 is greedy), at most 128
+tokens. --prompt / --prompt-file text gets the BOS the GGUF asks for and its special-token text
+is taken literally (--special parses it into control tokens); --chat / --messages are rendered
+through the GGUF's chat template, whose roles are checked, with one BOS.
 """
 
 from __future__ import annotations
@@ -21,22 +24,29 @@ import json
 import sys
 from pathlib import Path
 
+from ..prompt import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, DEFAULT_TEMPERATURE
 
-DEFAULT_PROMPT = "def fibonacci(n):\n"  # the embedded micro model knows Python source
+# The engine's choices (muser.engine.lanes DEVICES / Lane / KV_TYPES, held equal by a test), here
+# so argparse refuses a bad one before torch is imported.
+DEVICES = ("cpu", "cuda")
+LANES = ("exact", "fast")
+KV_TYPES = ("f16", "f32")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from a prompt or a chat",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model/--device/--lane/--kv/--threads, shared by generate and chat."""
     p.add_argument("--model", help="GGUF path (default: the embedded model)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help=f"raw prompt text (default, with no --chat/--messages: {DEFAULT_PROMPT!r})")
-    src.add_argument("--chat", metavar="TEXT", help="one user message, rendered with the chat template")
-    src.add_argument("--messages", metavar="JSON|@FILE",
-                     help="a JSON list of {role, content} messages (or @path to a JSON file)")
-    p.add_argument("--system", help="system message placed before --chat")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--device", default="cpu", choices=DEVICES, help="default cpu")
+    p.add_argument("--lane", default="exact", choices=LANES, help="default exact")
+    p.add_argument("--kv", default="f16", choices=KV_TYPES, help="KV cache type (default f16)")
+    p.add_argument("--threads", type=int, help="CPU threads for the forward (default: torch's, the usable cores)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
+                   help=f"0 = greedy (default {DEFAULT_TEMPERATURE}, as in llama.cpp and the Python API)")
     p.add_argument("--top-k", type=int, default=40, help="0 = off (default 40)")
     p.add_argument("--top-p", type=float, default=0.95, help="1 = off (default 0.95)")
     p.add_argument("--min-p", type=float, default=0.05, help="0 = off (default 0.05)")
@@ -49,12 +59,25 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="add BIAS to TOKEN's logit (repeatable; BIAS may be -inf)")
     p.add_argument("--seed", type=int, help="sampling seed (default: drawn and reported)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
-    p.add_argument("--lane", default="exact", help="exact | fast (default exact)")
-    p.add_argument("--kv", default="f16", help="KV cache type: f16 | f32 (default f16)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt or a chat",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help=f"raw prompt text, '-' reads stdin (default, with no other source: "
+                                      f"{DEFAULT_PROMPT!r}, a Python file's start)")
+    src.add_argument("--prompt-file", metavar="FILE", help="read the raw prompt from FILE ('-' = stdin)")
+    src.add_argument("--chat", metavar="TEXT", help="one user message, rendered with the chat template")
+    src.add_argument("--messages", metavar="JSON|@FILE",
+                     help="a JSON list of {role, content} messages (or @path to a JSON file)")
+    p.add_argument("--system", help="system message placed before --chat")
+    add_sampling_args(p)
     p.add_argument("--max-context", type=int, help="session context (default: prompt + max tokens)")
-    p.add_argument("--parse-special", action="store_true", help="let --prompt text contain special tokens")
+    p.add_argument("--special", action="store_true", help="parse special-token text in the prompt into control tokens")
     p.add_argument("--render-special", action="store_true", help="show control tokens' text in the output")
+    p.add_argument("--echo", action="store_true", help="write the prompt text before the completion")
     p.add_argument("--json", action="store_true", help="JSON lines: one per token, then a summary")
     p.set_defaults(func=run)
 
@@ -96,44 +119,81 @@ def _messages(args: argparse.Namespace) -> list[dict] | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    import muser
+def read_prompt(args: argparse.Namespace) -> str | None:
+    """--prompt TEXT | --prompt - | --prompt-file FILE|- ; None when neither is given."""
+    from ..errors import EmptyInput
 
-    from ..api import default_model_path
-    from ..errors import ContextOverflow, SamplingError
-    from ..generation import generate
+    if args.prompt_file is not None:
+        src = args.prompt_file
+        text = sys.stdin.read() if src == "-" else Path(src).read_text(encoding="utf-8")
+    elif args.prompt == "-":
+        src, text = "-", sys.stdin.read()
+    else:
+        return args.prompt
+    if not text:
+        raise EmptyInput(f"the prompt read from {'stdin' if src == '-' else src!r} is empty")
+    return text
+
+
+def sampling_params(args: argparse.Namespace):
     from ..sample import SamplingParams
 
-    params = SamplingParams(
+    return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         typical_p=args.typical_p, repeat_penalty=args.repeat_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         penalty_last_n=args.penalty_last_n, logit_bias=_bias(args.logit_bias), seed=args.seed,
         max_tokens=args.max_tokens, stop=tuple(args.stop),
     )
+
+
+def load_model(args: argparse.Namespace):
+    """Threads set before the weights load; the model from muser.load (no --model: the embedded
+    one, held to the pin shipped beside it)."""
+    from ..errors import LaneError
+
+    if args.threads is not None and args.threads < 1:
+        raise LaneError(f"--threads must be >= 1, got {args.threads}")
+    if args.model is not None and not Path(args.model).is_file():
+        raise FileNotFoundError(2, "no such GGUF file" if not Path(args.model).exists() else "not a file",
+                                args.model)
+    import muser
+
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return muser.load(args.model, device=args.device, lane=args.lane, kv=args.kv)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import prompt as P
+    from ..api import default_model_path
+    from ..generation import generate
+
+    params = sampling_params(args)
     messages = _messages(args)  # bad input is refused before the model is loaded
+    text = read_prompt(args)
     path = args.model if args.model is not None else default_model_path()
-    # no --model: load(None) also holds the shipped model to the pin file beside it
-    model = muser.load(args.model, device=args.device, lane=args.lane, kv=args.kv)
+    model = load_model(args)
     try:
         tok = model.tokenizer
         params.check_vocab(tok.vocab_size)
         if messages is not None:
-            ids = tok.encode(model.chat(messages, add_generation_prompt=True), add_special=False,
-                             parse_special=True)
+            rendered = model.chat(messages, add_generation_prompt=True)
+            ids = P.encode_rendered(tok, rendered)
         else:
-            prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
-            ids = tok.encode(prompt, add_special=True, parse_special=args.parse_special)
-        n_ctx = args.max_context or len(ids) + args.max_tokens
-        limit = model.config.context_length
-        if n_ctx > limit:
-            raise ContextOverflow(f"prompt ({len(ids)} tokens) + max tokens ({args.max_tokens}) = {n_ctx} "
-                                  f"exceeds the model's context_length {limit}")
-        if n_ctx < len(ids) + args.max_tokens - 1:
-            raise SamplingError(f"--max-context {n_ctx} is smaller than prompt + max tokens")
+            rendered = DEFAULT_PROMPT if text is None else text
+            ids = P.encode_text(tok, rendered, parse_special=args.special)
+        n_ctx = P.context_size(len(ids), args.max_tokens, model.config.context_length, args.max_context,
+                               name="--max-context")
         session = model.session(max_context=n_ctx)
-        gen = generate(session, tok, ids, params, args.max_tokens, render_special=args.render_special)
+        gen = generate(session, tok, ids, params, args.max_tokens, tuple(args.stop),
+                       render_special=args.render_special)
         out = sys.stdout
+        if args.echo and not args.json:
+            out.write(rendered)
+            out.flush()
         for ev in gen:
             if args.json:
                 out.write(json.dumps(ev.to_json(), ensure_ascii=False) + "\n")
@@ -144,15 +204,20 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             summary = {"summary": True, "model": str(path), "device": args.device, "lane": args.lane,
                        "prompt_ids": ids, "ids": gen.tokens, "text": gen.text, **st}
+            if args.echo:
+                summary["prompt"] = rendered
             out.write(json.dumps(summary, ensure_ascii=False) + "\n")
         else:
             out.write("\n")
         out.flush()
-        tps = st["decode_tokens_per_s"]
-        print(f"[{st['generated_tokens']} tokens, finish {st['finish_reason']}, "
-              f"TTFT {st['ttft_s'] * 1000:.1f} ms, "
-              f"{'n/a' if tps is None else f'{tps:.2f}'} tok/s decode, seed {st['seed']}]",
-              file=sys.stderr)
+        print(stats_line(st), file=sys.stderr)
     finally:
         model.close()
     return 0
+
+
+def stats_line(st: dict) -> str:
+    tps = st["decode_tokens_per_s"]
+    ttft = "n/a" if st["ttft_s"] is None else f"{st['ttft_s'] * 1000:.1f} ms"
+    return (f"[{st['generated_tokens']} tokens, finish {st['finish_reason']}, TTFT {ttft}, "
+            f"{'n/a' if tps is None else f'{tps:.2f}'} tok/s decode, seed {st['seed']}]")

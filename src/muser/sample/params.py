@@ -23,6 +23,7 @@ from typing import Any, Mapping
 from ..errors import SamplingError
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+DEFAULT_TEMPERATURE = 0.8  # common/common.h common_params_sampling::temp; the one default everywhere
 
 
 def _finite(name: str, v: Any) -> float:
@@ -44,7 +45,7 @@ def _int(name: str, v: Any, lo: int | None = None) -> int:
 
 @dataclass(frozen=True, eq=False)
 class SamplingParams:
-    temperature: float = 0.8
+    temperature: float = DEFAULT_TEMPERATURE
     top_k: int = 40  # 0 = off
     top_p: float = 0.95  # 1 = off
     min_p: float = 0.05  # 0 = off

@@ -24,6 +24,7 @@ import datetime as _dt
 import functools
 import hashlib
 import json
+import re
 import sys
 import time
 from typing import Any, Mapping, Sequence
@@ -252,6 +253,13 @@ def _static_check(ast, nodes) -> None:
             raise TemplateSecurityError(f"chat template uses filter {n.name!r}, which is not allowed")
 
 
+# Roles every chat template serves (Llama / OpenAI chat conventions); a template that compares the
+# role against other literals (tool, ipython, developer, ...) serves those too.
+STANDARD_ROLES = ("system", "user", "assistant")
+_ROLE_TEST = re.compile(r"""role['"]?\]?\s*(?:==|!=|not\s+in|in)\s*(\[[^\]]*\]|\([^)]*\)|'[^']*'|"[^"]*")""")
+_LITERAL = re.compile(r"""['"]([^'"]+)['"]""")
+
+
 class ChatTemplate:
     """A compiled, checked chat template. `render(messages, ...)` -> the prompt text."""
 
@@ -292,13 +300,29 @@ class ChatTemplate:
 
         return cls(src, text("tokenizer.ggml.bos_token_id"), text("tokenizer.ggml.eos_token_id"), **bounds)
 
+    @property
+    def roles(self) -> frozenset[str]:
+        """The roles this template renders: the standard chat roles plus every string literal the
+        source compares a role with (`message['role'] == 'tool'`, `role in ['ipython']`)."""
+        found = set(STANDARD_ROLES)
+        for m in _ROLE_TEST.finditer(self.source):
+            found.update(_LITERAL.findall(m.group(1)))
+        return frozenset(found)
+
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> str:
         if not isinstance(messages, (list, tuple)):
             raise TemplateError(f"messages must be a list, got {type(messages).__name__}")
+        roles = self.roles
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise TemplateError(f"messages[{i}] must be a mapping with a string 'role', got {m!r}")
+            if m["role"] not in roles:
+                raise TemplateError(f"messages[{i}] has role {m['role']!r}; this chat template renders "
+                                    f"{', '.join(sorted(roles))}")
+            c = m.get("content")
+            if c is not None and not isinstance(c, (str, list, tuple)):
+                raise TemplateError(f"messages[{i}] content must be a string, a list of parts or null, got {c!r}")
         ctx = dict(extra)
         ctx.update(messages=[dict(m) for m in messages], tools=tools,
                    add_generation_prompt=bool(add_generation_prompt),

@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--runs", default="boundaries",
                    help="'boundaries' (default), or comma-separated: prefill, decode, or a prefill length P "
                         "(prefill P then decode)")
-    p.add_argument("--out-dir", default=None, help="receipt directory (default bench/receipts)")
+    p.add_argument("--out-dir", default=None, help="receipt directory (default: the per-user cache, muser.api.cache_dir()/receipts; give bench/receipts for the project's evidence)")
     p.set_defaults(func=run)
 
 

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reps", type=int, default=5, help="counted repetitions per cell (default 5)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--formats", default=None, help="comma-separated subset (default: all)")
-    p.add_argument("--out-dir", default=None, help="receipt directory (default bench/receipts)")
+    p.add_argument("--out-dir", default=None, help="receipt directory (default: the per-user cache, muser.api.cache_dir()/receipts; give bench/receipts for the project's evidence)")
     p.set_defaults(func=run)
 
 
@@ -81,7 +81,6 @@ def _ggml_gate(x, formats) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
 
     from ...errors import MuserError
     from ...quant.quality import FORMATS, bits_per_weight, relative_rmse, sample_data

@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speed-mb", type=float, default=2.0, help="MB of the corpus in each speed repetition")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cpu", type=int, default=None, help="CPU to pin to (default: the first allowed)")
-    p.add_argument("--out-dir", default=None, help="receipt directory (default bench/receipts)")
+    p.add_argument("--out-dir", default=None, help="receipt directory (default: the per-user cache, muser.api.cache_dir()/receipts; give bench/receipts for the project's evidence)")
     p.set_defaults(func=run)
 
 

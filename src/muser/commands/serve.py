@@ -1,0 +1,63 @@
+"""`muser serve`: an OpenAI-compatible HTTP server (chat/completions, completions, models,
+sessions, health, Prometheus metrics).
+
+    muser serve                                   # the embedded micro model on the CPU, port 8080
+    muser serve --model F.gguf --device cuda --slots 4 --api-key KEY
+    OPENAI_BASE_URL=http://127.0.0.1:8080/v1 python -c "import openai; ..."
+
+One engine-loop thread owns the model; N slots (each its own KV) share every step. --port 0
+takes a free port (the startup line names it).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="GGUF path (default: the embedded model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = a free port)")
+    p.add_argument("--slots", type=int, default=4, help="sequences served at once (default 4)")
+    p.add_argument("--ctx", type=int, help="context per slot in tokens (default: the model's, at most 4096)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    p.add_argument("--lane", default="exact", help="exact | fast (default exact)")
+    p.add_argument("--kv", default="f16", help="KV cache type: f16 | f32 (default f16)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: no key)")
+    p.add_argument("--model-id", help="the model name clients send (default: the file name without .gguf)")
+    p.add_argument("--queue", type=int, default=64, help="requests waiting for a slot before 503 (default 64)")
+    p.add_argument("--max-sessions", type=int, default=16, help="named sessions kept (LRU, default 16)")
+    p.add_argument("--max-body", type=int, default=4 << 20, help="request body limit in bytes (default 4 MiB)")
+    p.add_argument("--max-prompt", type=int, help="prompt limit in tokens (default: the context less one)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (default 600)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import muser
+
+    from ..errors import LaneError
+    from ..server import Server
+
+    for name in ("slots", "queue", "max_sessions", "max_body"):
+        if getattr(args, name) < 1:
+            raise LaneError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.port <= 65535:
+        raise LaneError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_prompt is not None and args.max_prompt < 1:
+        raise LaneError(f"--max-prompt must be >= 1, got {args.max_prompt}")
+    if not args.timeout > 0:
+        raise LaneError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.api_key is not None and not args.api_key:
+        raise LaneError("--api-key must not be empty")
+    model = muser.load(args.model, device=args.device, lane=args.lane, kv=args.kv)
+    try:
+        Server(model, slots=args.slots, context=args.ctx, host=args.host, port=args.port, model_id=args.model_id,
+               queue_limit=args.queue, max_sessions=args.max_sessions, api_key=args.api_key,
+               max_body_bytes=args.max_body, max_prompt_tokens=args.max_prompt,
+               timeout_s=args.timeout).serve()
+    finally:
+        model.close()
+    return 0

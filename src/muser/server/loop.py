@@ -1,0 +1,369 @@
+"""The engine loop: one thread owns the model; requests reach it through a queue.
+
+    loop = EngineLoop(model, slots=4, context=1024)
+    loop.start()
+    job = loop.submit(Job(...))      # ApiError(503, Retry-After) when the queue is full
+    ... job.events (an asyncio.Queue on the server's event loop) receives GenEvent / Done / Failed
+
+Scheduling (book 10.2-10.5, 10.10; the scheduler sees ids and counts, the backend owns tensors):
+* N slots, each with its own session (its own KV). A free slot takes the oldest queued job.
+* Every iteration is one step: each decoding slot contributes its one next-token row, and the
+  prefilling slots, oldest first, share a budget of prompt rows (512, 64 while decoders wait),
+  so a long prompt never starves the decoders and decoders never starve a prompt.
+* A job that is cancelled (client gone) or past its deadline leaves its slot before the next
+  step is built. A failing step fails only the jobs in it; the loop goes on.
+* Named sessions keep a conversation's KV across requests: a request whose prompt extends the
+  tokens already in the named session's cache prefills only the new suffix.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import MuserError
+from ..generation import Emitter, GenEvent
+from .protocol import ApiError
+
+PREFILL_CHUNK = 512  # PREFILL_BATCH_TOKENS (book 10.10)
+WAITING_CHUNK = 64  # MAX_TEACHER_FORCED_TOKENS while decoders wait (book 10.10)
+
+
+@dataclass(frozen=True)
+class Done:
+    finish: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: ApiError
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    emitter: Emitter  # muser.generation's, built (its arguments checked) before the job is queued
+    deadline: float  # time.monotonic() seconds
+    logprobs: bool = False  # the client asked for logprobs
+    session_name: str | None = None
+    id: str = ""
+    cancelled: bool = False
+    events: Any = None  # asyncio.Queue, fed with call_soon_threadsafe
+    aloop: Any = None  # the asyncio loop that owns `events`
+    t_submit: float = field(default_factory=time.monotonic)
+    t_first: float | None = None
+    t_last: float | None = None
+
+    def put(self, ev) -> None:
+        if self.aloop is not None:
+            try:
+                self.aloop.call_soon_threadsafe(self.events.put_nowait, ev)
+            except RuntimeError:  # the server's event loop is closed: nobody is listening
+                pass
+
+
+class SessionStore:
+    """Named sessions: name -> (backend session, tokens whose K/V it holds). LRU-bounded."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._d: collections.OrderedDict[str, tuple[Any, list[int]]] = collections.OrderedDict()
+        self.busy: set[str] = set()
+        self.lock = threading.Lock()
+
+    def names(self) -> list[dict]:
+        with self.lock:
+            return [{"id": k, "tokens": len(v[1]), "busy": k in self.busy} for k, v in self._d.items()]
+
+    def take(self, name: str):
+        with self.lock:
+            return self._d.pop(name, None)
+
+    def put(self, name: str, sess, tokens: list[int]) -> None:
+        with self.lock:
+            self._d[name] = (sess, tokens)
+            self._d.move_to_end(name)
+            while len(self._d) > self.limit:
+                self._d.popitem(last=False)
+
+    def delete(self, name: str) -> bool:
+        with self.lock:
+            if name in self.busy:
+                raise ApiError(409, f"session '{name}' is serving a request", "session")
+            return self._d.pop(name, None) is not None
+
+
+class StepBackend:
+    """The engine side of the loop: sessions and one Engine.step per iteration (engine/step.py).
+    `step(items)` takes (session, tokens) pairs and gives each item its last row's float32
+    logits [vocab], or the exception that item raised: a step that fails is all-or-nothing in
+    the engine (every session back where it was), so its items are re-run one by one and only
+    the ones that fail alone are failed."""
+
+    def __init__(self, model, context: int):
+        from ..engine import StepItem
+
+        self.model = model
+        self.engine = model.engine
+        self.context = context
+        self._item = StepItem
+
+    def new_session(self):
+        sess = self.model.session(max_context=self.context)
+        # an empty-cache checkpoint with a block as long as the context: rolling back to it
+        # empties the cache at no cost (no ring row is live yet), so a slot keeps its buffers
+        sess.muser_empty = sess.checkpoint(block=self.context)
+        return sess
+
+    def reset(self, sess) -> None:
+        if sess.n_past:
+            sess.rollback(sess.muser_empty)
+
+    def _run(self, items: list[tuple[Any, list[int]]]) -> list[np.ndarray]:
+        res = self.engine.step([self._item(sess, toks, "last") for sess, toks in items])
+        return [r.logits[-1] for r in res]  # [vocab] each
+
+    def step(self, items: list[tuple[Any, list[int]]]) -> list[np.ndarray | BaseException]:
+        try:
+            return list(self._run(items))
+        except Exception as e:  # noqa: BLE001 - isolate the failing items below
+            if len(items) == 1:
+                return [e]
+        out: list[np.ndarray | BaseException] = []
+        for it in items:
+            try:
+                out.append(self._run([it])[0])
+            except Exception as e:  # noqa: BLE001 - this item fails, the others go on
+                out.append(e)
+        return out
+
+
+class Slot:
+    def __init__(self, index: int):
+        self.index = index
+        self.job: Job | None = None
+        self.own = None  # the slot's session, kept across requests
+        self.session = None  # the one serving the job: `own` or a named session
+        self.todo: list[int] = []  # prompt tokens not prefilled yet
+        self.next_token: int | None = None  # sampled, to be fed back (decode row)
+        self.emitter: Emitter | None = None
+        self.history: list[int] = []  # tokens whose K/V the session holds
+        self.cached = 0
+
+    @property
+    def decoding(self) -> bool:
+        return self.job is not None and not self.todo and self.next_token is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.job is not None and bool(self.todo)
+
+
+class EngineLoop:
+    def __init__(self, model, slots: int = 4, context: int = 1024, queue_limit: int = 64,
+                 max_sessions: int = 16, backend=None, metrics=None):
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.context = context
+        self.backend = backend or StepBackend(model, context)
+        self.slots = [Slot(i) for i in range(slots)]
+        self.queue: collections.deque[Job] = collections.deque()
+        self.queue_limit = queue_limit
+        self.sessions = SessionStore(max_sessions)
+        self.metrics = metrics
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="muser-engine-loop", daemon=True)
+        self.steps = 0
+
+    # -- outside the loop ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+    def submit(self, job: Job) -> Job:
+        with self._cv:
+            if len(self.queue) >= self.queue_limit:
+                raise ApiError(503, f"the request queue is full ({self.queue_limit} waiting)", None,
+                               "server_busy", {"Retry-After": "1"})
+            if job.session_name is not None:
+                with self.sessions.lock:
+                    if job.session_name in self.sessions.busy:
+                        raise ApiError(409, f"session '{job.session_name}' is serving another request", "session")
+                    self.sessions.busy.add(job.session_name)
+            self.queue.append(job)
+            self._cv.notify_all()
+        self._gauge()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled = True
+        with self._cv:
+            self._cv.notify_all()
+
+    @property
+    def active(self) -> int:
+        return sum(s.job is not None for s in self.slots)
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(len(self.queue))
+            self.metrics.slots_busy.set(self.active)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self.queue and self.active == 0:
+                    self._cv.wait(timeout=1.0)
+                if self._stop:
+                    break
+            try:
+                self._iteration()
+            except Exception as e:  # noqa: BLE001 - a bug in one iteration fails its jobs, not the server
+                for s in self.slots:
+                    if s.job is not None:
+                        self._fail(s, ApiError(500, f"engine loop error: {type(e).__name__}: {e}", None,
+                                               "server_error"))
+        for s in self.slots:
+            if s.job is not None:
+                self._fail(s, ApiError(503, "the server is shutting down", None, "server_error"))
+
+    def _iteration(self) -> None:
+        now = time.monotonic()
+        for s in self.slots:  # leave before the step: gone clients, deadlines
+            if s.job is not None:
+                if s.job.cancelled:
+                    self._release(s, keep=False)
+                elif now > s.job.deadline:
+                    self._fail(s, ApiError(504, "the request ran past its timeout", None, "timeout"))
+        self._admit(now)
+        self._gauge()
+        decoders = [s for s in self.slots if s.decoding]
+        prefillers = sorted((s for s in self.slots if s.prefilling), key=lambda s: s.job.t_submit)
+        items: list[tuple[Slot, list[int]]] = [(s, [s.next_token]) for s in decoders]
+        budget = WAITING_CHUNK if decoders else PREFILL_CHUNK  # prompt rows this step, oldest first
+        for p in prefillers:
+            if budget <= 0:
+                break
+            items.append((p, p.todo[:budget]))
+            budget -= len(items[-1][1])
+        if not items:
+            return
+        results = self.backend.step([(s.session, toks) for s, toks in items])
+        self.steps += 1
+        for (s, toks), res in zip(items, results):
+            if isinstance(res, BaseException):
+                msg = str(res) if isinstance(res, MuserError) else f"{type(res).__name__}: {res}"
+                self._fail(s, ApiError(500, f"the engine step failed: {msg}", None, "server_error"))
+                continue
+            s.history.extend(toks)
+            if s.todo:
+                del s.todo[: len(toks)]
+                if s.todo:
+                    continue
+            try:
+                self._advance(s, res)
+            except Exception as e:  # noqa: BLE001 - this job fails, the others go on
+                msg = str(e) if isinstance(e, MuserError) else f"{type(e).__name__}: {e}"
+                self._fail(s, ApiError(500, f"sampling failed: {msg}", None, "server_error"))
+
+    def _admit(self, now: float) -> None:
+        for s in self.slots:
+            if s.job is not None:
+                continue
+            job = None
+            with self._cv:
+                while self.queue:
+                    cand = self.queue.popleft()
+                    if cand.cancelled:
+                        self._unbusy(cand)
+                        continue
+                    job = cand
+                    break
+            if job is None:
+                return
+            if now > job.deadline:
+                self._unbusy(job)
+                job.put(Failed(ApiError(504, "the request timed out in the queue", None, "timeout")))
+                continue
+            try:
+                self._start(s, job)
+            except ApiError as e:
+                self._fail(s, e)
+            except MuserError as e:
+                self._fail(s, ApiError(400, str(e), None))
+            except Exception as e:  # noqa: BLE001 - e.g. no memory for a session: this job fails
+                self._fail(s, ApiError(500, f"cannot start the request: {type(e).__name__}: {e}", None,
+                                       "server_error"))
+
+    def _start(self, s: Slot, job: Job) -> None:
+        s.job = job
+        s.emitter = job.emitter
+        s.next_token = None
+        s.history, s.cached, s.session = [], 0, None
+        if job.session_name is not None:
+            held = self.sessions.take(job.session_name)
+            if held is not None:
+                sess, toks = held
+                n = len(toks)
+                # reuse only when the new prompt extends what the cache holds, leaving >= 1 token to run
+                if n < len(job.prompt) and job.prompt[:n] == toks:
+                    s.session, s.history, s.cached = sess, list(toks), n
+        if s.session is None and job.session_name is not None:
+            s.session = self.backend.new_session()  # becomes the named session's own KV
+        if s.session is None:
+            if s.own is None:
+                s.own = self.backend.new_session()
+            self.backend.reset(s.own)
+            s.session = s.own
+        s.todo = list(job.prompt[s.cached:])
+
+    def _advance(self, s: Slot, logits: np.ndarray) -> None:
+        job = s.job
+        piece: GenEvent = s.emitter.step(logits)
+        if job.t_first is None:
+            job.t_first = time.monotonic()
+            if self.metrics is not None:
+                self.metrics.ttft.observe(job.t_first - job.t_submit)
+        elif self.metrics is not None:
+            self.metrics.itl.observe(time.monotonic() - job.t_last)
+        job.t_last = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.completion_tokens.inc()
+        job.put(piece)
+        if piece.finish_reason is None:
+            s.next_token = piece.token
+            return
+        job.put(Done(piece.finish_reason, len(job.prompt), len(s.emitter.tokens), s.cached))
+        self._release(s, keep=True)
+
+    def _fail(self, s: Slot, err: ApiError) -> None:
+        s.job.put(Failed(err))
+        self._release(s, keep=False)
+
+    def _unbusy(self, job: Job) -> None:
+        if job.session_name is not None:
+            with self.sessions.lock:
+                self.sessions.busy.discard(job.session_name)
+
+    def _release(self, s: Slot, keep: bool) -> None:
+        job = s.job
+        if job.session_name is not None and keep and not s.todo:
+            self.sessions.put(job.session_name, s.session, list(s.history))
+        self._unbusy(job)
+        s.job, s.session, s.emitter, s.todo, s.next_token, s.history = None, None, None, [], None, []
+        self._gauge()

@@ -1,0 +1,30 @@
+"""Prometheus metrics of one server (its own registry, so several servers in one process do
+not share counters). Only what the server measures: no drafter runs here, so there is no
+speculative-acceptance series."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self, slots: int):
+        r = self.registry = CollectorRegistry()
+        self.queue_depth = Gauge("muser_queue_depth", "requests waiting for a slot", registry=r)
+        self.slots_busy = Gauge("muser_slots_busy", "slots serving a request", registry=r)
+        self.slots_total = Gauge("muser_slots_total", "slots configured", registry=r)
+        self.slots_total.set(slots)
+        self.ttft = Histogram("muser_time_to_first_token_seconds", "submit to first sampled token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("muser_inter_token_latency_seconds", "between consecutive sampled tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("muser_prompt_tokens", "prompt tokens received", registry=r)
+        self.cached_tokens = Counter("muser_cached_prompt_tokens", "prompt tokens served from a named session's KV",
+                                     registry=r)
+        self.completion_tokens = Counter("muser_completion_tokens", "tokens sampled", registry=r)
+        self.requests = Counter("muser_requests", "finished HTTP requests", ["endpoint", "status"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
