@@ -22,7 +22,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from .errors import LaneError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODELS_DIR = REPO_ROOT / "models"
@@ -43,6 +42,19 @@ def shipped_model() -> Path | None:
         found = sorted(p for p in MODELS_DIR.glob(f"*{suffix}") if p.is_file())
         if found:
             return found[0]
+    return None
+
+
+SHIPPED_DRAFTER = "muse-glimmer-micro-dflash.gguf"
+
+
+def shipped_drafter(model_path: str | os.PathLike) -> Path | None:
+    """The DFlash drafter shipped for the micro model, when `model_path` is one of its shipped files."""
+    p = Path(model_path).resolve()
+    d = MODELS_DIR / SHIPPED_DRAFTER
+    if p.parent == MODELS_DIR.resolve() and p.name.startswith("muse-glimmer-micro-") and p.suffix == ".gguf" \
+            and p.name != SHIPPED_DRAFTER and d.is_file():
+        return d
     return None
 
 
@@ -117,15 +129,15 @@ class Model:
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int, sampling: Any = None,
                draft: Any = None, stop: Sequence[str] | None = None, max_context: int | None = None,
-               add_special: bool = True, parse_special: bool = True):
+               add_special: bool = True, parse_special: bool = True, verify_len: int = 7):
         """The generation as a muser.generation.Generation: GenEvents (token, text, logprob,
         finish_reason) and, once exhausted, its record (finish reason, TTFT, decode tok/s).
 
         A text prompt is tokenized with BOS as the GGUF asks (add_special) and special-token text
         parsed (parse_special), as llama.cpp's CLI does; pass add_special=False for text rendered
-        by `chat`, which already starts with the template's BOS. `sampling=None` is greedy."""
-        if draft is not None:
-            raise LaneError("speculative drafting is not served by this engine build (draft must be None)")
+        by `chat`, which already starts with the template's BOS. `sampling=None` is greedy.
+        `draft` = a DFlash drafter path: speculative decoding with `verify_len` proposals a round
+        (3, 7 or 15), the same tokens as without it; its record is `gen.spec.stats()`."""
         from . import generation
         from .sample import SamplingParams
 
@@ -134,9 +146,31 @@ class Model:
         else:
             ids = [int(t) for t in prompt]
         params = sampling if sampling is not None else SamplingParams(temperature=0.0)
-        n_ctx = max_context if max_context is not None else len(ids) + int(max_tokens)
-        return generation.generate(self.session(max_context=max(1, n_ctx)), self.tokenizer, ids, params,
-                                   max_tokens, stop)
+        n_ctx = max(1, max_context if max_context is not None else len(ids) + int(max_tokens))
+        if draft is None:
+            return generation.generate(self.session(max_context=n_ctx), self.tokenizer, ids, params, max_tokens, stop)
+        spec = self.spec_session(draft, n_ctx, verify_len)
+        gen = generation.generate(spec, self.tokenizer, ids, params, max_tokens, stop)
+        gen.spec = spec  # the speculative record: gen.spec.stats()
+        return gen
+
+    def drafter(self, path: str | os.PathLike):
+        """The DFlash drafter at `path`, validated against this model (cached per path)."""
+        from .bench.receipt import DEFAULT_RECEIPTS
+        from .spec.drafter import Drafter
+
+        key = str(Path(path).resolve())
+        cache = self.__dict__.setdefault("_drafters", {})
+        if key not in cache:
+            cache[key] = Drafter.load(path, self.engine, receipts=DEFAULT_RECEIPTS)
+        return cache[key]
+
+    def spec_session(self, draft: str | os.PathLike, max_context: int, verify_len: int = 7):
+        """A speculative session (muser.spec.SpecSession) over a new target session."""
+        from .spec.session import SpecSession
+
+        d = self.drafter(draft)
+        return SpecSession(self.session(max_context=max_context, capture=d.cfg.target_layers), d, verify_len)
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int, sampling: Any = None,
                  draft: Any = None, **kw) -> Iterator[str]:
@@ -171,4 +205,4 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", lane: str =
     return Model(Engine.open(p, device=device, lane=lane, kv=kv, pin=pin), p)
 
 
-__all__ = ["Model", "load", "default_model_path", "cache_dir", "shipped_model"]
+__all__ = ["Model", "load", "default_model_path", "cache_dir", "shipped_model", "shipped_drafter"]
