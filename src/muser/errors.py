@@ -107,3 +107,26 @@ class ComparatorError(MuserError):
 class KvStateError(MuserError):
     """A KV checkpoint, snapshot or detached install that does not fit the live cache
     (expired checkpoint, geometry mismatch, incomplete install, rows of the wrong shape)."""
+
+
+class BatchError(MuserError):
+    """A step batch the engine cannot serve: a session from another engine or listed twice, a
+    bad logits-row request, too many rows."""
+
+
+class KvFormatError(KvStateError):
+    """KV bytes that do not parse or verify (truncated, wrong magic or version, bad digest,
+    inconsistent counts); `field` names the offending field."""
+
+    def __init__(self, message: str, field: str | None = None):
+        self.field = field
+        super().__init__(message)
+
+
+class KvLayoutMismatch(KvStateError):
+    """Well-formed KV bytes of another layout (layer kinds, KV type, heads, head_dim, window,
+    chunk size); `field` names the layout key."""
+
+    def __init__(self, message: str, field: str | None = None):
+        self.field = field
+        super().__init__(message)

@@ -1,4 +1,14 @@
-"""The generation loop: prompt ids in, a stream of events out.
+"""Generation: a per-token Emitter and the loop that drives it over a session's steps.
+
+    em = emitter(tokenizer, prompt_ids, SamplingParams(...), max_tokens=128, stop=["\\n\\n"])
+    ev = em.step(logits)      # sample from these logits, then push: a GenEvent (em.done after)
+    ev = em.push(token, logits)   # a token chosen elsewhere (a verified draft), same rules
+
+The Emitter holds everything per token (sampler chain, streaming detokenizer, stop strings
+with the held suffix, logprobs and top logprobs, max_tokens, finish reason) and no forward;
+the speculative driver pushes the k tokens of one verify step one by one and stops at the
+first that finishes the generation; a server drives many Emitters from one Engine.step loop.
+`Generation` is the single-sequence loop: prefill, then step + decode until done.
 
     gen = generate(session, tokenizer, prompt_ids, SamplingParams(...), max_tokens=128, stop=["\\n\\n"])
     for ev in gen:            # GenEvent per sampled token, as it is produced
@@ -20,7 +30,8 @@ Rules
   into a stop string is held back until it cannot; at the end, held-back text is released (and an
   unfinished UTF-8 character becomes U+FFFD).
 * `logprob` is log p(token) under the model's raw distribution (float64 log-softmax of the
-  logits the token was drawn from), before any sampling step reshapes it.
+  logits the token was drawn from), before any sampling step reshapes it; `top_logprobs` the
+  n most likely tokens under that distribution (ties: lower id first).
 * TTFT = from the call to the first sampled token (prefill included); decode tokens/s counts the
   tokens after the first over the time after the first.
 """
@@ -29,17 +40,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from .errors import EmptyInput, SamplingError, TokenizerError
-from .sample import Sampler, SamplingParams, log_softmax_at
+from .sample import Sampler, SamplingParams
 from .text import Tokenizer
 from .text.detok import Detokenizer
 
 FINISH_EOG, FINISH_STOP, FINISH_LENGTH = "eog", "stop", "length"
+MAX_TOP_LOGPROBS = 20  # the OpenAI API's bound on top_logprobs
 
 
 @dataclass(frozen=True)
@@ -49,10 +61,14 @@ class GenEvent:
     text: str  # text released with this token ("" while held back)
     logprob: float
     finish_reason: str | None = None  # set on the last event: "eog" | "stop" | "length"
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
 
     def to_json(self) -> dict:
-        return {"index": self.index, "token": self.token, "text": self.text, "logprob": self.logprob,
-                "finish_reason": self.finish_reason}
+        out: dict[str, Any] = {"index": self.index, "token": self.token, "text": self.text,
+                               "logprob": self.logprob, "finish_reason": self.finish_reason}
+        if self.top_logprobs:
+            out["top_logprobs"] = [[t, lp] for t, lp in self.top_logprobs]
+        return out
 
 
 def _held_suffix(text: str, stops: Sequence[str]) -> int:
@@ -66,26 +82,165 @@ def _held_suffix(text: str, stops: Sequence[str]) -> int:
     return best
 
 
-@dataclass
+def raw_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """log p(token) and the `top` most likely (token, log p) under the raw distribution
+    (float64 log-softmax of the logits)."""
+    x = logits.astype(np.float64)
+    m = float(x.max())
+    log_z = math.log(float(np.exp(x - m).sum()))
+    lp = float(x[token] - m - log_z)  # the same expression as muser.sample.log_softmax_at
+    if top <= 0:
+        return lp, ()
+    top = min(top, x.size)
+    thr = -np.partition(-x, top - 1)[top - 1]  # the top-th largest value
+    above = np.flatnonzero(x > thr)
+    idx = np.concatenate([above, np.flatnonzero(x == thr)[:top - above.size]])  # ties: lowest ids
+    idx = idx[np.lexsort((idx, -x[idx]))]  # descending logit, then ascending id
+    return lp, tuple((int(i), float(x[i] - m - log_z)) for i in idx)
+
+
+class Emitter:
+    """One generation's per-token state (see module doc). Build it with `emitter(...)`."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
+                 stop: tuple[str, ...], render_special: bool = False, top_logprobs: int = 0):
+        self.tokenizer = tokenizer
+        self.prompt_ids = prompt_ids
+        self.sampler = sampler
+        self.max_tokens = max_tokens
+        self.stop = stop
+        self.top_logprobs = top_logprobs
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self._detok = Detokenizer(tokenizer, render_special=render_special)
+        self._eog = tokenizer.eog_ids
+        self._pending = ""  # released by the detokenizer, not yet emitted (may start a stop string)
+        self._out: list[str] = []
+        # The sampler sees the prompt (llama.cpp's server and CLI accept it before the first draw).
+        for t in prompt_ids:
+            sampler.accept(t)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._out)
+
+    def check_logits(self, logits: Any) -> np.ndarray:
+        V = self.tokenizer.vocab_size
+        if not isinstance(logits, np.ndarray) or logits.shape != (V,):
+            raise TokenizerError(f"the session's logits have shape {getattr(logits, 'shape', None)}, "
+                                 f"the tokenizer's vocab is {V}")
+        return logits
+
+    def sample(self, logits: np.ndarray) -> int:
+        """Draw the next token from `logits` (the sampler chain; nothing is accepted yet)."""
+        self._refuse_if_done()
+        return self.sampler.sample(self.check_logits(logits))
+
+    def step(self, logits: np.ndarray) -> GenEvent:
+        """sample(logits), then push the drawn token."""
+        return self.push(self.sample(logits), logits)
+
+    def push(self, token: int, logits: np.ndarray) -> GenEvent:
+        """Emit `token`, drawn from (or verified against) `logits` [vocab]: the sampler accepts
+        it; its text is released, held (a possible stop-string start) or cut at a stop string;
+        the event carries finish_reason when this token ends the generation."""
+        self._refuse_if_done()
+        self.check_logits(logits)
+        token = int(token)
+        if not 0 <= token < self.tokenizer.vocab_size:
+            raise TokenizerError(f"token {token} is outside the vocab [0, {self.tokenizer.vocab_size})")
+        self.sampler.accept(token)
+        lp, top = raw_logprobs(logits, token, self.top_logprobs)
+        i = len(self.tokens)
+        self.tokens.append(token)
+        if token in self._eog:  # reported, not rendered
+            return self._end(i, token, self._pending + self._detok.flush(), lp, top, FINISH_EOG)
+        self._pending += self._detok.add(token)
+        if self.stop:
+            hits = [k for k in (self._pending.find(s) for s in self.stop) if k >= 0]
+            if hits:
+                return self._end(i, token, self._pending[:min(hits)], lp, top, FINISH_STOP)
+        if len(self.tokens) == self.max_tokens:
+            return self._end(i, token, self._pending + self._detok.flush(), lp, top, FINISH_LENGTH)
+        hold = _held_suffix(self._pending, self.stop) if self.stop else 0
+        piece = self._pending[:len(self._pending) - hold]
+        self._pending = self._pending[len(self._pending) - hold:]
+        self._out.append(piece)
+        return GenEvent(i, token, piece, lp, None, top)
+
+    def push_many(self, tokens: Sequence[int], logits: Sequence[np.ndarray]) -> list[GenEvent]:
+        """push(tokens[j], logits[j]) in order until the generation finishes (then the rest are
+        not taken); the events of the tokens taken."""
+        if len(tokens) != len(logits):
+            raise SamplingError(f"{len(tokens)} tokens but {len(logits)} logits rows")
+        out = []
+        for t, lg in zip(tokens, logits):
+            out.append(self.push(t, lg))
+            if self.done:
+                break
+        return out
+
+    def _end(self, i: int, token: int, piece: str, lp: float, top: tuple, reason: str) -> GenEvent:
+        self._pending = ""
+        self._out.append(piece)
+        self.finish_reason = reason
+        return GenEvent(i, token, piece, lp, reason, top)
+
+    def _refuse_if_done(self) -> None:
+        if self.done:
+            raise SamplingError(f"the generation has finished ({self.finish_reason}); no more tokens")
+
+
+def emitter(tokenizer: Tokenizer, prompt_ids: Sequence[int], sampling: SamplingParams,
+            max_tokens: int | None = None, stop: Sequence[str] | str | None = None,
+            render_special: bool = False, top_logprobs: int = 0) -> Emitter:
+    """Validate a request and build its Emitter (the GGUF's suppress tokens get a -inf bias after
+    the user's, as common_sampler_init does)."""
+    if not isinstance(sampling, SamplingParams):
+        raise SamplingError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+    if max_tokens is None:
+        max_tokens = sampling.max_tokens
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise SamplingError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or \
+            not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise SamplingError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
+    stops = (stop,) if isinstance(stop, str) else tuple(sampling.stop if stop is None else stop)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise SamplingError(f"stop strings must be non-empty strings, got {s!r}")
+    ids = [int(t) for t in prompt_ids]
+    if not ids:
+        raise EmptyInput("the prompt has no tokens")
+    for t in ids:
+        if not 0 <= t < tokenizer.vocab_size:
+            raise TokenizerError(f"prompt token {t} is outside the vocab [0, {tokenizer.vocab_size})")
+    suppress = tokenizer.vocab.suppress_tokens
+    if suppress:
+        bias = dict(sampling.logit_bias)
+        bias.update({t: -math.inf for t in suppress})
+        sampling = sampling.replace(logit_bias=bias)
+    return Emitter(tokenizer, ids, Sampler(sampling, tokenizer.vocab_size), max_tokens, stops,
+                   render_special, top_logprobs)
+
+
 class Generation:
-    """An iterator of GenEvent with the run's record once it is exhausted."""
+    """The single-sequence loop over an Emitter: an iterator of GenEvent (lazy: nothing runs
+    until the first event is asked for) with the run's record once it is exhausted.
 
-    session: Any
-    tokenizer: Tokenizer
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    max_tokens: int
-    stop: tuple[str, ...]
-    sampler: Sampler
-    render_special: bool = False
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    ttft_s: float | None = None
-    total_s: float | None = None
-    decode_s: float | None = None
+    `session` is any object with the Session surface (DESIGN.md): `prefill(ids) ->
+    float32[vocab]` (the last row), `decode(token) -> float32[vocab]`."""
 
-    def __post_init__(self) -> None:
+    def __init__(self, session: Any, em: Emitter):
+        self.session = session
+        self.emitter = em
+        self.ttft_s: float | None = None
+        self.total_s: float | None = None
+        self.decode_s: float | None = None
         self._it = self._run()
 
     def __iter__(self) -> "Generation":
@@ -95,8 +250,28 @@ class Generation:
         return next(self._it)
 
     @property
+    def tokenizer(self) -> Tokenizer:
+        return self.emitter.tokenizer
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.emitter.prompt_ids
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.emitter.tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.emitter.finish_reason
+
+    @property
+    def text(self) -> str:
+        return self.emitter.text if self.emitter.done else ""
+
+    @property
     def seed(self) -> int:
-        return self.sampler.seed
+        return self.emitter.sampler.seed
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -112,102 +287,31 @@ class Generation:
                 "seed": self.seed}
 
     def _run(self) -> Iterator[GenEvent]:
-        tok = self.tokenizer
+        em = self.emitter
         t0 = time.perf_counter()
-        sampler = self.sampler
-        for t in self.prompt_ids:
-            sampler.accept(t)
-        logits = self.session.prefill(self.prompt_ids)
-        if not isinstance(logits, np.ndarray) or logits.shape != (tok.vocab_size,):
-            raise TokenizerError(
-                f"the session's logits have shape {getattr(logits, 'shape', None)}, "
-                f"the tokenizer's vocab is {tok.vocab_size}"
-            )
-        detok = Detokenizer(tok, render_special=self.render_special)
-        eog = tok.eog_ids
-        stops = self.stop
-        pending = ""  # released by the detokenizer, not yet emitted (may start a stop string)
-        out: list[str] = []
+        logits = self.session.prefill(em.prompt_ids)
         t_first = None
-        for i in range(self.max_tokens):
-            token = sampler.sample(logits)
-            sampler.accept(token)
+        while True:
+            ev = em.step(logits)
             now = time.perf_counter()
             if t_first is None:
                 t_first = now
                 self.ttft_s = now - t0
-            lp = log_softmax_at(logits, token)
-            self.tokens.append(token)
-            if token in eog:
-                rest = pending + detok.flush()
-                out.append(rest)
-                self._finish(FINISH_EOG, out, t0, t_first)
-                yield GenEvent(i, token, rest, lp, FINISH_EOG)
+            if em.done:
+                self.total_s, self.decode_s = now - t0, now - t_first
+                yield ev
                 return
-            pending += detok.add(token)
-            if stops:
-                hits = [(pending.find(s), s) for s in stops]
-                hits = [(k, s) for k, s in hits if k >= 0]
-                if hits:
-                    k = min(k for k, _ in hits)
-                    before = pending[:k]
-                    out.append(before)
-                    self._finish(FINISH_STOP, out, t0, t_first)
-                    yield GenEvent(i, token, before, lp, FINISH_STOP)
-                    return
-            last = i == self.max_tokens - 1
-            if last:
-                piece = pending + detok.flush()
-                pending = ""
-            else:
-                hold = _held_suffix(pending, stops) if stops else 0
-                piece = pending[: len(pending) - hold]
-                pending = pending[len(pending) - hold :]
-            out.append(piece)
-            if last:
-                self._finish(FINISH_LENGTH, out, t0, t_first)
-                yield GenEvent(i, token, piece, lp, FINISH_LENGTH)
-                return
-            yield GenEvent(i, token, piece, lp)
-            logits = self.session.decode(token)
-
-    def _finish(self, reason: str, out: list[str], t0: float, t_first: float) -> None:
-        now = time.perf_counter()
-        self.finish_reason = reason
-        self.text = "".join(out)
-        self.total_s = now - t0
-        self.decode_s = now - t_first
+            yield ev
+            logits = self.session.decode(ev.token)
 
 
 def generate(session: Any, tokenizer: Tokenizer, prompt_ids: Sequence[int], sampling: SamplingParams,
              max_tokens: int | None = None, stop: Sequence[str] | None = None,
-             render_special: bool = False) -> Generation:
+             render_special: bool = False, top_logprobs: int = 0) -> Generation:
     """Start generating (lazily: nothing runs until the first event is asked for)."""
-    if not isinstance(sampling, SamplingParams):
-        raise SamplingError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
-    if max_tokens is None:
-        max_tokens = sampling.max_tokens
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise SamplingError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    stops = tuple(sampling.stop if stop is None else stop)
-    if isinstance(stop, str):
-        stops = (stop,)
-    for s in stops:
-        if not isinstance(s, str) or not s:
-            raise SamplingError(f"stop strings must be non-empty strings, got {s!r}")
-    ids = [int(t) for t in prompt_ids]
-    if not ids:
-        raise EmptyInput("the prompt has no tokens")
-    for t in ids:
-        if not 0 <= t < tokenizer.vocab_size:
-            raise TokenizerError(f"prompt token {t} is outside the vocab [0, {tokenizer.vocab_size})")
-    suppress = tokenizer.vocab.suppress_tokens
-    if suppress:
-        bias = dict(sampling.logit_bias)
-        bias.update({t: -math.inf for t in suppress})
-        sampling = sampling.replace(logit_bias=bias)
-    return Generation(session, tokenizer, ids, sampling, max_tokens, stops,
-                      Sampler(sampling, tokenizer.vocab_size), render_special)
+    return Generation(session, emitter(tokenizer, prompt_ids, sampling, max_tokens, stop, render_special,
+                                       top_logprobs))
 
 
-__all__ = ["GenEvent", "Generation", "generate", "FINISH_EOG", "FINISH_STOP", "FINISH_LENGTH"]
+__all__ = ["Emitter", "GenEvent", "Generation", "emitter", "generate", "raw_logprobs", "FINISH_EOG",
+           "FINISH_STOP", "FINISH_LENGTH", "MAX_TOP_LOGPROBS"]

@@ -58,13 +58,13 @@ def test_invariance_f16_kv_within_twice_noise_floor(eng16, tiny_gguf):
 def test_decoders_waiting_shrinks_chunks(eng32, monkeypatch):
     s = eng32.session(max_context=200)
     seen = []
-    orig = s._rows
+    orig = s._forward
 
     def spy(ids, out_rows, capture):
         seen.append(len(ids))
         return orig(ids, out_rows, capture)
 
-    monkeypatch.setattr(s, "_rows", spy)
+    monkeypatch.setattr(s, "_forward", spy)
     a = s.prefill(PROMPT * 2, decoders_waiting=True)
     assert seen == [64, 64, 22]
     b = eng32.session(max_context=200).prefill(PROMPT * 2)
@@ -148,7 +148,7 @@ def test_bad_input_is_refused_and_session_stays_usable(eng16):
         (ContextOverflow, lambda: s.prefill(list(range(6, 40)))),
         (CacheDiscontinuity, lambda: s.decode(5, position=11)),
         (LaneError, lambda: s.verify(list(range(6, 23)))),
-        (LaneError, lambda: s.decode([5, 6])),
+        (TokenOutOfRange, lambda: s.decode([5, 6])),
     ]
     for err, call in cases:
         with pytest.raises(err):

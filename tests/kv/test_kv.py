@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from muser.errors import CacheDiscontinuity, ContextOverflow, EmptyInput, KvStateError
-from muser.kv import KvCache, NumpyBackend, geometries
+from muser.kv import KvCache, KvSnapshot, NumpyBackend, PlaneSnapshot, geometries
 
 W, H, D = 8, 2, 4  # window, KV heads, head_dim
 KV = H * D
@@ -216,14 +216,35 @@ def test_snapshot_restore_preserves_rotation_and_replays(n):
         assert planes_equal(live, restored)
 
 
-def test_restore_refuses_other_geometry_and_keeps_live():
+def test_restore_into_other_slot_sizes_and_refusals_keep_live():
+    n = 3 * W + 5  # rings wrapped several times
     a = make(max_context=64)
-    append_all(a, 0, 5)
-    b = make(max_context=32)
-    append_all(b, 0, 3)
-    with pytest.raises(KvStateError, match="geometry"):
-        b.restore(a.snapshot())
-    assert b.n_tokens == 3
+    append_all(a, 0, n)
+    snap = a.snapshot(tokens=range(n))
+    assert snap.tokens == tuple(range(n))
+    for max_context in (n + 2, 40, 200):  # slot sizes other than the source's
+        b = make(max_context=max_context)
+        b.restore(snap)
+        ref = make(max_context=max_context)
+        append_all(ref, 0, n)
+        assert planes_equal(b, ref)  # a sequential build's rows and rotation
+        append_all(b, n, 2)
+        append_all(ref, n, 2)
+        assert planes_equal(b, ref)
+    small = make(max_context=n - 1)
+    append_all(small, 0, 3)
+    with pytest.raises(ContextOverflow, match=f"snapshot of {n} tokens"):
+        small.restore(snap)
+    other = make(max_context=64, dtype="f16")
+    with pytest.raises(KvStateError, match="layer 0: snapshot layout"):
+        other.restore(snap)
+    short = KvSnapshot(snap.n_tokens, (PlaneSnapshot(snap.planes[0].layout, n - 2, snap.planes[0].keys[-2:],
+                                                     snap.planes[0].values[-2:]),) + snap.planes[1:])
+    with pytest.raises(KvStateError, match="do not cover the last 8"):
+        a.restore(short)
+    assert small.n_tokens == 3 and a.n_tokens == n
+    with pytest.raises(KvStateError, match="carries 2 token ids"):
+        KvSnapshot(3, snap.planes, (1, 2))
 
 
 def test_detached_install_commits_only_when_complete():

@@ -5,6 +5,7 @@ on muser.kv planes with device storage, CUDA graphs for decode/verify, two lanes
     eng = Engine.open(path, device="cuda", lane="exact", kv="f16")
     s = eng.session(max_context=4096)
     s.prefill(ids); s.decode(tok); s.verify(block); cp = s.checkpoint(); s.rollback(cp)
+    eng.step([StepItem(s, [tok]), StepItem(s2, block, logits="all")])  # several sequences, one forward
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..model.loader import ModelFile, open_model
 from .forward import Forward, ModelWeights
 from .lanes import Lane, parse_device, parse_kv
 from .session import MAX_VERIFY, PREFILL_CHUNK, WAITING_CHUNK, Session, SessionCheckpoint
+from .step import StepItem, StepResult, step as _step
 
 
 class Engine:
@@ -54,5 +56,11 @@ class Engine:
         return Session(self, self.cfg.context_length if max_context is None else max_context,
                        chunk, capture, graphs)
 
+    def step(self, batch: list[StepItem]) -> list[StepResult]:
+        """Advance several sessions in one forward (engine/step.py): per item its tokens and
+        which rows' logits to return; all-or-nothing across the batch."""
+        return _step(self, batch)
 
-__all__ = ["Engine", "Lane", "Session", "SessionCheckpoint", "MAX_VERIFY", "PREFILL_CHUNK", "WAITING_CHUNK"]
+
+__all__ = ["Engine", "Lane", "Session", "SessionCheckpoint", "StepItem", "StepResult", "MAX_VERIFY",
+           "PREFILL_CHUNK", "WAITING_CHUNK"]

@@ -260,6 +260,18 @@ def _rope_cpu(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor
 # the forward
 
 
+def _row_mode(out_rows: "str | torch.Tensor") -> tuple[torch.Tensor | None, str]:
+    """(row-index tensor or None, mode): mode 'rows' for an index tensor, else the string."""
+    if isinstance(out_rows, torch.Tensor):
+        return out_rows, "rows"
+    return None, out_rows
+
+
+def _pick(h: torch.Tensor, mode: str, rows_idx: torch.Tensor | None) -> torch.Tensor:
+    """The output rows of h [T, n]: the last one, or those rows_idx names (in its order)."""
+    return h[h.shape[0] - 1:] if mode == "last" else h.index_select(0, rows_idx)
+
+
 class KvStep(Protocol):
     """Attend T new rows over layer il's plane, then store them (see kernels/attention.py)."""
 
@@ -292,16 +304,18 @@ class Forward:
         self._cos = torch.from_numpy(c).to(self.device)
         self._sin = torch.from_numpy(s).to(self.device)
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KvStep, out_rows: str,
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KvStep, out_rows: "str | torch.Tensor",
             capture: tuple[int, ...] = (), captured: dict | None = None,
             logits_out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """tokens, positions: int64 [T] on the device. out_rows: 'last' | 'all' | 'none'.
-        capture: layers whose input residual is recorded into `captured` (n_layers = the
-        residual leaving the last layer). Returns logits f32 [R, vocab] (R = 1 or T) or None.
-        Capture-safe: no host sync, no host-built tensors."""
+        """tokens, positions: int64 [T] on the device. out_rows: 'last' | 'all' | 'none', or an
+        int64 tensor of row indices (the LM head then runs on those rows only, llama.cpp's
+        inp_out_ids). capture: layers whose input residual is recorded into `captured`
+        (n_layers = the residual leaving the last layer). Returns logits f32 [R, vocab] (R = 1,
+        T or len(out_rows)) or None. Capture-safe: no host sync, no host-built tensors."""
         if (self.cpu_fast and getattr(kv, "cpu_fast", False) and tokens.shape[0] <= CPU_FAST_ROWS
                 and self._cpu_consts() is not None):  # eager CPU steps only (graph steps: below)
             return self.run_cpu(tokens, positions, kv, out_rows, capture, captured, logits_out)
+        rows_idx, out_rows = _row_mode(out_rows)
         cfg, W, lin = self.cfg, self.w, self.linear
         T = tokens.shape[0]
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -358,9 +372,9 @@ class Forward:
                 if out_rows == "none":
                     return None
                 if fz:
-                    o, h = o[T - 1:], h[T - 1:]
+                    o, h = _pick(o, out_rows, rows_idx), _pick(h, out_rows, rows_idx)
                 else:
-                    h = h[T - 1:]  # llama.cpp inp_out_ids: only output rows past this point
+                    h = _pick(h, out_rows, rows_idx)  # llama.cpp inp_out_ids: only output rows from here
             if fz:  # sandwich tail + residual + the FFN pre-norm in one pass
                 h, x = FK.norm2(o, L.post_attn_norm, post_eps, h, L.ffn_norm, eps)
             else:
@@ -383,8 +397,8 @@ class Forward:
             captured[len(W.layers)] = h  # the residual leaving the last layer
             if out_rows == "none":
                 return None
-            if out_rows == "last":
-                h = h[T - 1:]
+            if out_rows != "all":
+                h = _pick(h, out_rows, rows_idx)
         if fz:
             x = x_next if not final_capture or out_rows == "all" else FK.norm_mul(h.contiguous(), W.out_norm, eps)
         else:
@@ -424,11 +438,12 @@ class Forward:
         self._cpu = out
         return out
 
-    def run_cpu(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KvStep, out_rows: str,
+    def run_cpu(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KvStep, out_rows: "str | torch.Tensor",
                  capture: tuple[int, ...] = (), captured: dict | None = None,
                  logits_out: torch.Tensor | None = None) -> torch.Tensor | None:
         """run() for T <= CPU_FAST_ROWS on the CPU (same arguments, same results up to f32
         summation order)."""
+        rows_idx, out_rows = _row_mode(out_rows)
         cfg, W, lin = self.cfg, self.w, self.linear
         layers = self._cpu
         T = tokens.shape[0]
@@ -459,7 +474,7 @@ class Forward:
             if il == last and out_rows != "all" and not final_capture:
                 if out_rows == "none":
                     return None
-                h = h[T - 1:]
+                h = _pick(h, out_rows, rows_idx)
             x = _rms_norm_cpu(h, eps, inv_h).mul_(L.ffn_norm)
             gu = _mm(x, L.w_gu)  # [T, 2 ffn]
             gt = gu[:, :cfg.ffn]
@@ -471,8 +486,8 @@ class Forward:
             captured[len(layers)] = h
             if out_rows == "none":
                 return None
-            if out_rows == "last":
-                h = h[T - 1:]
+            if out_rows != "all":
+                h = _pick(h, out_rows, rows_idx)
         x = _rms_norm_cpu(h, eps, inv_h).mul_(W.out_norm)
         logits = softcap_logits(_mm(x, cpu_concat(lin, [W.lm_head])), cfg.logit_scale, cfg.softcap)
         if logits_out is not None:

@@ -5,7 +5,7 @@
     cache.append_batch(layer, start, k_rows, v_rows)                          # [T, kv_dim] each
     view = cache.view(layer)                                                  # keys, values, positions
     cp = cache.checkpoint(block=16); ...; cache.rollback(cp, keep=n_accepted)
-    snap = cache.snapshot(); other.restore(snap)
+    snap = cache.snapshot(tokens=ids); other.restore(snap)       # any slot size that fits
     inst = cache.begin_install(n_tokens); inst.put(layer, start, k, v); cache.commit(inst)
 
 Storage is pluggable (`ArrayBackend`): numpy here, torch in the engine.
@@ -21,10 +21,10 @@ from .cache import (
     PlaneSnapshot,
     geometries,
 )
-from .plane import BatchPlacement, KvPlane, PlaneGeometry, PlaneView
+from .plane import BatchPlacement, KvPlane, PlaneGeometry, PlaneLayout, PlaneView
 
 __all__ = [
     "KV_DTYPES", "ArrayBackend", "NumpyBackend", "DEFAULT_BLOCK", "DetachedInstall", "KvCache",
     "KvCheckpoint", "KvSnapshot", "PlaneSnapshot", "geometries", "BatchPlacement", "KvPlane",
-    "PlaneGeometry", "PlaneView",
+    "PlaneGeometry", "PlaneLayout", "PlaneView",
 ]

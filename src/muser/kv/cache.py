@@ -6,9 +6,11 @@ install (book 9.7, 10.6, 10.7, 15).
 - `checkpoint(block)` / `rollback(cp, keep=0)`: NoPE planes rewind metadata only; SWA rings keep
   the <= block rows a speculative block may overwrite (book 10.6, decode.rs:208-212). A rollback
   after more than `block` appends on a ring is refused (the rows needed are gone).
-- `snapshot()` / `restore()`: rows in logical order plus origins; restore installs them at the
-  rotation a sequentially built ring holds (origin_physical = origin_logical % capacity), because
-  physical scan order is numerically observable (book 15.6).
+- `snapshot(tokens)` / `restore()`: rows in logical order plus origins (and the token ids when
+  known) under slot-size-independent layouts; restore installs them into any cache of the same
+  layouts with room for n_tokens, at the rotation a sequentially built ring holds
+  (origin_physical = origin_logical % capacity), because physical scan order is numerically
+  observable (book 15.6). Byte form: muser.kv.serial.
 - `begin_install(n_tokens)` / `commit(install)`: planes built beside the live ones and swapped in
   whole only when every expected row arrived (book 10.7).
 """
@@ -22,7 +24,7 @@ import numpy as np
 
 from ..errors import ContextOverflow, KvStateError
 from .backend import ArrayBackend, NumpyBackend, check_kv_dtype
-from .plane import BatchPlacement, KvPlane, PlaneGeometry, PlaneView, fresh_epoch
+from .plane import BatchPlacement, KvPlane, PlaneGeometry, PlaneLayout, PlaneView, fresh_epoch
 
 # Verify width of one speculative block (book 10.1: MAX_DFLASH_BLOCK = 16).
 DEFAULT_BLOCK = 16
@@ -54,7 +56,10 @@ class KvCheckpoint:
 
 @dataclass(frozen=True)
 class PlaneSnapshot:
-    geometry: PlaneGeometry
+    """One plane's visible rows in logical order from `origin_logical` (explicit origin, book
+    15.6), under a slot-size-independent layout."""
+
+    layout: PlaneLayout
     origin_logical: int
     keys: Any  # [len, kv_dim] in logical order
     values: Any
@@ -63,11 +68,28 @@ class PlaneSnapshot:
     def len(self) -> int:
         return int(np.shape(self.keys)[0])
 
+    @property
+    def layer(self) -> int:
+        return self.layout.layer
+
 
 @dataclass(frozen=True)
 class KvSnapshot:
+    """Every plane's state after `n_tokens` tokens; `tokens` (the ids those rows were computed
+    from) travels with it when the taker knows them. Restorable into any cache of the same
+    layouts whose max_context holds n_tokens, whatever its slot size."""
+
     n_tokens: int
     planes: tuple[PlaneSnapshot, ...]
+    tokens: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens is not None and len(self.tokens) != self.n_tokens:
+            raise KvStateError(f"snapshot of {self.n_tokens} tokens carries {len(self.tokens)} token ids")
+
+    @property
+    def layouts(self) -> tuple[PlaneLayout, ...]:
+        return tuple(p.layout for p in self.planes)
 
 
 def geometries(n_layers: int, sliding: Sequence[bool], window: int, max_context: int,
@@ -210,26 +232,51 @@ class KvCache:
         ]
 
     # -- snapshot / restore --------------------------------------------------------------------
-    def snapshot(self) -> KvSnapshot:
-        """Visible rows of every plane in logical order, with the origins (book 15.6)."""
+    @property
+    def layouts(self) -> tuple[PlaneLayout, ...]:
+        return tuple(g.layout for g in self.geometry)
+
+    def snapshot(self, tokens: Sequence[int] | None = None) -> KvSnapshot:
+        """Visible rows of every plane in logical order, with the origins (book 15.6);
+        `tokens`, if given, are the ids of the n_tokens positions."""
         n = self.n_tokens
         planes = []
         for p in self._planes:
             view = p.view("logical")
-            planes.append(PlaneSnapshot(p.geometry, p.origin_logical, view.keys, view.values))
-        return KvSnapshot(n, tuple(planes))
+            planes.append(PlaneSnapshot(p.geometry.layout, p.origin_logical, view.keys, view.values))
+        ids = None if tokens is None else tuple(int(t) for t in tokens)
+        return KvSnapshot(n, tuple(planes), ids)
+
+    def check_snapshot(self, snap: KvSnapshot) -> None:
+        """Refuse a snapshot that cannot install here, naming the field: plane count, per-plane
+        layout, n_tokens against max_context, rows/origins that do not describe n_tokens."""
+        if len(snap.planes) != len(self.geometry):
+            raise KvStateError(f"snapshot has {len(snap.planes)} planes, the cache {len(self.geometry)}")
+        if not 0 <= snap.n_tokens <= self.max_context:
+            raise ContextOverflow(f"snapshot of {snap.n_tokens} tokens does not fit max_context {self.max_context}")
+        for g, ps in zip(self.geometry, snap.planes):
+            if ps.layout != g.layout:
+                raise KvStateError(f"layer {g.layer}: snapshot layout {ps.layout} != cache layout {g.layout}")
+            need = g.layout.rows_for(snap.n_tokens)
+            if ps.origin_logical + ps.len != snap.n_tokens or ps.len < need:
+                raise KvStateError(
+                    f"layer {g.layer}: snapshot rows [{ps.origin_logical}, {ps.origin_logical + ps.len}) do "
+                    f"not cover the last {need} of {snap.n_tokens} tokens"
+                )
 
     def restore(self, snap: KvSnapshot) -> None:
         """Replace the live planes with `snap`, at the rotation a sequential build holds; the live
-        cache is untouched unless the whole snapshot fits (built detached, swapped atomically)."""
-        if len(snap.planes) != len(self.geometry):
-            raise KvStateError(f"snapshot has {len(snap.planes)} planes, the cache {len(self.geometry)}")
+        cache is untouched unless the whole snapshot fits (built detached, swapped atomically).
+        The slot size may differ from the snapshot's source: only the layouts must match."""
+        self.check_snapshot(snap)
         install = self.begin_install(snap.n_tokens)
         for g, ps in zip(self.geometry, snap.planes):
-            if ps.geometry != g:
-                raise KvStateError(f"layer {g.layer}: snapshot geometry {ps.geometry} != cache geometry {g}")
-            if ps.len:
-                install.put(g.layer, ps.origin_logical, ps.keys, ps.values)
+            a, _ = install.expected(g.layer)
+            if a < snap.n_tokens:
+                f = a - ps.origin_logical  # rows before the ring's live window are not needed
+                keys = ps.keys[f:] if f else ps.keys
+                values = ps.values[f:] if f else ps.values
+                install.put(g.layer, a, keys, values)
         self.commit(install)
 
     # -- detached install ----------------------------------------------------------------------

@@ -30,6 +30,28 @@ def fresh_epoch() -> int:
 
 
 @dataclass(frozen=True)
+class PlaneLayout:
+    """What a plane's rows mean, independent of the slot size: a snapshot or a stored tile of
+    this layout installs into any plane with the same layout and enough capacity."""
+
+    layer: int
+    sliding: bool  # SWA ring (RoPE layer, rows position-bound) vs NoPE plane (rows position-free)
+    window: int  # sliding_window W; 0 for full planes
+    n_kv_heads: int
+    head_dim: int
+    dtype: str  # "f16" | "f32"
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def rows_for(self, n_tokens: int) -> int:
+        """Rows a plane of this layout holds after `n_tokens` sequential appends: the last
+        min(n, W) on a ring, all n on a NoPE plane (in any slot size that fits n_tokens)."""
+        return min(n_tokens, self.window) if self.sliding else n_tokens
+
+
+@dataclass(frozen=True)
 class PlaneGeometry:
     layer: int
     sliding: bool  # SWA ring (RoPE layer) vs growing NoPE plane
@@ -43,6 +65,12 @@ class PlaneGeometry:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def layout(self) -> PlaneLayout:
+        """The slot-size-independent part (everything but max_context and capacity)."""
+        return PlaneLayout(self.layer, self.sliding, self.window if self.sliding else 0,
+                           self.n_kv_heads, self.head_dim, self.dtype)
 
     @property
     def head_major(self) -> bool:

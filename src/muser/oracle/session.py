@@ -18,148 +18,44 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence as Seq
 
 import numpy as np
 
-from ..errors import (
-    CacheDiscontinuity,
-    ContextOverflow,
-    EmptyInput,
-    LaneError,
-    NonFiniteLogits,
-    TokenOutOfRange,
-)
-from ..kv import DEFAULT_BLOCK, KvCache, KvCheckpoint, KvSnapshot
+from ..errors import LaneError
+from ..kv import KvCache
 from ..model.config import MuseConfig
 from ..model.loader import ModelFile, open_model
 from .forward import OracleForward, OracleWeights, single_thread_blas
 from .numerics import ARITHMETICS, Arithmetic, log_softmax
+from ..sequence import Sequence, SessionCheckpoint, check_chunk, check_max_context
 
 DEFAULT_CHUNK = 512  # prefill rows per forward (book 10.10: PREFILL_BATCH_TOKENS)
 DEFAULT_KV = {"f32": "f32", "ggml-cpu": "f16"}
 
 
-@dataclass(frozen=True)
-class SessionCheckpoint:
-    kv: KvCheckpoint
-    n_past: int
-    session: int  # id() of the session it belongs to
-
-
-class OracleSession:
-    """One sequence: its KV planes and position. Bad input is refused before any work; a forward
-    that fails (non-finite logits) is undone, so the session stays usable."""
+class OracleSession(Sequence):
+    """One sequence: its KV planes and position, on the shared protocol (muser.sequence: one
+    validation, one rollback-on-failure, the same typed errors as the engine's session)."""
 
     def __init__(self, model: "OracleModel", max_context: int, chunk: int = DEFAULT_CHUNK,
                  capture: Iterable[int] = ()):
         cfg = model.config
-        if not 0 < max_context <= cfg.context_length:
-            raise ContextOverflow(
-                f"max_context {max_context} must be in [1, {cfg.context_length}] (the model's context_length)"
-            )
-        if chunk < 1:
-            raise EmptyInput(f"prefill chunk must be >= 1 row, got {chunk}")
+        max_context = check_max_context(max_context, cfg.context_length)
+        chunk = check_chunk(chunk)
         self.model = model
-        self.max_context = max_context
-        self.chunk = chunk
-        self.capture = model._check_capture(capture)
-        self.cache = KvCache.for_config(cfg, max_context, model.kv)
-        self.n_past = 0
-        self.captured: dict[int, np.ndarray] = {}
+        self._init_seq(KvCache.for_config(cfg, max_context, model.kv), cfg.vocab, cfg.n_layers,
+                       max_context, chunk, capture)
 
-    # -- validation ----------------------------------------------------------------------------
-    def _check(self, ids: Any, position: int | None) -> np.ndarray:
-        arr = np.asarray(ids)
-        if arr.ndim == 0:
-            arr = arr.reshape(1)
-        if arr.ndim != 1:
-            raise TokenOutOfRange(f"token ids must be a flat sequence, got shape {list(arr.shape)}")
-        if arr.size == 0:
-            raise EmptyInput("no tokens to process (empty input)")
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise TokenOutOfRange(f"token ids must be integers, got dtype {arr.dtype}")
-        vocab = self.model.config.vocab
-        bad = np.flatnonzero((arr < 0) | (arr >= vocab))
-        if bad.size:
-            i = int(bad[0])
-            raise TokenOutOfRange(f"token id {int(arr[i])} at index {i} is outside the vocab [0, {vocab})")
-        if position is not None and position != self.n_past:
-            raise CacheDiscontinuity(0, self.n_past, position)
-        if self.n_past + arr.size > self.max_context:
-            raise ContextOverflow(
-                f"positions [{self.n_past}, {self.n_past + arr.size}) run past max_context {self.max_context}"
-            )
-        return arr.astype(np.int64)
+    @property
+    def capture(self) -> tuple[int, ...]:
+        return self.capture_layers
 
-    # -- forward -------------------------------------------------------------------------------
-    def _run(self, ids: np.ndarray, all_logits: bool, capture: Sequence[int]) -> np.ndarray:
-        fwd = self.model.forward
-        cp = self.cache.checkpoint(block=max(len(ids), 1))  # undo point for a failed forward
-        outs: list[np.ndarray] = []
-        hidden: dict[int, list[np.ndarray]] = {il: [] for il in capture}
-        try:
-            with single_thread_blas():
-                pos = self.n_past
-                for i in range(0, len(ids), self.chunk):
-                    part = ids[i:i + self.chunk]
-                    last = i + self.chunk >= len(ids)
-                    want = "all" if all_logits else ("last" if last else "none")
-                    out = fwd.chunk(self.cache, part, pos, want, capture)
-                    if out.logits is not None:
-                        outs.append(out.logits)
-                    for il, h in out.hidden.items():
-                        hidden[il].append(h)
-                    pos += len(part)
-                logits = np.concatenate(outs) if all_logits else outs[-1][0]
-                if not np.all(np.isfinite(logits)):
-                    bad = np.argwhere(~np.isfinite(np.atleast_2d(logits)))[0]
-                    raise NonFiniteLogits(
-                        f"non-finite logit {float(np.atleast_2d(logits)[tuple(bad)])!r} at row {int(bad[0])}, "
-                        f"token {int(bad[1])}: no distribution installed (book 10.9)"
-                    )
-        except BaseException:
-            self.cache.rollback(cp)
-            raise
-        self.n_past = pos
-        self.captured = {il: np.concatenate(hs) for il, hs in hidden.items()}
-        return logits
-
-    def prefill(self, ids: Sequence[int], all_logits: bool = False, position: int | None = None,
-                capture: Iterable[int] | None = None) -> np.ndarray:
-        """Process `ids` in chunks of `chunk` rows; float32 logits of the last token [vocab], or of
-        every token [T, vocab] with all_logits. `position` (optional) must equal n_past."""
-        arr = self._check(ids, position)
-        cap = self.capture if capture is None else self.model._check_capture(capture)
-        return self._run(arr, all_logits, cap)
-
-    def decode(self, token: int, position: int | None = None) -> np.ndarray:
-        """One token in, next-token logits out (float32 [vocab])."""
-        arr = self._check([token] if np.ndim(token) == 0 else token, position)
-        if arr.size != 1:
-            raise TokenOutOfRange(f"decode takes one token, got {arr.size}")
-        return self._run(arr, False, self.capture)
-
-    # -- state ---------------------------------------------------------------------------------
-    def checkpoint(self, block: int = DEFAULT_BLOCK) -> SessionCheckpoint:
-        """A rollback point covering up to `block` later tokens (book 10.6)."""
-        return SessionCheckpoint(self.cache.checkpoint(block), self.n_past, id(self))
-
-    def rollback(self, cp: SessionCheckpoint, keep: int = 0) -> None:
-        """Return to `cp`, keeping the first `keep` tokens processed since (an accepted prefix)."""
-        if cp.session != id(self):
-            from ..errors import KvStateError
-
-            raise KvStateError("this checkpoint belongs to another session")
-        self.cache.rollback(cp.kv, keep)
-        self.n_past = cp.n_past + keep
-
-    def snapshot(self) -> KvSnapshot:
-        return self.cache.snapshot()
-
-    def restore(self, snap: KvSnapshot) -> None:
-        self.cache.restore(snap)
-        self.n_past = snap.n_tokens
+    def _forward(self, ids: np.ndarray, rows: str,
+                 capture: tuple[int, ...]) -> tuple[np.ndarray | None, dict[int, np.ndarray]]:
+        with single_thread_blas():
+            out = self.model.forward.chunk(self.cache, ids, self.n_past, rows, capture)
+        return out.logits, dict(out.hidden)
 
 
 class OracleModel:
@@ -179,18 +75,12 @@ class OracleModel:
     def path(self):
         return self.file.path
 
-    def _check_capture(self, layers: Iterable[int]) -> tuple[int, ...]:
-        out = tuple(int(x) for x in layers)
-        for il in out:
-            if not 0 <= il <= self.config.n_layers:
-                raise LaneError(f"capture layer {il} is outside [0, {self.config.n_layers}]")
-        return out
-
     def session(self, max_context: int | None = None, chunk: int = DEFAULT_CHUNK,
                 capture: Iterable[int] = ()) -> OracleSession:
-        return OracleSession(self, max_context or self.config.context_length, chunk, capture)
+        return OracleSession(self, self.config.context_length if max_context is None else max_context,
+                             chunk, capture)
 
-    def logits(self, tokens: Sequence[int], mode: str | int = "prefill", max_context: int | None = None,
+    def logits(self, tokens: Seq[int], mode: str | int = "prefill", max_context: int | None = None,
                chunk: int = DEFAULT_CHUNK, jitter: Any = None) -> np.ndarray:
         """All-position logits [T, vocab] of `tokens` in a fresh session: one chunked prefill
         ("prefill"), token-by-token decode ("decode"), or a prefill of P tokens then decode (P).
@@ -213,7 +103,7 @@ class OracleModel:
             return np.concatenate([head, *[s.decode(t)[None] for t in toks[mode:]]])
         raise LaneError(f"mode must be 'prefill', 'decode' or a prefill length in [1, {len(toks)}], got {mode!r}")
 
-    def noise_floor(self, tokens: Sequence[int], mode: str | int = "prefill", trials: int = 2, seed: int = 0,
+    def noise_floor(self, tokens: Seq[int], mode: str | int = "prefill", trials: int = 2, seed: int = 0,
                     chunk: int = DEFAULT_CHUNK) -> "NoiseFloor":
         """The fixture's noise floor for this feeding of `tokens`: every norm output and every
         rounding point's input moved by 1 f32 ulp, and the max |d log-softmax| against the
@@ -257,7 +147,7 @@ def load(path: str | os.PathLike, arithmetic: str = "f32", kv: str | None = None
         raise
 
 
-def noise_floor(model: OracleModel, tokens: Sequence[int], mode: str | int = "prefill", trials: int = 2) -> NoiseFloor:
+def noise_floor(model: OracleModel, tokens: Seq[int], mode: str | int = "prefill", trials: int = 2) -> NoiseFloor:
     """Module-level form of OracleModel.noise_floor."""
     return model.noise_floor(tokens, mode=mode, trials=trials)
 

@@ -1,0 +1,159 @@
+"""Engine.step on the CPU: 1..16 rows from up to 4 sequences in one forward give each sequence
+what it gets alone; row selection, capture, validation before any work, and all-or-nothing
+rollback on non-finite logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from muser.engine import Engine, StepItem
+from muser.errors import BatchError, ContextOverflow, EmptyInput, LaneError, NonFiniteLogits, TokenOutOfRange
+from muser.gates import GATE_FLOOR, max_dlsm
+
+PROMPT = [6 + (i * 37) % 370 for i in range(120)]
+
+# Which equality is asserted between a sequence stepped with others and the same sequence run
+# alone. The CPU lane's projections are torch GEMMs (mv for one row, mm otherwise) whose
+# summation order depends on the number of rows, so a row's logits move by f32 rounding when
+# its step holds other rows (measured: bitwise for some shapes, ~1e-5 for 1-row items). Until
+# the CPU kernels are row-invariant this asserts the Gate 2 bound (f32 K/V: GATE_FLOOR); set
+# True then, and the same test asserts bitwise equality.
+ROW_INVARIANT_CPU = False
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_gguf):
+    return Engine.open(tiny_gguf, device="cpu", lane="exact", kv="f32")
+
+
+def _session(eng, i: int, capture=()):
+    """Sequence i: a prompt of its own length (rings wrapped for i >= 1, window 32)."""
+    s = eng.session(max_context=128, capture=capture)
+    s.prefill(PROMPT[i:i + 12 + 11 * i])
+    return s
+
+
+def _tokens(i: int, T: int) -> list[int]:
+    return [PROMPT[(7 * i + 3 * j + 5) % len(PROMPT)] for j in range(T)]
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> None:
+    if ROW_INVARIANT_CPU:
+        assert np.array_equal(a, b)
+    else:
+        assert max_dlsm(a, b) <= GATE_FLOOR
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1), (1, 1, 1, 1), (2, 7), (3, 5, 1, 7), (4, 4, 4, 4), (16,),
+                                   (16, 16, 16, 16)])
+def test_step_equals_each_sequence_alone(eng, shape):
+    batch = [_session(eng, i) for i in range(len(shape))]
+    alone = [_session(eng, i) for i in range(len(shape))]
+    toks = [_tokens(i, T) for i, T in enumerate(shape)]
+    out = eng.step([StepItem(s, t, logits="all") for s, t in zip(batch, toks)])
+    for s, a, t, r in zip(batch, alone, toks, out):
+        want = a.verify(t)
+        assert r.logits.shape == want.shape and r.logits.dtype == np.float32
+        assert r.rows == tuple(range(len(t)))
+        if len(shape) == 1:
+            assert np.array_equal(r.logits, want)  # one item: the very path verify takes
+        else:
+            _equal(r.logits, want)
+        assert s.n_past == a.n_past and np.array_equal(s.logits, r.logits[-1])
+    # and the sequences go on as if stepped alone
+    nxt = eng.step([StepItem(s, [5]) for s in batch])
+    for r, a in zip(nxt, alone):
+        _equal(r.logits, a.decode(5)[None])
+
+
+def test_row_selection_runs_the_head_on_requested_rows(eng):
+    ss = [_session(eng, i) for i in range(3)]
+    ref = [_session(eng, i) for i in range(3)]
+    toks = [_tokens(0, 5), _tokens(1, 3), _tokens(2, 4)]
+    out = eng.step([StepItem(ss[0], toks[0], logits=[0, 2, 4]), StepItem(ss[1], toks[1], logits="none"),
+                    StepItem(ss[2], toks[2], logits="last")])
+    full = [r.verify(t) for r, t in zip(ref, toks)]
+    assert out[0].rows == (0, 2, 4) and out[0].logits.shape == (3, eng.cfg.vocab)
+    _equal(out[0].logits, full[0][[0, 2, 4]])
+    assert out[1].logits is None and out[1].rows == () and ss[1].logits is None
+    _equal(out[2].logits, full[2][-1:])
+    assert [s.n_past for s in ss] == [r.n_past for r in ref]
+    assert eng.step([StepItem(ss[1], [9], logits="none")])[0].logits is None
+    assert ss[1].n_past == ref[1].n_past + 1
+
+
+def test_capture_per_item(eng):
+    L = eng.cfg.n_layers
+    a, b = _session(eng, 1, capture=(1,)), _session(eng, 2)
+    ra, rb = _session(eng, 1, capture=(1,)), _session(eng, 2, capture=(0, L))
+    out = eng.step([StepItem(a, _tokens(1, 3)), StepItem(b, _tokens(2, 2), capture=(0, L))])
+    ra.verify(_tokens(1, 3))
+    rb.verify(_tokens(2, 2))
+    assert set(out[0].captured) == {1} and set(out[1].captured) == {0, L}
+    assert out[0].captured[1].shape == (3, eng.cfg.hidden)
+    for got, ref in ((out[0].captured, ra.captured), (out[1].captured, rb.captured)):
+        for il in got:
+            assert np.abs(got[il] - ref[il]).max() <= 1e-5 * max(1.0, np.abs(ref[il]).max())
+    assert a.captured is out[0].captured
+
+
+def test_every_item_is_validated_before_any_work(eng, tiny_gguf):
+    V = eng.cfg.vocab
+    ss = [_session(eng, i) for i in range(3)]
+    before = [s.n_past for s in ss]
+    other = Engine.open(tiny_gguf, device="cpu", lane="exact", kv="f32").session(max_context=8)
+    ok = StepItem(ss[0], [5])
+    cases = [
+        (BatchError, "list of StepItem", StepItem(ss[0], [5])),
+        (BatchError, "at least one", []),
+        (BatchError, "item 1: expected a StepItem", [ok, (ss[1], [5])]),
+        (BatchError, "item 1: its session does not belong", [ok, StepItem(other, [5])]),
+        (BatchError, "item 2: its session is already item 0", [ok, StepItem(ss[1], [5]), StepItem(ss[0], [6])]),
+        (BatchError, "item 1: logits must be", [ok, StepItem(ss[1], [5], logits="first")]),
+        (BatchError, r"item 1: logits rows must be strictly increasing .*\[2, 1\]",
+         [ok, StepItem(ss[1], [5, 6, 7], logits=[2, 1])]),
+        (BatchError, r"item 1: logits rows .*\[3\]", [ok, StepItem(ss[1], [5, 6, 7], logits=[3])]),
+        (BatchError, "item 1: logits rows must be a flat list", [ok, StepItem(ss[1], [5], logits=[True])]),
+        (BatchError, "item 1: 513 rows exceed", [ok, StepItem(ss[1], [5] * 513)]),
+        (TokenOutOfRange, f"step item 2: token id {V} at index 1", [ok, StepItem(ss[1], [5]), StepItem(ss[2], [5, V])]),
+        (EmptyInput, "step item 1", [ok, StepItem(ss[1], [])]),
+        (ContextOverflow, "step item 1", [ok, StepItem(ss[1], [5] * 120)]),
+        (LaneError, "capture layer", [ok, StepItem(ss[1], [5], capture=(99,))]),
+    ]
+    for err, msg, batch in cases:
+        with pytest.raises(err, match=msg):
+            eng.step(batch)
+        assert [s.n_past for s in ss] == before
+
+
+def test_non_finite_row_rolls_every_session_back(eng, monkeypatch):
+    import muser.engine.forward as fw
+
+    ss = [_session(eng, i) for i in range(3)]  # rings wrapped: rollback must restore ring rows
+    before = [s.n_past for s in ss]
+    orig = fw.softcap_logits
+
+    def poison_row_4(lg, a, b):
+        out = orig(lg, a, b)
+        out[4, 11] = float("inf")  # global row 4 = item 1, row 1 (3 rows per item)
+        return out
+
+    monkeypatch.setattr(fw, "softcap_logits", poison_row_4)
+    with pytest.raises(NonFiniteLogits, match=r"non-finite logit inf at item 1, row 1, token 11"):
+        eng.step([StepItem(s, _tokens(i, 3), logits="all") for i, s in enumerate(ss)])
+    assert [s.n_past for s in ss] == before
+    monkeypatch.setattr(fw, "softcap_logits", orig)
+    out = eng.step([StepItem(s, _tokens(i, 3), logits="all") for i, s in enumerate(ss)])
+    fresh = eng.step([StepItem(_session(eng, i), _tokens(i, 3), logits="all") for i in range(3)])
+    for a, b in zip(out, fresh):
+        assert np.array_equal(a.logits, b.logits)  # the same batch shape: bitwise
