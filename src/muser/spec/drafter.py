@@ -58,6 +58,22 @@ class DraftContext:
         return np.concatenate((np.arange(min(self.sink, n)), np.arange(lo, n))).astype(np.int64)
 
 
+def check_pair(path: str | os.PathLike, model_file, receipts: Path | None = None):
+    """Validate a drafter file against a target ModelFile before any weights move: the sidecar
+    contract, the fit (width, layers, vocabulary, tokenizer) and Fallback B. Returns the open
+    drafter GGUF (the caller closes it), its config and its SHA-256."""
+    f, cfg = open_drafter(path)
+    try:
+        check_fits(cfg, model_file.config, tokenizer_sha256(f), tokenizer_sha256(model_file.gguf))
+        sha = artifact_sha256(path)
+        ident = model_file.identity
+        check_fallback_b(ident.dtype_mix, ident.artifact_sha256, sha, receipts)
+        return f, cfg, sha
+    except BaseException:
+        f.close()
+        raise
+
+
 class Drafter:
     def __init__(self, cfg: DrafterConfig, weights: dict, embd: torch.Tensor, head: torch.Tensor,
                  device: torch.device, sha256: str):
@@ -73,13 +89,9 @@ class Drafter:
     def load(cls, path: str | os.PathLike, engine, receipts: Path | None = None) -> "Drafter":
         """Open, validate against `engine`'s target (geometry, vocabulary, tokenizer; Fallback B with
         the qualified receipts under `receipts`), then upload."""
-        f, cfg = open_drafter(path)
+        f, cfg, sha = check_pair(path, engine.model_file, receipts)
         try:
             tf = engine.model_file.gguf
-            check_fits(cfg, engine.cfg, tokenizer_sha256(f), tokenizer_sha256(tf))
-            sha = artifact_sha256(path)
-            ident = engine.model_file.identity
-            check_fallback_b(ident.dtype_mix, ident.artifact_sha256, sha, receipts)
             dev = engine.device
 
             def t(src, name):
@@ -147,4 +159,4 @@ class Drafter:
         return [int(x) for x in torch.argmax(logits, dim=-1).tolist()]
 
 
-__all__ = ["Drafter", "DraftContext", "MAX_BLOCK"]
+__all__ = ["Drafter", "DraftContext", "MAX_BLOCK", "check_pair"]
