@@ -56,6 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--parse-special", action="store_true", help="let --prompt text contain special tokens")
     p.add_argument("--render-special", action="store_true", help="show control tokens' text in the output")
     p.add_argument("--json", action="store_true", help="JSON lines: one per token, then a summary")
+    dg = p.add_mutually_exclusive_group()
+    dg.add_argument("--draft", metavar="PATH", help="DFlash drafter GGUF: speculative decoding, same tokens "
+                    "(default: the shipped drafter when the model is the shipped micro model)")
+    dg.add_argument("--no-draft", action="store_true", help="plain decoding, no drafter")
+    p.add_argument("--verify-len", type=int, default=7, choices=(3, 7, 15),
+                   help="proposals per speculative round (default 7)")
     p.set_defaults(func=run)
 
 
@@ -131,7 +137,11 @@ def run(args: argparse.Namespace) -> int:
                                   f"exceeds the model's context_length {limit}")
         if n_ctx < len(ids) + args.max_tokens - 1:
             raise SamplingError(f"--max-context {n_ctx} is smaller than prompt + max tokens")
-        session = model.session(max_context=n_ctx)
+        from ..api import shipped_drafter
+
+        draft = None if args.no_draft else (args.draft or shipped_drafter(path))
+        session = (model.spec_session(draft, n_ctx, args.verify_len) if draft is not None
+                   else model.session(max_context=n_ctx))
         gen = generate(session, tok, ids, params, args.max_tokens, render_special=args.render_special)
         out = sys.stdout
         for ev in gen:
@@ -143,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
         st = gen.stats()
         if args.json:
             summary = {"summary": True, "model": str(path), "device": args.device, "lane": args.lane,
-                       "prompt_ids": ids, "ids": gen.tokens, "text": gen.text, **st}
+                       "prompt_ids": ids, "ids": gen.tokens, "text": gen.text, **st,
+                       "spec": session.stats() if draft is not None else None}
             out.write(json.dumps(summary, ensure_ascii=False) + "\n")
         else:
             out.write("\n")

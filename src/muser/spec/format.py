@@ -335,3 +335,46 @@ def write_drafter(path: str | os.PathLike, geo: dict, tensors: dict[str, np.ndar
 
 __all__ = ["ARCH", "DFLASH_CONTEXT_SINK", "VERIFY_LENGTHS", "DrafterConfig", "expected_tensors", "check_tensors",
            "check_fits", "open_drafter", "drafter_metadata", "write_drafter"]
+
+
+def describe_drafter(path: str | os.PathLike, hash_artifact: bool = True) -> dict:
+    """`muser inspect` of a drafter: validated config, tensors' dtype mix and bytes, identities."""
+    from ..gguf.identity import artifact_sha256, tokenizer_sha256
+
+    f, cfg = open_drafter(path)
+    try:
+        mix: dict[str, dict] = {}
+        for t in f:
+            e = mix.setdefault(t.type.ggml_type.name, {"tensors": 0, "bytes": 0})
+            e["tensors"] += 1
+            e["bytes"] += t.nbytes
+        d = {"file": str(path), "file_bytes": f.size, "architecture": ARCH, "drafter": cfg.to_json(),
+             "parameters": sum(t.n_elements for t in f), "dtype_mix": mix,
+             "context_rows_max": cfg.sink + cfg.window,
+             "shares_target": {"embedding": not cfg.own_embedding, "lm_head": not cfg.own_head},
+             "identity": {"tokenizer_sha256": tokenizer_sha256(f)}, "verdict": "valid drafter"}
+        if hash_artifact:
+            d["identity"]["artifact_sha256"] = artifact_sha256(path)
+        return d
+    finally:
+        f.close()
+
+
+def drafter_lines(d: dict) -> str:
+    c = d["drafter"]
+    lines = [f"file            {d['file']} ({d['file_bytes']:,} B), DFlash drafter",
+             f"geometry        {c['n_layers']} layers, hidden {c['hidden']}, {c['n_heads']} q heads / {c['n_kv_heads']} kv "
+             f"heads, head_dim {c['head_dim']}, ffn {c['ffn']}, vocab {c['vocab']}",
+             f"target layers   {c['target_layers']} (their input residuals, fc {len(c['target_layers']) * c['hidden']} -> "
+             f"{c['hidden']})",
+             f"block           {c['block_size']} rows: [last, mask {c['mask_token']} x {c['block_size'] - 1}]",
+             f"context         sink {c['sink']} + window {c['window']} rows (pattern {c['swa_pattern']})",
+             f"rope            NEOX, freq_base {c['rope_base']:g}, {c['n_rot']} dims; eps {c['eps']:g}",
+             f"shares target   embedding {d['shares_target']['embedding']}, LM head {d['shares_target']['lm_head']}",
+             f"parameters      {d['parameters']:,}"]
+    for dt, e in sorted(d["dtype_mix"].items()):
+        lines.append(f"  {dt:<11} {e['tensors']:>5} tensors  {e['bytes']:>16,} B")
+    for k, v in d["identity"].items():
+        lines.append(f"{k.split('_')[0]:<15} sha256 {v}")
+    lines.append(f"verdict         {d['verdict']}")
+    return "\n".join(lines)
