@@ -157,8 +157,11 @@ class Model:
     def drafter(self, path: str | os.PathLike):
         """The DFlash drafter at `path`, validated against this model (cached per path)."""
         from .bench.receipt import DEFAULT_RECEIPTS
+        from .errors import LaneError
         from .spec.drafter import Drafter
 
+        if not isinstance(path, (str, os.PathLike)):
+            raise LaneError(f"draft must be the path of a DFlash drafter GGUF, got {type(path).__name__}")
         key = str(Path(path).resolve())
         cache = self.__dict__.setdefault("_drafters", {})
         if key not in cache:
