@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
 # drafter geometry (hidden = the target's)
-DRAFT = dict(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn=768, block_size=16, window=2048,
-             target_layers=[1, 4, 7], rope_base=10000.0, eps=1e-6)
+DRAFT = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "ffn": 768, "block_size": 16,
+         "window": 2048, "target_layers": [1, 4, 7], "rope_base": 10000.0, "eps": 1e-6}
 SEQ = 512  # training sequence length (prompt + greedy continuation, or a train window)
 ANCHORS = 16  # blocks per sequence per step
 
@@ -84,8 +84,8 @@ def prepare(target: Path, out: Path, root: Path | None) -> int:
 def train(data: Path, target_path: Path, out: Path, budget_s: float, smoke: bool) -> int:
     import torch
     import torch.nn.functional as F
-
     import train_micro as tm
+
     from muser.gguf.reader import read_gguf
     from muser.spec.net import NetGeometry, block_hidden, context_kv, fuse
 

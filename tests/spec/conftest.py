@@ -19,9 +19,9 @@ SPEC_TARGET = SynthSpec(hidden=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=128
 
 
 def drafter_geo(target, **kw) -> dict:
-    geo = dict(hidden=target.get_int("muse-glimmer.embedding_length"), n_layers=1, n_heads=2, n_kv_heads=1,
-               head_dim=32, ffn=64, context_length=512, eps=1e-6, rope_base=10000.0, target_layers=[1, 3],
-               block_size=16, window=2048)
+    geo = {"hidden": target.get_int("muse-glimmer.embedding_length"), "n_layers": 1, "n_heads": 2,
+           "n_kv_heads": 1, "head_dim": 32, "ffn": 64, "context_length": 512, "eps": 1e-6, "rope_base": 10000.0,
+           "target_layers": [1, 3], "block_size": 16, "window": 2048}
     geo.update(kw)
     return geo
 

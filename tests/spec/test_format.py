@@ -15,7 +15,6 @@ from muser.spec.format import ARCH, open_drafter
 from muser.spec.policy import FALLBACK_B
 
 
-
 def _rewrite(tmp_path, src, drop_keys=(), set_keys=None, drop_tensors=(), add_tensors=None):
     """A copy of drafter `src` with metadata keys / tensors removed or replaced."""
     f = read_gguf(src)
@@ -61,9 +60,10 @@ def test_missing_keys_refused(tmp_path, spec_target, make_drafter, key, err):
 
 
 def test_refused_variants_and_tensors(tmp_path, spec_target, make_drafter):
+    from gguf import GGUFValueType
+
     from muser.gguf.types import GgmlType
     from muser.gguf.writer import Typed
-    from gguf import GGUFValueType
 
     src = make_drafter(spec_target)
     with pytest.raises(ContractError, match="DFlash2"):

@@ -21,7 +21,6 @@ import json
 import sys
 from pathlib import Path
 
-
 DEFAULT_PROMPT = "def fibonacci(n):\n"  # the embedded micro model knows Python source
 
 

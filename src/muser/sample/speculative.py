@@ -17,7 +17,7 @@ tokens for the same seed (and the same distribution for any seed).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -33,7 +33,7 @@ MAX_BLOCK = 16  # the verify shape (engine.session.MAX_VERIFY)
 class DraftContext:
     """One sequence's drafter context: injected K/V rows by position (sink + ring)."""
 
-    def __init__(self, drafter: "Drafter"):
+    def __init__(self, drafter: Drafter):
         cfg = drafter.cfg
         self.d = drafter
         self.sink = cfg.sink
@@ -86,7 +86,7 @@ class Drafter:
         self.sha256 = sha256
 
     @classmethod
-    def load(cls, path: str | os.PathLike, engine, receipts: Path | None = None) -> "Drafter":
+    def load(cls, path: str | os.PathLike, engine, receipts: Path | None = None) -> Drafter:
         """Open, validate against `engine`'s target (geometry, vocabulary, tokenizer; Fallback B with
         the qualified receipts under `receipts`), then upload."""
         f, cfg, sha = check_pair(path, engine.model_file, receipts)
@@ -159,4 +159,4 @@ class Drafter:
         return [int(x) for x in torch.argmax(logits, dim=-1).tolist()]
 
 
-__all__ = ["Drafter", "DraftContext", "MAX_BLOCK", "check_pair"]
+__all__ = ["MAX_BLOCK", "DraftContext", "Drafter", "check_pair"]

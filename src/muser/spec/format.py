@@ -35,7 +35,7 @@ import numpy as np
 
 from ..errors import ContractError, MetadataError, MissingKey, WrongKeyType
 from ..gguf.reader import GGUFFile, ValueType, read_gguf
-from .net import GLOBAL_TENSORS, LAYER_TENSORS, NetGeometry, default_attn_scale
+from .net import LAYER_TENSORS, NetGeometry, default_attn_scale
 
 ARCH = "dflash"
 DFLASH_CONTEXT_SINK = 64  # rows pinned at the start of the draft context (book 8.3)
@@ -105,7 +105,7 @@ class DrafterConfig:
 
     # -- parsing -------------------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, f: GGUFFile) -> "DrafterConfig":
+    def from_gguf(cls, f: GGUFFile) -> DrafterConfig:
         arch = f.get("general.architecture")
         if arch != ARCH:
             raise MetadataError(f"{str(f.path)!r} is not a DFlash drafter: general.architecture is {arch!r}, "
@@ -333,8 +333,18 @@ def write_drafter(path: str | os.PathLike, geo: dict, tensors: dict[str, np.ndar
     return write_tensors(path, ARCH, drafter_metadata(geo, target), out)
 
 
-__all__ = ["ARCH", "DFLASH_CONTEXT_SINK", "VERIFY_LENGTHS", "DrafterConfig", "expected_tensors", "check_tensors",
-           "check_fits", "open_drafter", "drafter_metadata", "write_drafter"]
+__all__ = [
+    "ARCH",
+    "DFLASH_CONTEXT_SINK",
+    "VERIFY_LENGTHS",
+    "DrafterConfig",
+    "check_fits",
+    "check_tensors",
+    "drafter_metadata",
+    "expected_tensors",
+    "open_drafter",
+    "write_drafter",
+]
 
 
 def describe_drafter(path: str | os.PathLike, hash_artifact: bool = True) -> dict:
@@ -348,14 +358,14 @@ def describe_drafter(path: str | os.PathLike, hash_artifact: bool = True) -> dic
             e = mix.setdefault(t.type.ggml_type.name, {"tensors": 0, "bytes": 0})
             e["tensors"] += 1
             e["bytes"] += t.nbytes
-        d = {"file": str(path), "file_bytes": f.size, "architecture": ARCH, "drafter": cfg.to_json(),
+        ident: dict[str, str] = {"tokenizer_sha256": tokenizer_sha256(f)}
+        if hash_artifact:
+            ident["artifact_sha256"] = artifact_sha256(path)
+        return {"file": str(path), "file_bytes": f.size, "architecture": ARCH, "drafter": cfg.to_json(),
              "parameters": sum(t.n_elements for t in f), "dtype_mix": mix,
              "context_rows_max": cfg.sink + cfg.window,
              "shares_target": {"embedding": not cfg.own_embedding, "lm_head": not cfg.own_head},
-             "identity": {"tokenizer_sha256": tokenizer_sha256(f)}, "verdict": "valid drafter"}
-        if hash_artifact:
-            d["identity"]["artifact_sha256"] = artifact_sha256(path)
-        return d
+             "identity": ident, "verdict": "valid drafter"}
     finally:
         f.close()
 
@@ -363,10 +373,10 @@ def describe_drafter(path: str | os.PathLike, hash_artifact: bool = True) -> dic
 def drafter_lines(d: dict) -> str:
     c = d["drafter"]
     lines = [f"file            {d['file']} ({d['file_bytes']:,} B), DFlash drafter",
-             f"geometry        {c['n_layers']} layers, hidden {c['hidden']}, {c['n_heads']} q heads / {c['n_kv_heads']} kv "
-             f"heads, head_dim {c['head_dim']}, ffn {c['ffn']}, vocab {c['vocab']}",
-             f"target layers   {c['target_layers']} (their input residuals, fc {len(c['target_layers']) * c['hidden']} -> "
-             f"{c['hidden']})",
+             (f"geometry        {c['n_layers']} layers, hidden {c['hidden']}, {c['n_heads']} q heads / "
+              f"{c['n_kv_heads']} kv heads, head_dim {c['head_dim']}, ffn {c['ffn']}, vocab {c['vocab']}"),
+             (f"target layers   {c['target_layers']} (their input residuals, fc "
+              f"{len(c['target_layers']) * c['hidden']} -> {c['hidden']})"),
              f"block           {c['block_size']} rows: [last, mask {c['mask_token']} x {c['block_size'] - 1}]",
              f"context         sink {c['sink']} + window {c['window']} rows (pattern {c['swa_pattern']})",
              f"rope            NEOX, freq_base {c['rope_base']:g}, {c['n_rot']} dims; eps {c['eps']:g}",

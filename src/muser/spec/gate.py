@@ -61,5 +61,12 @@ class AcceptanceGate:
             self.transitions.append({"event": "open", "token": token_index})
 
 
-__all__ = ["AcceptanceGate", "WARMUP_ROUNDS", "WINDOW_ROUNDS", "MIN_PROPOSALS", "CLOSE_BELOW",
-           "COOLDOWN_FIRST", "COOLDOWN_MAX"]
+__all__ = [
+    "CLOSE_BELOW",
+    "COOLDOWN_FIRST",
+    "COOLDOWN_MAX",
+    "MIN_PROPOSALS",
+    "WARMUP_ROUNDS",
+    "WINDOW_ROUNDS",
+    "AcceptanceGate",
+]

@@ -84,7 +84,7 @@ def block_hidden(W: dict, embd: torch.Tensor, pos: torch.Tensor, ctx: list[tuple
     embd [N, Tq, H] block token embeddings; pos [N, Tq]; ctx[il] = (K, V) each [N, Tc, n_kv, hd];
     mask [N, Tq, Tc + Tq] bool (True = attend) or None (all visible: the runtime's single block).
     Returns the normed output [N, Tq, H] (before the LM head)."""
-    N, Tq, H = embd.shape
+    N, Tq, _ = embd.shape
     x = embd * g.embedding_scale if g.embedding_scale != 0.0 else embd
     rep = g.n_heads // g.n_kv_heads
     for il, L in enumerate(W["layers"]):
@@ -116,5 +116,14 @@ def default_attn_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-__all__ = ["NetGeometry", "LAYER_TENSORS", "GLOBAL_TENSORS", "rms", "rope_neox", "fuse", "context_kv",
-           "block_hidden", "default_attn_scale"]
+__all__ = [
+    "GLOBAL_TENSORS",
+    "LAYER_TENSORS",
+    "NetGeometry",
+    "block_hidden",
+    "context_kv",
+    "default_attn_scale",
+    "fuse",
+    "rms",
+    "rope_neox",
+]

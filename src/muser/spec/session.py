@@ -23,6 +23,7 @@ The explicit round API (begin_round / commit) is what a server drives: it owns t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +58,7 @@ class SpecSession:
         self.ctx = drafter.context()
         self.gate = gate if gate is not None else AcceptanceGate()
         self._pending: list[tuple[int, np.ndarray]] = []
-        self._round = None  # (checkpoint, n0, k, accepted so far)
+        self._round: tuple[Any, int, int, int] | None = None  # (checkpoint, n0, k, accepted so far)
         self.rounds = self.proposals = self.accepted = 0
         self.plain_tokens = 0
         self._emitted = 0  # tokens fed through decode (the gate's clock)
@@ -90,7 +91,7 @@ class SpecSession:
     def decode(self, token) -> np.ndarray:
         token = int(token)
         self._emitted += 1
-        if self._pending:
+        if self._pending and self._round is not None:
             d, row = self._pending[0]
             if token == d:
                 self._pending.pop(0)
@@ -189,4 +190,4 @@ class SpecSession:
         }
 
 
-__all__ = ["SpecSession", "SpecCheckpoint"]
+__all__ = ["SpecCheckpoint", "SpecSession"]

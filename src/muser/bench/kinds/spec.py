@@ -65,7 +65,7 @@ def synthetic_prompt(model, n_tokens: int) -> tuple[str, list[int]]:
     tok = model.tokenizer
     period = tok.encode("x = [1, 2, 3]\n", add_special=False)[:8]
     reps = n_tokens // len(period) + 1
-    return "synthetic period-%d" % len(period), [tok.bos_id] + (period * reps)[:n_tokens]
+    return f"synthetic period-{len(period)}", [tok.bos_id] + (period * reps)[:n_tokens]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,8 +91,11 @@ def run(args: argparse.Namespace) -> int:
         rows, all_same = [], True
         for cls, name, ids in prompts:
             for mode, sp in modes.items():
-                t_plain, t_spec, stats, same = [], [], None, True
-                ref = None
+                t_plain: list[float] = []
+                t_spec: list[float] = []
+                stats: dict = {}
+                same = True
+                ref: list[int] = []
                 for _ in range(args.reps):
                     t0 = time.perf_counter()
                     plain = [e.token for e in model.stream(ids, args.max_tokens, sampling=sp)]
@@ -102,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
                     got = [e.token for e in g]
                     t_spec.append(time.perf_counter() - t0)
                     stats = g.spec.stats()
-                    same = same and got == plain and (ref is None or ref == plain)
+                    same = same and got == plain and (not ref or ref == plain)
                     ref = plain
                 all_same = all_same and same
                 rows.append({"class": cls, "prompt": name, "mode": mode, "prompt_tokens": len(ids),
