@@ -64,9 +64,11 @@ def test_tokenizer_and_chat(model):
     assert not model.chat([{"role": "user", "content": "hi"}], add_generation_prompt=False).endswith("\n\n")
 
 
-def test_generate_refuses_a_draft(model):
-    with pytest.raises(LaneError, match="draft"):
+def test_generate_refuses_a_draft_that_is_not_a_drafter_file(model, tmp_path):
+    with pytest.raises(LaneError, match="draft must be the path"):
         next(model.generate("hi", 4, draft=object()))
+    with pytest.raises(MuserError):
+        next(model.generate("hi", 4, draft=tmp_path / "missing.gguf"))
 
 
 def test_default_model_path_builds_the_synthetic_fixture(tmp_path, monkeypatch):

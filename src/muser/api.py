@@ -24,7 +24,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from .errors import LaneError
 
 PACKAGE_DIR = Path(__file__).resolve().parent  # .../muser
 MODEL_PATH_ENV = "MUSER_MODEL_PATH"
@@ -68,6 +67,20 @@ def shipped_model() -> Path | None:
             found = sorted(p for p in d.glob(f"*{suffix}") if p.is_file())
             if found:
                 return found[0]
+    return None
+
+
+SHIPPED_DRAFTER = "muse-glimmer-micro-dflash.gguf"
+
+
+def shipped_drafter(model_path: str | os.PathLike) -> Path | None:
+    """The DFlash drafter shipped for the micro model, when `model_path` is one of its shipped files."""
+    p = Path(model_path).resolve()
+    d = p.parent / SHIPPED_DRAFTER
+    shipped_dirs = {q.resolve() for q in model_search_path() if q.is_dir()}
+    if p.parent in shipped_dirs and p.name.startswith("muse-glimmer-micro-") and p.suffix == ".gguf" \
+            and p.name != SHIPPED_DRAFTER and d.is_file():
+        return d
     return None
 
 
@@ -156,7 +169,7 @@ class Model:
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int | None = None, sampling: Any = None,
                draft: Any = None, stop: Sequence[str] | None = None, max_context: int | None = None,
-               parse_special: bool = False):
+               parse_special: bool = False, verify_len: int = 7):
         """The generation as a muser.generation.Generation: GenEvents (token, text, logprob,
         finish_reason) and, once exhausted, its record (finish reason, TTFT, decode tok/s).
 
@@ -165,14 +178,14 @@ class Model:
         given. A chat goes through `stream_chat` (or `encode_chat`), which never doubles the BOS.
         `sampling=None` is SamplingParams() (temperature 0.8); max_tokens and stop come from the
         arguments or from `sampling` (both given and different is refused); max_tokens defaults to
-        muser.prompt.DEFAULT_MAX_TOKENS."""
+        muser.prompt.DEFAULT_MAX_TOKENS. `draft` = a DFlash drafter path: speculative decoding with
+        `verify_len` proposals a round (3, 7 or 15), the same tokens as without it; its record is
+        `gen.spec.stats()`."""
         from . import prompt as P
 
-        if draft is not None:
-            raise LaneError("speculative drafting is not served by this engine build (draft must be None)")
         params, n, stops = P.resolve_sampling(sampling, max_tokens, stop)
         ids = P.encode_prompt(self.tokenizer, prompt, parse_special)
-        return self._run(ids, params, n, stops, max_context)
+        return self._run(ids, params, n, stops, max_context, draft, verify_len)
 
     def stream_chat(self, messages: Sequence[dict], max_tokens: int | None = None, sampling: Any = None,
                     stop: Sequence[str] | None = None, max_context: int | None = None):
@@ -188,13 +201,40 @@ class Model:
 
         return P.encode_chat(self.tokenizer, self.template, messages, add_generation_prompt)
 
-    def _run(self, ids: list[int], params: Any, n: int, stops: tuple[str, ...], max_context: int | None):
+    def _run(self, ids: list[int], params: Any, n: int, stops: tuple[str, ...], max_context: int | None,
+             draft: Any = None, verify_len: int = 7):
         from . import generation
         from . import prompt as P
 
         n_ctx = P.context_size(len(ids), n, self.config.context_length, max_context)
         params.check_vocab(self.tokenizer.vocab_size)
-        return generation.generate(self.session(max_context=n_ctx), self.tokenizer, ids, params, n, stops)
+        if draft is None:
+            return generation.generate(self.session(max_context=n_ctx), self.tokenizer, ids, params, n, stops)
+        spec = self.spec_session(draft, n_ctx, verify_len)
+        gen = generation.generate(spec, self.tokenizer, ids, params, n, stops)
+        gen.spec = spec  # the speculative record: gen.spec.stats()
+        return gen
+
+    def drafter(self, path: str | os.PathLike):
+        """The DFlash drafter at `path`, validated against this model (cached per path)."""
+        from .bench.receipt import default_receipts_dir
+        from .errors import LaneError
+        from .spec.drafter import Drafter
+
+        if not isinstance(path, (str, os.PathLike)):
+            raise LaneError(f"draft must be the path of a DFlash drafter GGUF, got {type(path).__name__}")
+        key = str(Path(path).resolve())
+        cache = self.__dict__.setdefault("_drafters", {})
+        if key not in cache:
+            cache[key] = Drafter.load(path, self.engine, receipts=default_receipts_dir())
+        return cache[key]
+
+    def spec_session(self, draft: str | os.PathLike, max_context: int, verify_len: int = 7):
+        """A speculative session (muser.spec.SpecSession) over a new target session."""
+        from .spec.session import SpecSession
+
+        d = self.drafter(draft)
+        return SpecSession(self.session(max_context=max_context, capture=d.cfg.target_layers), d, verify_len)
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int | None = None, sampling: Any = None,
                  draft: Any = None, **kw) -> Iterator[str]:
@@ -230,4 +270,4 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", lane: str =
 
 
 __all__ = ["Model", "load", "default_model_path", "cache_dir", "model_search_path", "shipped_model",
-           "source_checkout"]
+           "shipped_drafter", "source_checkout"]

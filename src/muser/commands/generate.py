@@ -80,7 +80,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--echo", action="store_true", help="write the prompt text before the completion")
     p.add_argument("--json", action="store_true", help="JSON lines: one per token, then a summary")
     p.add_argument("--kvpack", metavar="DIR", help="reuse stored KV prefixes from DIR and store new ones "
-                   "(muser kvpack; created if absent)")
+                   "(muser kvpack; created if absent; drafting is then off unless --draft, which it refuses)")
+    dg = p.add_mutually_exclusive_group()
+    dg.add_argument("--draft", metavar="PATH", help="DFlash drafter GGUF: speculative decoding, same tokens "
+                    "(default: the shipped drafter when the model is the shipped micro model)")
+    dg.add_argument("--no-draft", action="store_true", help="plain decoding, no drafter")
+    p.add_argument("--verify-len", type=int, default=7, choices=(3, 7, 15),
+                   help="proposals per speculative round (default 7)")
     p.set_defaults(func=run)
 
 
@@ -189,7 +195,16 @@ def run(args: argparse.Namespace) -> int:
             ids = P.encode_text(tok, rendered, parse_special=args.special)
         n_ctx = P.context_size(len(ids), args.max_tokens, model.config.context_length, args.max_context,
                                name="--max-context")
-        session = model.session(max_context=n_ctx, kvpack=args.kvpack)
+        from ..api import shipped_drafter
+
+        if args.kvpack and args.draft:
+            from ..errors import SamplingError
+
+            raise SamplingError("--kvpack with --draft: restored prefixes are not served to the speculative "
+                                "lane (drop one of them)")
+        draft = None if (args.no_draft or args.kvpack) else (args.draft or shipped_drafter(path))
+        session = (model.spec_session(draft, n_ctx, args.verify_len) if draft is not None
+                   else model.session(max_context=n_ctx, kvpack=args.kvpack))
         gen = generate(session, tok, ids, params, args.max_tokens, tuple(args.stop),
                        render_special=args.render_special)
         out = sys.stdout
@@ -205,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
         st = gen.stats()
         if args.json:
             summary = {"summary": True, "model": str(path), "device": args.device, "lane": args.lane,
-                       "prompt_ids": ids, "ids": gen.tokens, "text": gen.text, **st}
+                       "prompt_ids": ids, "ids": gen.tokens, "text": gen.text, **st,
+                       "spec": session.stats() if draft is not None else None}
             if args.echo:
                 summary["prompt"] = rendered
             out.write(json.dumps(summary, ensure_ascii=False) + "\n")

@@ -172,6 +172,16 @@ def _human(d: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..gguf.reader import read_gguf
+
+    with read_gguf(args.file) as f:
+        drafter = f.get("general.architecture") == "dflash"
+    if drafter:  # a DFlash sidecar (muser.spec.format)
+        from ..spec.format import describe_drafter, drafter_lines
+
+        d = describe_drafter(args.file, hash_artifact=not args.no_hash)
+        print(json.dumps(d, indent=2) if args.json else drafter_lines(d))
+        return 0
     d = describe(args.file, hash_artifact=not args.no_hash, check=args.check)
     print(json.dumps(d, indent=2) if args.json else _human(d))
     return 0 if d["verdict"] == "valid" else 1
