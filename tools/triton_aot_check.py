@@ -85,14 +85,14 @@ def drive(rec: Recorder) -> None:
     """Run the host side of every kernel launch the engine makes, on CPU tensors."""
     from muser.engine.kernels import attention as att
     from muser.engine.kernels import qmatvec as q1
-    from muser.engine.weights import DEVICE_FORMATS, random_bytes, repack
+    from muser.engine.weights import BASE_FORMATS, random_bytes, repack
 
     try:
         from muser.engine.kernels import qmatvec_v2 as q2
     except ImportError:
         q2 = None
     from muser.engine.kernels import qmatvec_v3 as q3
-    for fmt in DEVICE_FORMATS:
+    for fmt in BASE_FORMATS:
         n_out, n_in = 24, 512
         w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy()))
         q1.dequant_triton(w)
