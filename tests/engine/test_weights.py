@@ -74,8 +74,8 @@ def test_resident_bytes_stay_quantized():
 
 
 def test_unserved_format_is_refused():
-    with pytest.raises(LaneError, match="NVFP4"):
-        repack("blk.0.attn_q.weight", G.NVFP4, 4, 64, torch.zeros((4, 36), dtype=torch.uint8))
+    with pytest.raises(LaneError, match="Q5_0"):
+        repack("blk.0.attn_q.weight", G.Q5_0, 4, 64, torch.zeros((4, 44), dtype=torch.uint8))
 
 
 def test_non_finite_scale_is_refused():

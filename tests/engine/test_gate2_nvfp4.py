@@ -1,0 +1,61 @@
+"""Gate 2 on NVFP4 (DESIGN.md): the engine's exact lane against the oracle's f32 arithmetic on a
+tiny F32 master quantized by `muser quantize`'s converter to both NVFP4 forms (Muser's companion
+NVFP4_E2M1 + E4M3FN scales, ggml's type 40), with f32 K/V: 256 greedy tokens identical and
+max |d log-softmax| <= max(1e-4, 2 x noise floor)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import muser
+import muser.oracle as oracle
+from muser.engine import Engine
+from muser.gates import gate2
+from muser.gguf.types import GgmlType as G
+from muser.model.synth import SynthSpec
+from muser.quant.convert import convert
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def nvfp4_files(make_gguf, tmp_path_factory):
+    master = make_gguf(SynthSpec(dtype="F32"))
+    d = tmp_path_factory.mktemp("nvfp4")
+    return {t: convert(master, d / f"{t}.gguf", t) for t in ("nvfp4", "nvfp4-ggml")}
+
+
+@pytest.mark.parametrize("target", ["nvfp4", "nvfp4-ggml"])
+def test_gate2_exact_lane_vs_oracle_nvfp4(nvfp4_files, target):
+    path = nvfp4_files[target]
+    eng = Engine.open(path, device="cpu", lane="exact", kv="f32")
+    want = G.NVFP4_E2M1 if target == "nvfp4" else G.NVFP4
+    assert eng.weights.layers[0].ffn_up.fmt == want  # the NVFP4 bytes are what is served
+    r = gate2(path, eng, oracle.load(path, arithmetic="f32", kv="f32"), "f32", n_gen=256, noise="if_needed")
+    assert r["status"] == "pass", r
+    assert r["tokens_identical"], r
+    assert r["max_dlsm"] <= max(1e-4, 2 * (r["noise_floor"] or 0.0))
+
+
+def test_load_refuses_nan_scale_byte_naming_tensor_and_block(nvfp4_files, tmp_path):
+    from muser.errors import FormatError
+    from muser.gguf.reader import read_gguf
+
+    src = nvfp4_files["nvfp4"]
+    f = read_gguf(src)
+    t = f.tensors["blk.1.ffn_down.weight.nvfp4_scale"]
+    off, gpr = t.offset, t.shape[0]  # scale bytes [n_out, n_in/16], row-major
+    f.close()
+    bad = bytearray(src.read_bytes())
+    bad[off + 2 * gpr + 1] = 0xFF  # row 2, block 1
+    p = tmp_path / "nan.gguf"
+    p.write_bytes(bytes(bad))
+    with pytest.raises(FormatError, match=r"blk\.1\.ffn_down\.weight\.nvfp4_scale.*0xff.*row 2, group 1"):
+        muser.load(p, device="cpu")
