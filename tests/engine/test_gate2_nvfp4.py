@@ -59,3 +59,24 @@ def test_load_refuses_nan_scale_byte_naming_tensor_and_block(nvfp4_files, tmp_pa
     p.write_bytes(bytes(bad))
     with pytest.raises(FormatError, match=r"blk\.1\.ffn_down\.weight\.nvfp4_scale.*0xff.*row 2, group 1"):
         muser.load(p, device="cpu")
+
+
+@pytest.mark.parametrize("target", ["nvfp4", "nvfp4-w4a4", "nvfp4-ggml"])
+def test_cli_generate_on_nvfp4_file(make_gguf, tmp_path, capsys, target):
+    import json
+
+    from muser.cli import main
+    from muser.generation import generate
+    from muser.sample import SamplingParams
+
+    path = convert(make_gguf(SynthSpec(dtype="F32")), tmp_path / f"{target}.gguf", target)
+    rc = main(["generate", "--model", str(path), "--prompt", "Errors should never", "--max-tokens", "8",
+               "--temperature", "0", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    summary = json.loads(out.splitlines()[-1])
+    m = muser.load(path, device="cpu")
+    ids = m.tokenizer.encode("Errors should never", add_special=True)
+    assert summary["prompt_ids"] == ids
+    g = generate(m.session(max_context=len(ids) + 8), m.tokenizer, ids, SamplingParams(temperature=0.0), max_tokens=8)
+    assert [e.token for e in g] == summary["ids"] and len(summary["ids"]) >= 1
