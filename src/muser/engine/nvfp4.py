@@ -24,7 +24,7 @@ import torch
 from ..errors import FormatError, LaneError
 from ..gguf.types import GgmlType as G
 from ..quant.fp4 import E2M1_Q1, E2M1_VALUES, E4M3FN_VALUES, UE4M3_HALF_VALUES
-from ..quant.nvfp4 import GROUP, SCALE2_SUFFIX, SCALE_SUFFIX
+from ..quant.nvfp4 import GROUP, INPUT_SCALE_INV_SUFFIX, SCALE2_SUFFIX, SCALE_SUFFIX
 
 NVFP4_FORMATS = (G.NVFP4_E2M1, G.NVFP4)
 FIELDS = {G.NVFP4_E2M1: ("qs", "sc", "s2"), G.NVFP4: ("qs", "d")}
@@ -44,9 +44,10 @@ def _tables(device: str) -> dict[str, torch.Tensor]:
 
 
 def repack_fields(name: str, fmt: G, n_out: int, n_in: int, raw: torch.Tensor,
-                  scales: torch.Tensor | None = None, scale2: float | None = None) -> dict[str, torch.Tensor]:
-    """raw uint8 [n_out, row_bytes] (GGUF rows) [+ companion scale bytes uint8 [n_out, n_in/16]
-    and scale2] -> the resident fields (module doc)."""
+                  scales: torch.Tensor | None = None, scale2: float | None = None,
+                  input_scale_inv: float | None = None) -> dict[str, torch.Tensor]:
+    """raw uint8 [n_out, row_bytes] (GGUF rows) [+ companion scale bytes uint8 [n_out, n_in/16],
+    scale2 and, for W4A4 files, input_scale_inv] -> the resident fields (module doc)."""
     if n_in % BLOCK[fmt]:
         raise LaneError(f"tensor {name!r}: row length {n_in} is not a multiple of the {fmt.name} block")
     r = n_out
@@ -60,7 +61,10 @@ def repack_fields(name: str, fmt: G, n_out: int, n_in: int, raw: torch.Tensor,
         raise LaneError(f"tensor {name!r}: payload {list(raw.shape)} / scales {list(scales.shape)} do not "
                         f"match [{r}, {n_in}]")
     s2 = torch.full((r,), float(np.float32(scale2)), dtype=torch.float32, device=raw.device)
-    return {"qs": raw.contiguous(), "sc": scales.contiguous(), "s2": s2}
+    f = {"qs": raw.contiguous(), "sc": scales.contiguous(), "s2": s2}
+    if input_scale_inv is not None:  # W4A4 (engine/w4a4.py), per row like s2
+        f["isi"] = torch.full((r,), float(np.float32(input_scale_inv)), dtype=torch.float32, device=raw.device)
+    return f
 
 
 def decode_fields(fmt: G, f: dict[str, torch.Tensor], n_in: int) -> torch.Tensor:
@@ -96,9 +100,10 @@ def check_scales(name: str, fmt: G, f: dict[str, torch.Tensor]) -> None:
                           f"block {i % g}")
 
 
-def companions(gguf, name: str, n_out: int, n_in: int, device: torch.device) -> tuple[torch.Tensor, float]:
-    """`<name>`'s scale bytes uint8 [n_out, n_in/16] on `device` and its f32 scale2 (validated
-    finite and positive by the file's contract, checked again here)."""
+def companions(gguf, name: str, n_out: int, n_in: int,
+               device: torch.device) -> tuple[torch.Tensor, float, float | None]:
+    """`<name>`'s scale bytes uint8 [n_out, n_in/16] on `device`, its f32 scale2 and its
+    input_scale_inv (None for W4A16), each validated by the file's contract, checked again here."""
     from .weights import raw_tensor
 
     sname, s2name = name + SCALE_SUFFIX, name + SCALE2_SUFFIX
@@ -106,10 +111,16 @@ def companions(gguf, name: str, n_out: int, n_in: int, device: torch.device) -> 
         if c not in gguf.tensors:
             raise FormatError(f"missing NVFP4 companion tensor {c!r}")
     sc = raw_tensor(gguf, sname, device).reshape(n_out, n_in // GROUP)
-    s2 = np.float32(np.asarray(gguf.array(s2name)).reshape(-1)[0])
-    if not (np.isfinite(s2) and s2 > 0):
-        raise FormatError(f"NVFP4 companion {s2name!r} must be finite and positive, got {float(s2)!r}")
-    return sc, float(s2)
+    vals = []
+    for c in (s2name, name + INPUT_SCALE_INV_SUFFIX):
+        if c not in gguf.tensors:
+            vals.append(None)
+            continue
+        v = np.float32(np.asarray(gguf.array(c)).reshape(-1)[0])
+        if not (np.isfinite(v) and v > 0):
+            raise FormatError(f"NVFP4 companion {c!r} must be finite and positive, got {float(v)!r}")
+        vals.append(float(v))
+    return sc, vals[0], vals[1]
 
 
 def random_bytes(fmt: G, n_out: int, n_in: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray | None, float | None]:

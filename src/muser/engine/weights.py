@@ -200,7 +200,8 @@ def _unpack_k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def repack(name: str, fmt: G, n_out: int, n_in: int, raw: torch.Tensor,
-           scales: torch.Tensor | None = None, scale2: float | None = None) -> QWeight:
+           scales: torch.Tensor | None = None, scale2: float | None = None,
+           input_scale_inv: float | None = None) -> QWeight:
     """raw: uint8 [n_out, row_bytes] on the target device (GGUF row bytes) -> QWeight.
     NVFP4_E2M1 also takes its companions: scale bytes uint8 [n_out, n_in/16] and scale2."""
     if fmt not in DEVICE_FORMATS:
@@ -212,7 +213,8 @@ def repack(name: str, fmt: G, n_out: int, n_in: int, raw: torch.Tensor,
         raise LaneError(f"tensor {name!r}: row length {n_in} is not a multiple of the {fmt.name} block")
     r = n_out
     if fmt in _nv.NVFP4_FORMATS:
-        return QWeight(name, fmt, r, n_in, _nv.repack_fields(name, fmt, r, n_in, raw, scales, scale2))
+        return QWeight(name, fmt, r, n_in, _nv.repack_fields(name, fmt, r, n_in, raw, scales, scale2,
+                                                                input_scale_inv))
     if fmt == G.F32:
         return QWeight(name, fmt, r, n_in, {"w": raw.contiguous().view(torch.float32).clone()})
     if fmt == G.F16:
@@ -290,8 +292,8 @@ def upload(gguf, name: str, device: torch.device) -> QWeight:
     n_in, n_out = info.shape[0], int(np.prod(info.shape[1:]))
     raw = raw_tensor(gguf, name, device)
     fmt = G(info.type.ggml_type)
-    sc, s2 = _nv.companions(gguf, name, n_out, n_in, device) if fmt == G.NVFP4_E2M1 else (None, None)
-    w = repack(name, fmt, n_out, n_in, raw, sc, s2)
+    comp = _nv.companions(gguf, name, n_out, n_in, device) if fmt == G.NVFP4_E2M1 else (None, None, None)
+    w = repack(name, fmt, n_out, n_in, raw, *comp)
     del raw
     validate(w)
     return w
