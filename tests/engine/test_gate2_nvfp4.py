@@ -80,3 +80,35 @@ def test_cli_generate_on_nvfp4_file(make_gguf, tmp_path, capsys, target):
     assert summary["prompt_ids"] == ids
     g = generate(m.session(max_context=len(ids) + 8), m.tokenizer, ids, SamplingParams(temperature=0.0), max_tokens=8)
     assert [e.token for e in g] == summary["ids"] and len(summary["ids"]) >= 1
+
+
+@pytest.mark.parametrize("target", ["nvfp4", "nvfp4-ggml"])
+def test_cuda_decode_path_with_fused_nvfp4_matvec(make_gguf, tmp_path, kernels, target, monkeypatch):
+    """The CUDA decode step as the GPU runs it (the NVFP4 Triton dequant-matvec for every
+    projection, Triton attention), minus the capture, under the Triton interpreter, vs the eager
+    path, on a narrow fixture."""
+    from muser.engine.graphs import StepGraph
+    from muser.gates import GATE_FLOOR, max_dlsm
+
+    import numpy as np
+
+    master = make_gguf(SynthSpec(hidden=256, ffn=256, n_heads=4, head_dim=32, dtype="F32"))
+    path = convert(master, tmp_path / f"{target}.gguf", target)
+    prompt = [6 + (i * 37) % 370 for i in range(33)]
+    eng = Engine.open(path, device="cpu", lane="exact", kv="f16")
+    ref = eng.session(max_context=64)
+    ref.prefill(prompt)
+    s = eng.session(max_context=64)
+    s.prefill(prompt)
+    from muser.engine.kernels import nvfp4 as knv
+
+    calls = []
+    real = knv.matvec_nvfp4
+    monkeypatch.setattr(knv, "matvec_nvfp4", lambda w, x, out=None: calls.append(w.fmt) or real(w, x, out))
+    eng.forward.linear.triton_rows = True
+    try:
+        got = StepGraph(s, 1, "last").run(np.array([5])).numpy().copy()
+    finally:
+        eng.forward.linear.triton_rows = False
+    assert max_dlsm(got, ref.decode(5)) <= GATE_FLOOR
+    assert len(calls) >= 7 * 4  # every projection of every layer went through the NVFP4 kernel
