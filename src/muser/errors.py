@@ -130,3 +130,8 @@ class KvLayoutMismatch(KvStateError):
     def __init__(self, message: str, field: str | None = None):
         self.field = field
         super().__init__(message)
+
+
+class HandoffRefused(MuserError):
+    """A remote-KV handoff refused: authentication, integrity, replay, identity, schedule or
+    link failure (book 10.7). Nothing from the refused stream reached a live plane."""
