@@ -87,7 +87,6 @@ def test_cuda_decode_path_with_fused_nvfp4_matvec(make_gguf, tmp_path, kernels, 
     """The CUDA decode step as the GPU runs it (the NVFP4 Triton dequant-matvec for every
     projection, Triton attention), minus the capture, under the Triton interpreter, vs the eager
     path, on a narrow fixture."""
-    from muser.engine.graphs import StepGraph
     from muser.gates import GATE_FLOOR, max_dlsm
 
     import numpy as np
@@ -107,7 +106,7 @@ def test_cuda_decode_path_with_fused_nvfp4_matvec(make_gguf, tmp_path, kernels, 
     monkeypatch.setattr(knv, "matvec_nvfp4", lambda w, x, out=None: calls.append(w.fmt) or real(w, x, out))
     eng.forward.linear.triton_rows = True
     try:
-        got = StepGraph(s, 1, "last").run(np.array([5])).numpy().copy()
+        got = eng.graph(((1, "last", s.max_context),), ()).run([s], [np.array([5])]).numpy().copy()
     finally:
         eng.forward.linear.triton_rows = False
     assert max_dlsm(got, ref.decode(5)) <= GATE_FLOOR
