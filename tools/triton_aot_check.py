@@ -111,6 +111,17 @@ def drive(rec: Recorder) -> None:
             q1.matvec_triton(w, x, torch.empty(T, n_out))
             if q2 is not None and q2.supports(fmt):
                 q2.matvec_v2(w, x, torch.empty(T, n_out))
+    from muser.engine import nvfp4 as nv
+    from muser.engine.kernels import nvfp4 as knv
+
+    for fmt in nv.NVFP4_FORMATS:
+        n_out, n_in = 24, 512
+        payload, sc, s2 = nv.random_bytes(fmt, n_out, n_in, 1)
+        extra = (torch.from_numpy(sc), s2) if sc is not None else ()
+        w = repack("t", fmt, n_out, n_in, torch.from_numpy(payload), *extra)
+        knv.dequant_nvfp4_triton(w)
+        for T in (1, 2, 3, 5, 9, 16):
+            knv.matvec_nvfp4(w, torch.zeros(T, n_in), torch.empty(T, n_out))
     from muser.engine.kernels import fused
 
     for R, N in ((1, 6656), (16, 6656), (4, 512)):

@@ -51,6 +51,7 @@ def repack_fields(name: str, fmt: G, n_out: int, n_in: int, raw: torch.Tensor,
     if n_in % BLOCK[fmt]:
         raise LaneError(f"tensor {name!r}: row length {n_in} is not a multiple of the {fmt.name} block")
     r = n_out
+    _tables(str(raw.device))  # built here, not first inside a captured CUDA graph (embedding rows)
     if fmt == G.NVFP4:
         b = raw.view(r, n_in // 64, GGML_BLOCK_BYTES)
         return {"qs": b[:, :, 4:].contiguous().view(r, n_in // 2),
