@@ -12,7 +12,7 @@ from muser.engine.weights import repack
 from muser.errors import LaneError
 from muser.gguf.types import GgmlType as G
 from muser.model.synth import SynthSpec
-from muser.quant import matmul_nvfp4_w4a4, quantize_act_nvfp4, quantize_nvfp4
+from muser.quant import NVFP4Weight, matmul_nvfp4_w4a4, quantize_act_nvfp4, quantize_nvfp4
 from muser.quant.convert import convert
 from muser.quant.fp4 import E2M1_BOUNDS
 
@@ -30,7 +30,7 @@ def test_activation_quantizer_bit_exact():
     x = _acts(6, 256, 0)
     isi = np.float32(0.37)
     want_c, want_s = quantize_act_nvfp4(x, isi)
-    got_c, got_s = quantize_act(torch.from_numpy(x), float(np.float32(1.0) / isi))
+    got_c, got_s = quantize_act(torch.from_numpy(x), torch.tensor([np.float32(1.0) / isi]))
     assert np.array_equal(got_s.numpy(), want_s)
     assert np.array_equal(got_c.numpy(), want_c)
 
@@ -62,3 +62,41 @@ def test_w4a4_gate_on_a_quantized_file(make_gguf, tmp_path):
     assert r["status"] == "pass" and r["weights"] > 0 and r["max_mismatched_values"] == 0, r
     with pytest.raises(LaneError, match="no W4A4 weights"):
         w4a4_gate(convert(master, tmp_path / "w4a16.gguf", "nvfp4"))
+
+
+def test_w4a4_lane_applies_fp4_activations_to_verify_rows_only(make_gguf, tmp_path, monkeypatch):
+    from muser.engine import Engine
+    from muser.engine import w4a4 as mod
+    from muser.gates import max_dlsm
+
+    master = make_gguf(SynthSpec(dtype="F32"))
+    with pytest.raises(LaneError, match="needs a W4A4 file"):
+        Engine.open(convert(master, tmp_path / "w4a16.gguf", "nvfp4"), lane="w4a4")
+    path = convert(master, tmp_path / "w4a4.gguf", "nvfp4-w4a4")
+    ex = Engine.open(path, device="cpu", lane="exact", kv="f32")
+    ex.forward.cpu_fast = False  # the same reference forward as the w4a4 lane, for bitwise rows
+    fp4 = Engine.open(path, device="cpu", lane="w4a4", kv="f32")
+    calls, mismatched = [], []
+    real = mod.matmul_w4a4
+
+    def checked(w, x):  # each call against the numpy reference on the forward's own activations
+        y = real(w, x)
+        nw = NVFP4Weight(w.fields["qs"].numpy(), w.fields["sc"].numpy(), np.float32(w.fields["s2"][0]),
+                         np.float32(w.fields["isi"][0]))
+        ref = matmul_nvfp4_w4a4(nw, x.contiguous().numpy())
+        calls.append(x.shape[0])
+        mismatched.append(int(np.count_nonzero(y.numpy().view(np.int32) != ref.view(np.int32))))
+        return y
+
+    monkeypatch.setattr(mod, "matmul_w4a4", checked)
+    prompt = [6 + (i * 37) % 370 for i in range(20)]
+    a, b = ex.session(max_context=64), fp4.session(max_context=64)
+    la, lb = a.prefill(prompt), b.prefill(prompt)  # 20 rows: the exact path on both
+    assert np.array_equal(la, lb) and not calls
+    da, db = a.decode(7), b.decode(7)  # one row: W4A16, exact
+    assert np.array_equal(da, db) and not calls
+    va, vb = a.prefill([8, 9, 10, 11], all_logits=True), b.prefill([8, 9, 10, 11], all_logits=True)
+    n_proj = 8 * ex.cfg.n_layers
+    assert calls == [4] * n_proj  # every projection of the 4-row verify forward took FP4 activations
+    assert not any(mismatched)  # bit-identical to book 7.4.3's reference, projection by projection
+    assert np.isfinite(vb).all() and max_dlsm(va, vb) > 0  # FP4 activations move logprobs: not exact

@@ -291,7 +291,8 @@ class Forward:
         self.lane = lane
         self.device = device
         self.linear = Linear(lane, device)
-        self.cpu_fast = device.type == "cpu"  # the CPU small-T forward (run_cpu); off = reference
+        # the CPU small-T forward (run_cpu); off = reference. The W4A4 lane needs Linear per call.
+        self.cpu_fast = device.type == "cpu" and lane is not Lane.W4A4
         # CUDA: the fused element-wise tails (kernels/fused.py) in place of the torch op chains
         self.fused = device.type == "cuda"
         self._cpu: list[_CpuLayer] | None = None

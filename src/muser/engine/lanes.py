@@ -25,13 +25,14 @@ from .weights import QWeight
 class Lane(str, Enum):
     EXACT = "exact"
     FAST = "fast"
+    W4A4 = "w4a4"  # exact, except verify-shaped calls on W4A4 weights: FP4 activations (engine/w4a4.py)
 
     @classmethod
     def parse(cls, value: str) -> "Lane":
         try:
             return cls(value)
         except ValueError:
-            raise LaneError(f"unknown lane {value!r} (expected 'exact' or 'fast')") from None
+            raise LaneError(f"unknown lane {value!r} (expected 'exact', 'fast' or 'w4a4')") from None
 
 
 DEVICES = ("cpu", "cuda")
@@ -95,6 +96,10 @@ class Linear:
 
     def __call__(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
+        if self.lane is Lane.W4A4 and 1 < T <= qmatvec.MAX_ROWS and "isi" in w.fields:
+            from .w4a4 import matmul_w4a4  # book 7.4.3: the verify forward of a W4A4 file
+
+            return matmul_w4a4(w, x)
         if self.triton_rows and T <= qmatvec.MAX_ROWS:
             return qmatvec.matvec(w, x.contiguous())
         wide = self.lane is Lane.FAST and T > qmatvec.MAX_ROWS
