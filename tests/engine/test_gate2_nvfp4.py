@@ -113,3 +113,21 @@ def test_cuda_decode_path_with_fused_nvfp4_matvec(make_gguf, tmp_path, kernels, 
         eng.forward.linear.triton_rows = False
     assert max_dlsm(got, ref.decode(5)) <= GATE_FLOOR
     assert len(calls) == 8 * eng.cfg.n_layers  # every projection of every layer took the NVFP4 kernel
+
+
+@pytest.mark.parametrize("target", ["nvfp4", "nvfp4-ggml"])
+def test_nvfp4_rows_do_not_depend_on_block_size(nvfp4_files, target):
+    """Row invariance on the CPU exact lane (DESIGN.md): a token's logits are bitwise the same
+    decoded alone or verified in a block of 4."""
+    import numpy as np
+
+    eng = Engine.open(nvfp4_files[target], device="cpu", lane="exact", kv="f32")
+    prompt = [6 + (i * 37) % 370 for i in range(40)]
+    block = [11, 12, 13, 14]
+    a, b = eng.session(max_context=64), eng.session(max_context=64)
+    a.prefill(prompt)
+    b.prefill(prompt)
+    alone = [a.decode(t) for t in block]
+    together = b.prefill(block, all_logits=True)
+    for i in range(len(block)):
+        assert np.array_equal(alone[i].view(np.int32), together[i].view(np.int32)), i
