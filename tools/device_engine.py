@@ -160,13 +160,13 @@ def stage_kernels(run: Run) -> dict:
 
     from muser.engine.kernels import attention as att
     from muser.engine.kernels import qmatvec as qmv
-    from muser.engine.weights import DEVICE_FORMATS, random_bytes, repack
+    from muser.engine.weights import BASE_FORMATS, random_bytes, repack
     from muser.quant import dequantize
 
     dev = "cuda"
     out: dict = {"dequant": {}, "matvec": {}, "attention": []}
     ok = True
-    for fmt in DEVICE_FORMATS:
+    for fmt in BASE_FORMATS:
         n_out, n_in = 300, 768 + (32 if fmt.name in ("F32", "F16", "BF16", "Q8_0", "Q4_0") else 0)
         raw = random_bytes(fmt, n_out, n_in, 11)
         w = repack("t", fmt, n_out, n_in, torch.from_numpy(raw.copy()).to(dev))

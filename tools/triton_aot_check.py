@@ -85,14 +85,14 @@ def drive(rec: Recorder) -> None:
     """Run the host side of every kernel launch the engine makes, on CPU tensors."""
     from muser.engine.kernels import attention as att
     from muser.engine.kernels import qmatvec as q1
-    from muser.engine.weights import DEVICE_FORMATS, random_bytes, repack
+    from muser.engine.weights import BASE_FORMATS, random_bytes, repack
 
     try:
         from muser.engine.kernels import qmatvec_v2 as q2
     except ImportError:
         q2 = None
     from muser.engine.kernels import qmatvec_v3 as q3
-    for fmt in DEVICE_FORMATS:
+    for fmt in BASE_FORMATS:
         n_out, n_in = 24, 512
         w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy()))
         q1.dequant_triton(w)
@@ -111,6 +111,17 @@ def drive(rec: Recorder) -> None:
             q1.matvec_triton(w, x, torch.empty(T, n_out))
             if q2 is not None and q2.supports(fmt):
                 q2.matvec_v2(w, x, torch.empty(T, n_out))
+    from muser.engine import nvfp4 as nv
+    from muser.engine.kernels import nvfp4 as knv
+
+    for fmt in nv.NVFP4_FORMATS:
+        n_out, n_in = 24, 512
+        payload, sc, s2 = nv.random_bytes(fmt, n_out, n_in, 1)
+        extra = (torch.from_numpy(sc), s2) if sc is not None else ()
+        w = repack("t", fmt, n_out, n_in, torch.from_numpy(payload), *extra)
+        knv.dequant_nvfp4_triton(w)
+        for T in (1, 2, 3, 5, 9, 16):
+            knv.matvec_nvfp4(w, torch.zeros(T, n_in), torch.empty(T, n_out))
     from muser.engine.kernels import fused
 
     for R, N in ((1, 6656), (16, 6656), (4, 512)):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from muser.gguf.types import GgmlType as G
-from muser.engine.weights import DEVICE_FORMATS, repack
+from muser.engine.weights import BASE_FORMATS, repack
 
 from .test_weights import random_weight_bytes
 
@@ -17,7 +17,7 @@ def _w(fmt, n_out, n_in, seed=0):
     return repack("t", fmt, n_out, n_in, torch.from_numpy(raw.copy()))
 
 
-@pytest.mark.parametrize("fmt", DEVICE_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", BASE_FORMATS, ids=lambda f: f.name)
 def test_triton_tile_decoder_bit_exact(kernels, fmt):
     qmv, _ = kernels
     n_in = 288 if fmt in (G.F32, G.F16, G.BF16, G.Q8_0, G.Q4_0) else 512  # partial last tile too
@@ -26,7 +26,7 @@ def test_triton_tile_decoder_bit_exact(kernels, fmt):
     assert torch.equal(got.view(torch.int32), w.decode().view(torch.int32))
 
 
-@pytest.mark.parametrize("fmt", DEVICE_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", BASE_FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("T", [1, 3, 16])
 def test_triton_matvec_vs_reference(kernels, fmt, T):
     qmv, _ = kernels

@@ -212,10 +212,6 @@ def test_lane_device_kv_refusals(tiny_gguf, make_gguf):
             Engine.open(tiny_gguf, device="cuda")
     with pytest.raises(ContextOverflow):
         Engine.open(tiny_gguf).session(max_context=10 ** 9)
-    # a dtype the engine cannot decode exactly on the device: refused before any upload
-    nv = make_gguf(SynthSpec(overrides=(("blk.1.ffn_up.weight", "NVFP4"),)))
-    with pytest.raises(LaneError, match=r"blk\.1\.ffn_up\.weight.*NVFP4"):
-        Engine.open(nv)
 
 
 def test_fast_lane_drift_is_measured_not_exact(tiny_gguf, eng32):

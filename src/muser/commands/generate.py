@@ -29,7 +29,7 @@ from ..prompt import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, DEFAULT_TEMPERATURE
 # The engine's choices (muser.engine.lanes DEVICES / Lane / KV_TYPES, held equal by a test), here
 # so argparse refuses a bad one before torch is imported.
 DEVICES = ("cpu", "cuda")
-LANES = ("exact", "fast")
+LANES = ("exact", "fast", "w4a4")  # w4a4: W4A4 files only (FP4 activations in verify forwards)
 KV_TYPES = ("f16", "f32")
 
 
@@ -37,7 +37,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model/--device/--lane/--kv/--threads, shared by generate and chat."""
     p.add_argument("--model", help="GGUF path (default: the embedded model)")
     p.add_argument("--device", default="cpu", choices=DEVICES, help="default cpu")
-    p.add_argument("--lane", default="exact", choices=LANES, help="default exact")
+    p.add_argument("--lane", default="exact", choices=LANES, help="default exact; w4a4 needs a W4A4 file")
     p.add_argument("--kv", default="f16", choices=KV_TYPES, help="KV cache type (default f16)")
     p.add_argument("--threads", type=int, help="CPU threads for the forward (default: torch's, the usable cores)")
 

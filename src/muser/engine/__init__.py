@@ -16,6 +16,7 @@ from typing import Iterable
 
 from ..model.loader import ModelFile, open_model
 from .forward import Forward, ModelWeights
+from ..errors import LaneError
 from .lanes import Lane, parse_device, parse_kv
 from .session import MAX_VERIFY, PREFILL_CHUNK, WAITING_CHUNK, Session, SessionCheckpoint
 from .step import StepItem, StepResult, step as _step
@@ -31,6 +32,10 @@ class Engine:
         self.device = parse_device(device)
         self.model_file = mf
         self.cfg = mf.config
+        if self.lane is Lane.W4A4 and mf.gguf.tensors.keys().isdisjoint(
+                n + ".nvfp4_input_scale_inv" for n in mf.contract.nvfp4):
+            raise LaneError(f"lane 'w4a4' needs a W4A4 file (muser.activation_precision = nvfp4); "
+                            f"{str(mf.path)!r} has no '.nvfp4_input_scale_inv' weights")
         self.weights = ModelWeights.load(mf, self.device, progress=progress)
         self.forward = Forward(self.cfg, self.weights, self.lane, self.device)
         # RoPE table for every position the model admits, built once (graphs read it by address)

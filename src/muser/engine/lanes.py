@@ -27,13 +27,14 @@ from .weights import QWeight
 class Lane(str, Enum):
     EXACT = "exact"
     FAST = "fast"
+    W4A4 = "w4a4"  # exact, except verify-shaped calls on W4A4 weights: FP4 activations (engine/w4a4.py)
 
     @classmethod
     def parse(cls, value: str) -> "Lane":
         try:
             return cls(value)
         except ValueError:
-            raise LaneError(f"unknown lane {value!r} (expected 'exact' or 'fast')") from None
+            raise LaneError(f"unknown lane {value!r} (expected 'exact', 'fast' or 'w4a4')") from None
 
 
 DEVICES = ("cpu", "cuda")
@@ -82,6 +83,8 @@ class Linear:
         every call of the C GEMM."""
         import os
 
+        if self.lane is Lane.W4A4 and 1 < T <= qmatvec.MAX_ROWS:
+            return False  # verify rows of the W4A4 lane: each projection by itself (__call__)
         if self.triton_rows:
             return T <= qmatvec.MAX_ROWS and os.environ.get("MUSER_MATVEC", "") in ("", "v3")
         return not self.cuda and not self._torch_wide(T)
@@ -106,6 +109,10 @@ class Linear:
 
     def __call__(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
+        if self.lane is Lane.W4A4 and 1 < T <= qmatvec.MAX_ROWS and "isi" in w.fields:
+            from .w4a4 import matmul_w4a4  # book 7.4.3: the verify forward of a W4A4 file
+
+            return matmul_w4a4(w, x)
         if self.triton_rows and T <= qmatvec.MAX_ROWS:
             return qmatvec.matvec(w, x.contiguous())
         wide = self._torch_wide(T)

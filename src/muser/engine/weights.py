@@ -23,14 +23,19 @@ import torch
 
 from ..errors import LaneError
 from ..gguf.types import GgmlType as G
+from . import nvfp4 as _nv
 
 QK = 256  # the tile every format is decoded in: one K-quant super-block, or 8 blocks of 32
 
 # Formats the engine decodes exactly on the device; anything else is refused (LaneError).
-DEVICE_FORMATS = (G.F32, G.F16, G.BF16, G.Q8_0, G.Q4_0, G.Q4_K, G.Q5_K, G.Q6_K)
+# BASE_FORMATS are decoded by kernels/qmatvec*.py from their own bytes; NVFP4 (engine/nvfp4.py,
+# kernels/nvfp4.py) adds the companion form and ggml's type 40.
+BASE_FORMATS = (G.F32, G.F16, G.BF16, G.Q8_0, G.Q4_0, G.Q4_K, G.Q5_K, G.Q6_K)
+DEVICE_FORMATS = (*BASE_FORMATS, *_nv.NVFP4_FORMATS)
 
 # Numeric codes shared with the Triton kernels (kernels/qmatvec.py FMT constexpr).
-FMT_CODE = {G.F32: 0, G.F16: 1, G.BF16: 2, G.Q8_0: 3, G.Q4_0: 4, G.Q4_K: 5, G.Q5_K: 6, G.Q6_K: 7}
+FMT_CODE = {G.F32: 0, G.F16: 1, G.BF16: 2, G.Q8_0: 3, G.Q4_0: 4, G.Q4_K: 5, G.Q5_K: 6, G.Q6_K: 7,
+            G.NVFP4_E2M1: 8, G.NVFP4: 9}  # NVFP4 codes: kernels/nvfp4.py
 
 # Field names per format, in the order the kernels take them as pointers p0..p5.
 FIELDS: dict[G, tuple[str, ...]] = {
@@ -42,10 +47,12 @@ FIELDS: dict[G, tuple[str, ...]] = {
     G.Q4_K: ("qs", "d", "dmin", "sc", "m"),
     G.Q5_K: ("qs", "d", "dmin", "sc", "m", "qh"),
     G.Q6_K: ("ql", "qh", "sc", "d"),
+    **_nv.FIELDS,
 }
 
 # Elements per block of each format (the row length must be a multiple of it).
-BLOCK = {G.F32: 1, G.F16: 1, G.BF16: 1, G.Q8_0: 32, G.Q4_0: 32, G.Q4_K: 256, G.Q5_K: 256, G.Q6_K: 256}
+BLOCK = {G.F32: 1, G.F16: 1, G.BF16: 1, G.Q8_0: 32, G.Q4_0: 32, G.Q4_K: 256, G.Q5_K: 256, G.Q6_K: 256,
+         **_nv.BLOCK}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,6 +136,8 @@ def decode_fields(fmt: G, f: dict[str, torch.Tensor], n_in: int) -> torch.Tensor
     """The torch reference decoder of the repacked layout: f32 [r, n_in]."""
     if fmt in (G.F32, G.F16, G.BF16):
         return f["w"].to(torch.float32)  # f16/bf16 -> f32 is exact
+    if fmt in _nv.NVFP4_FORMATS:
+        return _nv.decode_fields(fmt, f, n_in)
     dev = str(next(iter(f.values())).device)
     mp = _maps_on(fmt, dev)
     if fmt == G.Q8_0:
@@ -190,8 +199,11 @@ def _unpack_k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([lo_sc, hi_sc], -1).contiguous(), torch.cat([lo_m, hi_m], -1).contiguous()
 
 
-def repack(name: str, fmt: G, n_out: int, n_in: int, raw: torch.Tensor) -> QWeight:
-    """raw: uint8 [n_out, row_bytes] on the target device (GGUF row bytes) -> QWeight."""
+def repack(name: str, fmt: G, n_out: int, n_in: int, raw: torch.Tensor,
+           scales: torch.Tensor | None = None, scale2: float | None = None,
+           input_scale_inv: float | None = None) -> QWeight:
+    """raw: uint8 [n_out, row_bytes] on the target device (GGUF row bytes) -> QWeight.
+    NVFP4_E2M1 also takes its companions: scale bytes uint8 [n_out, n_in/16] and scale2."""
     if fmt not in DEVICE_FORMATS:
         raise LaneError(
             f"tensor {name!r}: dtype {fmt.name} has no exact device decoder in the engine "
@@ -200,6 +212,9 @@ def repack(name: str, fmt: G, n_out: int, n_in: int, raw: torch.Tensor) -> QWeig
     if n_in % BLOCK[fmt]:
         raise LaneError(f"tensor {name!r}: row length {n_in} is not a multiple of the {fmt.name} block")
     r = n_out
+    if fmt in _nv.NVFP4_FORMATS:
+        return QWeight(name, fmt, r, n_in, _nv.repack_fields(name, fmt, r, n_in, raw, scales, scale2,
+                                                                input_scale_inv))
     if fmt == G.F32:
         return QWeight(name, fmt, r, n_in, {"w": raw.contiguous().view(torch.float32).clone()})
     if fmt == G.F16:
@@ -257,6 +272,8 @@ def validate(w: QWeight) -> None:
     the first bad row/block, as muser.quant.validate_data does (ggml_validate_row_data)."""
     from ..errors import FormatError
 
+    if w.fmt in _nv.NVFP4_FORMATS:
+        return _nv.check_scales(w.name, w.fmt, w.fields)
     names = ("w",) if w.fmt in (G.F32, G.F16, G.BF16) else SCALE_FIELDS[w.fmt]
     for k in names:
         t = w.fields[k]
@@ -274,7 +291,9 @@ def upload(gguf, name: str, device: torch.device) -> QWeight:
     info = gguf.tensors[name]
     n_in, n_out = info.shape[0], int(np.prod(info.shape[1:]))
     raw = raw_tensor(gguf, name, device)
-    w = repack(name, G(info.type.ggml_type), n_out, n_in, raw)
+    fmt = G(info.type.ggml_type)
+    comp = _nv.companions(gguf, name, n_out, n_in, device) if fmt == G.NVFP4_E2M1 else (None, None, None)
+    w = repack(name, fmt, n_out, n_in, raw, *comp)
     del raw
     validate(w)
     return w

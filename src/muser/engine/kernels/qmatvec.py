@@ -18,6 +18,7 @@ import os
 import torch
 
 from ...errors import LaneError
+from ..nvfp4 import NVFP4_FORMATS
 from ..weights import FMT_CODE, QK, QWeight
 
 try:  # Triton is optional on the CPU; the CUDA backend requires it.
@@ -174,6 +175,10 @@ def matvec(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torc
     variant = os.environ.get("MUSER_MATVEC", "")
     if variant not in ("", "v1", "v2", "v3"):
         raise LaneError(f"MUSER_MATVEC={variant!r}: expected v1, v2 or v3")
+    if w.fmt in NVFP4_FORMATS:  # its own tile decoder (kernels/nvfp4.py), whatever the variant
+        from .nvfp4 import matvec_nvfp4
+
+        return matvec_nvfp4(w, x, out)
     if w.packed is not None and variant in ("", "v3"):
         from . import qmatvec_v3
 
