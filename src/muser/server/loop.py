@@ -14,11 +14,16 @@ Scheduling (book 10.2-10.5, 10.10; the scheduler sees ids and counts, the backen
   step is built. A failing step fails only the jobs in it; the loop goes on.
 * Named sessions keep a conversation's KV across requests: a request whose prompt extends the
   tokens already in the named session's cache prefills only the new suffix.
+* With a prefill node (muser.handoff.RemotePrefill) a slot's prompt (or a named session's new
+  suffix, the held prefix as history) is prefilled remotely when the slot starts, on the loop
+  thread; a refused or dead link prefills locally inside RemotePrefill, which logs why. Each such
+  prefill is counted by path (remote / local) in the metrics.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +34,8 @@ import numpy as np
 from ..errors import MuserError
 from ..generation import Emitter, GenEvent
 from .protocol import ApiError
+
+log = logging.getLogger("muser.server")
 
 PREFILL_CHUNK = 512  # PREFILL_BATCH_TOKENS (book 10.10)
 WAITING_CHUNK = 64  # MAX_TEACHER_FORCED_TOKENS while decoders wait (book 10.10)
@@ -123,9 +130,23 @@ class StepBackend:
         sess.muser_empty = sess.checkpoint(block=self.context)
         return sess
 
-    def reset(self, sess) -> None:
+    def reset(self, sess):
+        """`sess` emptied, or a new session when its planes were swapped (an install gives the
+        planes a fresh epoch, so the empty-cache checkpoint no longer applies)."""
+        if sess.muser_empty is None:
+            return self.new_session()
         if sess.n_past:
             sess.rollback(sess.muser_empty)
+        return sess
+
+    def remote_prefill(self, remote, sess, ids: list[int], history: list[int]) -> tuple[np.ndarray, str]:
+        """`ids` prefilled through `remote` (RemotePrefill: remote, or local with its logged
+        reason); (logits [vocab], path)."""
+        logits = remote.prefill(sess, ids, history=history)
+        path = remote.last.path
+        if path == "remote":
+            sess.muser_empty = None  # the planes were swapped in: reset makes a new session
+        return logits, path
 
     def _run(self, items: list[tuple[Any, list[int]]]) -> list[np.ndarray]:
         res = self.engine.step([self._item(sess, toks, "last") for sess, toks in items])
@@ -169,7 +190,7 @@ class Slot:
 
 class EngineLoop:
     def __init__(self, model, slots: int = 4, context: int = 1024, queue_limit: int = 64,
-                 max_sessions: int = 16, backend=None, metrics=None):
+                 max_sessions: int = 16, backend=None, metrics=None, remote=None):
         self.model = model
         self.tokenizer = model.tokenizer
         self.context = context
@@ -179,6 +200,7 @@ class EngineLoop:
         self.queue_limit = queue_limit
         self.sessions = SessionStore(max_sessions)
         self.metrics = metrics
+        self.remote = remote  # muser.handoff.RemotePrefill, or None: prompts prefill in the steps
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="muser-engine-loop", daemon=True)
@@ -252,6 +274,10 @@ class EngineLoop:
                     self._fail(s, ApiError(504, "the request ran past its timeout", None, "timeout"))
         self._admit(now)
         self._gauge()
+        if self.remote is not None:
+            for s in self.slots:
+                if s.prefilling and not s.history[s.cached:]:  # started, nothing prefilled in a step yet
+                    self._prefill_remote(s)
         decoders = [s for s in self.slots if s.decoding]
         prefillers = sorted((s for s in self.slots if s.prefilling), key=lambda s: s.job.t_submit)
         items: list[tuple[Slot, list[int]]] = [(s, [s.next_token]) for s in decoders]
@@ -280,6 +306,27 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - this job fails, the others go on
                 msg = str(e) if isinstance(e, MuserError) else f"{type(e).__name__}: {e}"
                 self._fail(s, ApiError(500, f"sampling failed: {msg}", None, "server_error"))
+
+    def _prefill_remote(self, s: Slot) -> None:
+        todo = list(s.todo)
+        try:
+            logits, path = self.backend.remote_prefill(self.remote, s.session, todo, list(s.history))
+        except Exception as e:  # noqa: BLE001 - a prefill that fails locally too fails only this job
+            msg = str(e) if isinstance(e, MuserError) else f"{type(e).__name__}: {e}"
+            self._fail(s, ApiError(500, f"the prefill failed: {msg}", None, "server_error"))
+            return
+        if self.metrics is not None:
+            self.metrics.prefills.labels(path).inc()
+        if path != "remote":
+            log.warning("slot %d: prompt of %d tokens prefilled locally: %s", s.index, len(todo),
+                        self.remote.last.reason)
+        s.history.extend(todo)
+        s.todo = []
+        try:
+            self._advance(s, logits)
+        except Exception as e:  # noqa: BLE001 - this job fails, the others go on
+            msg = str(e) if isinstance(e, MuserError) else f"{type(e).__name__}: {e}"
+            self._fail(s, ApiError(500, f"sampling failed: {msg}", None, "server_error"))
 
     def _admit(self, now: float) -> None:
         for s in self.slots:
@@ -326,9 +373,7 @@ class EngineLoop:
         if s.session is None and job.session_name is not None:
             s.session = self.backend.new_session()  # becomes the named session's own KV
         if s.session is None:
-            if s.own is None:
-                s.own = self.backend.new_session()
-            self.backend.reset(s.own)
+            s.own = self.backend.new_session() if s.own is None else self.backend.reset(s.own)
             s.session = s.own
         s.todo = list(job.prompt[s.cached:])
 
