@@ -1,7 +1,8 @@
 # Muser: two entry points on a fresh machine.
 #   make run   -> sets up .venv with the runtime dependencies only and runs `muser generate`
 #                 on the embedded default model
-#   make test  -> adds the test extra (+ the pinned llama.cpp comparator) and runs the test suite
+#   make test  -> adds the test extra (+ the pinned llama.cpp comparator), lints (ruff, mypy),
+#                 runs the test suite
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test comparator run test clean
+.PHONY: setup setup-test comparator run lint test clean
 
 # Runtime only: [project] dependencies (no pytest, no triton).
 $(VENV)/.stamp-runtime: pyproject.toml
@@ -35,7 +36,11 @@ comparator: $(VENV)/.stamp-comparator
 run: setup
 	$(BIN)/muser generate
 
-test: setup-test comparator
+lint: setup-test
+	$(BIN)/ruff check src tests tools
+	$(BIN)/python -m mypy
+
+test: setup-test comparator lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -4,6 +4,7 @@ session, default_model_path."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -70,7 +71,7 @@ def test_generate_refuses_a_draft(model):
 
 def test_default_model_path_builds_the_synthetic_fixture(tmp_path, monkeypatch):
     monkeypatch.setenv("MUSER_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(api, "MODELS_DIR", tmp_path / "no-models")
+    monkeypatch.setattr(api, "model_search_path", lambda: [tmp_path / "no-models"])
     p = api.default_model_path()
     assert p.parent == tmp_path / "cache" and p.is_file()
     assert api.default_model_path() == p  # written once
@@ -83,8 +84,26 @@ def test_default_model_path_prefers_the_shipped_model(tmp_path, monkeypatch, tin
     d.mkdir()
     shipped = d / "muse-glimmer-micro-q8_0.gguf"
     shipped.write_bytes(tiny_gguf.read_bytes())
-    monkeypatch.setattr(api, "MODELS_DIR", d)
+    monkeypatch.setenv("MUSER_MODEL_PATH", str(d))  # the first entry of the search path
+    assert api.model_search_path()[0] == d
     assert api.default_model_path() == shipped
+
+
+def test_model_search_path_order(tmp_path, monkeypatch, tiny_gguf):
+    a, b = tmp_path / "a", tmp_path / "b"
+    monkeypatch.setenv("MUSER_MODEL_PATH", os.pathsep.join([str(a), str(b)]))
+    path = api.model_search_path()
+    root = api.source_checkout()
+    assert root is not None and (root / "src" / "muser" / "api.py").is_file()  # the tests run from a checkout
+    assert path == [a, b, root / "models", api.PACKAGE_DIR / "models"]
+    b.mkdir()
+    (b / "m-f16.gguf").write_bytes(tiny_gguf.read_bytes())
+    monkeypatch.setattr(api, "model_search_path", lambda: [a, b, tmp_path / "none"])
+    assert api.shipped_model() == b / "m-f16.gguf"  # missing folders are passed over
+    a.mkdir()
+    (a / "m-q8_0.gguf").write_bytes(tiny_gguf.read_bytes())
+    (b / "m-q8_0.gguf").write_bytes(tiny_gguf.read_bytes())
+    assert api.shipped_model() == a / "m-q8_0.gguf"  # the first folder wins
 
 
 def test_generate_greedy_streams_the_oracle_tokens(model, tiny_gguf):
@@ -114,7 +133,7 @@ def test_default_load_checks_the_shipped_pin(tmp_path, monkeypatch, tiny_gguf):
     d.mkdir()
     shipped = d / "muse-glimmer-micro-q8_0.gguf"
     shipped.write_bytes(tiny_gguf.read_bytes())
-    monkeypatch.setattr(api, "MODELS_DIR", d)
+    monkeypatch.setattr(api, "model_search_path", lambda: [d])
     (d / "muse-glimmer-micro-q8_0.pin.json").write_text(json.dumps({"artifact_sha256": "f" * 64}))
     with pytest.raises(IdentityMismatch, match="artifact_sha256"):
         muser.load()

@@ -38,32 +38,41 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-DEFAULT_ROOT = Path("/root/.pyenv/versions/3.11.7/lib/python3.11")
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
 DEFAULT_OUT = REPO / ".device" / "micro"
 
-EXCLUDED_DIRS = ("site-packages", "__pycache__", "lib-dynload")
-EXCLUDED_DIR_PREFIXES = ("config-3.11-",)
-EXCLUDED_FILES = ("pydoc_data/topics.py",)
-EXCLUDED_FILE_PREFIXES = ("_sysconfigdata_",)
-
-HELDOUT_BELOW = 16  # first SHA-256 byte < 16 -> held-out
-VAL_BELOW = 24  # 16 <= byte < 24 -> val
-SPLITS = ("train", "val", "heldout")
+# The corpus rule itself lives in the package (bench ppl reads the held-out split through it).
+from muser.corpus import (  # noqa: E402,F401 - re-exported for tools/export_micro.py
+    BOS,
+    DEFAULT_ROOT,
+    EOS,
+    EOT,
+    EXCLUDED_DIR_PREFIXES,
+    EXCLUDED_DIRS,
+    EXCLUDED_FILE_PREFIXES,
+    EXCLUDED_FILES,
+    HELDOUT_BELOW,
+    MASK,
+    SPECIALS,
+    SPLITS,
+    VAL_BELOW,
+    CorpusError,
+    Doc,
+    list_sources,
+    load_docs,
+    split_docs,
+    split_of,
+    split_sha256,
+)
 
 VOCAB_SIZE = 8192
 MIN_FREQUENCY = 2
 
-# Special tokens, ids 0..5 in this order (the same set and order as muser.model.synth).
-BOS, EOS, EOT, MASK, START_HEADER, END_HEADER = (
-    "<|begin_of_text|>", "<|end_of_text|>", "<|eot|>", "<|mask|>", "<|start_header|>", "<|end_header|>",
-)
-SPECIALS = (BOS, EOS, EOT, MASK, START_HEADER, END_HEADER)
 TOKENIZER_PRE = "llama4"
 
 # llama.cpp's pre-tokenizer regex for LLAMA_VOCAB_PRE_TYPE_GPT4O ("llama4"), verbatim from
@@ -77,98 +86,6 @@ GPT4O_REGEX = (
     "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
     "|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
 )
-
-
-class CorpusError(Exception):
-    """The corpus cannot be built as specified (missing root, bad file, hash mismatch)."""
-
-
-@dataclass(frozen=True)
-class Doc:
-    relpath: str
-    data: bytes  # the file's bytes (valid UTF-8)
-    split: str
-
-    @property
-    def text(self) -> str:
-        return self.data.decode("utf-8")
-
-
-# ---------------------------------------------------------------------------------------------
-# the corpus rule
-
-
-def split_of(relpath: str) -> str:
-    b = hashlib.sha256(relpath.encode("utf-8")).digest()[0]
-    if b < HELDOUT_BELOW:
-        return "heldout"
-    if b < VAL_BELOW:
-        return "val"
-    return "train"
-
-
-def _excluded_dir(rel_dir: str, name: str) -> bool:
-    return name in EXCLUDED_DIRS or (rel_dir == "" and name.startswith(EXCLUDED_DIR_PREFIXES))
-
-
-def _excluded_file(relpath: str) -> bool:
-    return relpath in EXCLUDED_FILES or os.path.basename(relpath).startswith(EXCLUDED_FILE_PREFIXES)
-
-
-def list_sources(root: Path = DEFAULT_ROOT) -> tuple[list[str], list[str]]:
-    """(included relpaths sorted, excluded non-UTF-8 relpaths sorted)."""
-    root = Path(root)
-    if not (root / "os.py").is_file() or not (root / "test").is_dir():
-        raise CorpusError(f"{str(root)!r} is not a CPython standard-library directory (no os.py / test/)")
-    found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        rel_dir = os.path.relpath(dirpath, root)
-        rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/")
-        dirnames[:] = [d for d in dirnames if not _excluded_dir(rel_dir, d)]
-        for fn in filenames:
-            if not fn.endswith(".py"):
-                continue
-            full = os.path.join(dirpath, fn)
-            if os.path.islink(full) or not os.path.isfile(full):
-                continue
-            rel = f"{rel_dir}/{fn}" if rel_dir else fn
-            if not _excluded_file(rel):
-                found.append(rel)
-    found.sort()
-    included, non_utf8 = [], []
-    for rel in found:
-        try:
-            (root / rel).read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            non_utf8.append(rel)
-            continue
-        included.append(rel)
-    return included, non_utf8
-
-
-def load_docs(root: Path = DEFAULT_ROOT) -> list[Doc]:
-    root = Path(root)
-    rels, _ = list_sources(root)
-    docs = [Doc(r, (root / r).read_bytes(), split_of(r)) for r in rels]
-    for d in docs:
-        for s in SPECIALS:
-            if s.encode() in d.data:
-                raise CorpusError(f"{d.relpath!r} contains the special token text {s!r}")
-    return docs
-
-
-def split_docs(docs: list[Doc], split: str) -> list[Doc]:
-    if split not in SPLITS:
-        raise CorpusError(f"unknown split {split!r} (expected one of {SPLITS})")
-    return [d for d in docs if d.split == split]
-
-
-def split_sha256(docs: list[Doc]) -> str:
-    h = hashlib.sha256()
-    for d in docs:
-        h.update(d.relpath.encode("utf-8") + b"\n" + str(len(d.data)).encode("ascii") + b"\n")
-        h.update(d.data)
-    return h.hexdigest()
 
 
 def corpus_summary(docs: list[Doc], non_utf8: list[str], root: Path) -> dict:

@@ -1,6 +1,6 @@
 """Per-case time and memory of the malformed-GGUF corpus (tests/gguf/test_malformed.py), API and CLI
 (one child process per case). Usage: python tools/malformed_report.py > bench/reports/malformed-corpus.txt"""
-import json, resource, subprocess, sys, tempfile, time, tracemalloc
+import subprocess, sys, tempfile, time, tracemalloc
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.gguf.test_malformed import CASES

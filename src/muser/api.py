@@ -10,7 +10,8 @@
 `load` fails closed: an unknown device, lane or KV type, a file that breaks the model contract,
 a mismatched pin, or a weight the engine cannot decode exactly is a typed error before any
 weight reaches the device. `path=None` loads `default_model_path()` (the shipped micro model
-is checked against the pin file shipped beside it).
+is checked against the pin file shipped beside it); the shipped model is looked up along
+`model_search_path()`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from .errors import LaneError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MODELS_DIR = REPO_ROOT / "models"
+PACKAGE_DIR = Path(__file__).resolve().parent  # .../muser
+MODEL_PATH_ENV = "MUSER_MODEL_PATH"
 
 
 def cache_dir() -> Path:
@@ -36,14 +37,37 @@ def cache_dir() -> Path:
     return Path(base)
 
 
-def shipped_model() -> Path | None:
-    """The micro model shipped in models/ (its Q8_0 file, else F16), if the repository has one."""
-    if not MODELS_DIR.is_dir():
+def source_checkout() -> Path | None:
+    """The repository root when this package runs from its source checkout (src/muser beside a
+    pyproject.toml naming the project), else None (an installed package)."""
+    root = PACKAGE_DIR.parent.parent
+    if PACKAGE_DIR.parent.name != "src" or not (root / "pyproject.toml").is_file():
         return None
-    for suffix in ("-q8_0.gguf", "-f16.gguf"):
-        found = sorted(p for p in MODELS_DIR.glob(f"*{suffix}") if p.is_file())
-        if found:
-            return found[0]
+    return root
+
+
+def model_search_path() -> list[Path]:
+    """Folders searched for the shipped micro model, in order: each entry of $MUSER_MODEL_PATH
+    (os.pathsep-separated), then the repository's models/ when running from a source checkout,
+    then the package's own models/ folder (package data of an installed build)."""
+    out = [Path(p) for p in os.environ.get(MODEL_PATH_ENV, "").split(os.pathsep) if p]
+    root = source_checkout()
+    if root is not None:
+        out.append(root / "models")
+    out.append(PACKAGE_DIR / "models")
+    return out
+
+
+def shipped_model() -> Path | None:
+    """The micro model in the first folder of model_search_path() holding one (its Q8_0 file,
+    else its F16 file), or None."""
+    for d in model_search_path():
+        if not d.is_dir():
+            continue
+        for suffix in ("-q8_0.gguf", "-f16.gguf"):
+            found = sorted(p for p in d.glob(f"*{suffix}") if p.is_file())
+            if found:
+                return found[0]
     return None
 
 
@@ -198,4 +222,5 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", lane: str =
     return Model(Engine.open(p, device=device, lane=lane, kv=kv, pin=pin), p)
 
 
-__all__ = ["Model", "load", "default_model_path", "cache_dir", "shipped_model"]
+__all__ = ["Model", "load", "default_model_path", "cache_dir", "model_search_path", "shipped_model",
+           "source_checkout"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
 import pytest
 
 # The interpreter must be chosen before triton itself is imported (triton.language's own helpers

@@ -234,15 +234,13 @@ def test_fast_lane_drift_is_measured_not_exact(tiny_gguf, eng32):
 def test_graph_step_device_metadata_path(eng16, kernels):
     """The CUDA-graph step (device-resident positions, plane metadata and write slots; Triton
     attention; static capture buffers) run without capture on the CPU, against the eager path."""
-    from muser.engine.graphs import StepGraph
-
     ref = eng16.session(max_context=64, capture=(1,))
     ref.prefill(PROMPT[:30])
     s = eng16.session(max_context=64, capture=(1,))
     s.prefill(PROMPT[:30])
     for blk in ([5], [9, 10, 11], [12]):  # decode, verify across the 32-row ring wrap, decode
-        g = StepGraph(s, len(blk), "all")
-        got = g.run(np.array(blk)).numpy().copy()
+        g = eng16.graph(((len(blk), "all", s.max_context),), s.capture_layers)
+        got = g.run([s], [np.array(blk)]).numpy().copy()
         want = ref.verify(blk)
         assert s.n_past == ref.n_past
         assert max_dlsm(got, want) <= GATE_FLOOR  # summation order only (f16 K/V)
@@ -257,8 +255,6 @@ def test_cuda_decode_path_with_fused_matvec(make_gguf, kernels):
     """The whole CUDA decode step as the GPU runs it (Triton dequant-matvec for every projection
     and the LM head, Triton attention, device metadata), minus the capture, vs the eager path
     (a narrower Q8_0 fixture keeps the interpreter quick)."""
-    from muser.engine.graphs import StepGraph
-
     path = make_gguf(SynthSpec(hidden=256, ffn=256, n_heads=4, head_dim=32, dtype="Q8_0"))
     eng = Engine.open(path, device="cpu", lane="exact", kv="f16")
     ref = eng.session(max_context=64)
@@ -267,7 +263,7 @@ def test_cuda_decode_path_with_fused_matvec(make_gguf, kernels):
     s.prefill(PROMPT[:33])
     eng.forward.linear.triton_rows = True
     try:
-        got = StepGraph(s, 1, "last").run(np.array([5])).numpy().copy()
+        got = eng.graph(((1, "last", s.max_context),), ()).run([s], [np.array([5])]).numpy().copy()
     finally:
         eng.forward.linear.triton_rows = False
     assert max_dlsm(got, ref.decode(5)) <= GATE_FLOOR

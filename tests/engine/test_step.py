@@ -157,3 +157,30 @@ def test_non_finite_row_rolls_every_session_back(eng, monkeypatch):
     fresh = eng.step([StepItem(_session(eng, i), _tokens(i, 3), logits="all") for i in range(3)])
     for a, b in zip(out, fresh):
         assert np.array_equal(a.logits, b.logits)  # the same batch shape: bitwise
+
+
+def test_graph_step_of_several_sessions_on_device_metadata(tiny_gguf, kernels):
+    """The CUDA-graph step of a batch shape (per-item plane metadata, write slots and attention
+    partials in device buffers; Triton attention; one static row-index selection), run without
+    capture on the CPU, against the eager batched step (f16 K/V: summation order only)."""
+    eng = Engine.open(tiny_gguf, device="cpu", lane="exact", kv="f16")
+    L = eng.cfg.n_layers
+    shape = ((1, "last"), (3, "all"), (2, "last"))
+    got_s = [_session(eng, i, capture=(L,)) for i in range(3)]
+    ref_s = [_session(eng, i, capture=(L,)) for i in range(3)]
+    toks = [np.array(_tokens(i, T)) for i, (T, _) in enumerate(shape)]
+    g = eng.graph(tuple((T, m, s.max_context) for (T, m), s in zip(shape, got_s)), (L,))
+    assert eng.graph(tuple((T, m, s.max_context) for (T, m), s in zip(shape, got_s)), (L,)) is g  # one per shape
+    lg = g.run(got_s, toks)
+    ref = eng.step([StepItem(s, t, logits=m) for s, t, (_, m) in zip(ref_s, toks, shape)])
+    for part, r, s, rs in zip(g.split(lg), ref, got_s, ref_s):
+        assert part.shape == r.logits.shape
+        assert max_dlsm(part.numpy(), r.logits) <= GATE_FLOOR
+        assert s.n_past == rs.n_past
+    assert [int(t) for t in g.top] == [int(np.argmax(r)) for x in ref for r in x.logits] and bool(g.finite)
+    (a, b) = g.bounds[1]
+    assert np.abs(g.captured[L][a:b].numpy() - ref[1].captured[L]).max() <= 1e-4
+    for s, rs in zip(got_s, ref_s):  # the same rows landed in the same slots
+        for pa, pb in zip(s.snapshot().planes, rs.snapshot().planes):
+            assert pa.origin_logical == pb.origin_logical and pa.len == pb.len
+            assert (pa.keys.float() - pb.keys.float()).abs().max() <= 1e-2

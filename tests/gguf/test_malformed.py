@@ -4,7 +4,6 @@ fast and in little memory, from the Python API and from the CLI (one line, exit 
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 import sys

@@ -3,7 +3,6 @@ the pinned llama.cpp (`tokenizer.ggml.pre = "llama4"` -> LLAMA_VOCAB_PRE_TYPE_GP
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 
 import pytest

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from muser.gguf.reader import read_gguf
 from muser.model.loader import open_model
 from muser.model.synth import FULL_GEOMETRY, SynthSpec, q4_k_xl_type, tensor_specs
 

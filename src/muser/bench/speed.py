@@ -1,4 +1,4 @@
-"""Speed cells shared by `muser bench decode|prefill|verify` (issue 7 part 2; DESIGN.md
+"""Speed cells shared by `muser bench decode|prefill|verify` (DESIGN.md
 "Measurement protocol").
 
 Definitions follow llama-bench (tools/llama-bench/llama-bench.cpp of the pinned llama.cpp), so a
@@ -13,7 +13,7 @@ ratio compares like with like:
   defaults; Muser's prefill chunk is 512 rows, book 10.10); tok/s = N / s.
 * verify (N rows @ d): one forward of N <= 16 rows with every row's logits (the speculative
   verify shape, book 10.1) against one single-row decode at the same depth; the figure is the
-  time ratio verify / decode (issue 7 target: <= 1.3 on CUDA).
+  time ratio verify / decode (DESIGN.md target: <= 1.3 on CUDA).
 
 Ids are drawn from one seeded generator, identical for both sides. Cells run A B A B: each
 repetition times Muser, then llama.cpp, so drift hits both alike. Achieved GB/s for decode is
@@ -57,7 +57,7 @@ LLAMA_N_BATCH = 2048  # llama-bench cmd_params_defaults n_batch
 LLAMA_N_UBATCH = 512  # llama-bench cmd_params_defaults n_ubatch
 GGML_TYPE = {"f32": 0, "f16": 1}  # ggml.h enum ggml_type
 KV_ELEM_BYTES = {"f32": 4, "f16": 2}
-VERIFY_TARGET = 1.3  # issue 7: a 16-row verify forward <= 1.3x the one-row decode time (CUDA)
+VERIFY_TARGET = 1.3  # DESIGN.md target: a 16-row verify forward <= 1.3x the one-row decode time (CUDA)
 COPY_BYTES = 1 << 30  # device copy bandwidth probe: a 1 GiB buffer
 DEVICE_SCRIPT = "device-llama-bench.sh"
 LLAMA_TARBALL = "llama.cpp-src.tgz"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
-import torch
 
 from ..model.loader import ModelFile, open_model
 from .forward import Forward, ModelWeights
@@ -36,6 +35,7 @@ class Engine:
         self.forward = Forward(self.cfg, self.weights, self.lane, self.device)
         # RoPE table for every position the model admits, built once (graphs read it by address)
         self.forward.ensure_positions(self.cfg.context_length)
+        self._graphs: dict = {}  # step shape -> StepGraph (CUDA)
 
     @classmethod
     def open(cls, path: str | os.PathLike, device: str = "cpu", lane: str = "exact", kv: str = "f16",
@@ -55,6 +55,16 @@ class Engine:
         """A new sequence with its own KV planes (max_context defaults to context_length)."""
         return Session(self, self.cfg.context_length if max_context is None else max_context,
                        chunk, capture, graphs)
+
+    def graph(self, shape: tuple[tuple[int, str, int], ...], capture: tuple[int, ...]):
+        """The CUDA graph of a step shape (engine/graphs.py), built on first use."""
+        from .graphs import StepGraph
+
+        key = (shape, capture)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = StepGraph(self, shape, capture)
+        return g
 
     def step(self, batch: list[StepItem]) -> list[StepResult]:
         """Advance several sessions in one forward (engine/step.py): per item its tokens and

@@ -269,7 +269,10 @@ def _row_mode(out_rows: "str | torch.Tensor") -> tuple[torch.Tensor | None, str]
 
 def _pick(h: torch.Tensor, mode: str, rows_idx: torch.Tensor | None) -> torch.Tensor:
     """The output rows of h [T, n]: the last one, or those rows_idx names (in its order)."""
-    return h[h.shape[0] - 1:] if mode == "last" else h.index_select(0, rows_idx)
+    if mode == "last":
+        return h[h.shape[0] - 1:]
+    assert rows_idx is not None  # mode 'rows' carries its index tensor (_row_mode)
+    return h.index_select(0, rows_idx)
 
 
 class KvStep(Protocol):

@@ -1,19 +1,25 @@
-"""CUDA graphs for the decode and verify shapes: the whole step, embedding -> softcapped logits,
-captured once per (rows, output) shape and replayed (book 10.3: record the tape once, press play).
+"""CUDA graphs for step shapes: the whole step, embedding -> softcapped logits, captured once
+per batch shape and replayed (book 10.3: record the tape once, press play).
 
-Everything that changes from step to step lives in device tensors the graph reads: token ids,
-positions, each plane's (origin_logical, origin_physical, len, capacity) before the append, and
-the ring/plane write slots reserved by muser.kv on the host. They travel in one pinned int64
-buffer, one host->device copy per step; the only synchronisation is reading back the logits
-(or, for greedy decode, the argmax and a finiteness flag). All intermediates come from the
-graph's private pool: nothing is allocated on the hot path.
+A shape is the tuple of per-item (rows, output rows 'last' | 'all', max_context) plus the
+capture layers; a graph belongs to the engine, not to a session. Everything that changes from
+step to step lives in device tensors the graph reads: token ids, positions, and per item each
+plane's (origin_logical, origin_physical, len, capacity) before the append, its first position,
+and the ring/plane write slots reserved by muser.kv on the host. They travel in one pinned
+int64 buffer, one host->device copy per step; the only synchronisation is reading back the
+logits (or, for greedy decode, the argmax and a finiteness flag). All intermediates come from
+the graph's private pool: nothing is allocated on the hot path.
 
-The first call of a shape runs the step eagerly (that is its real result), then captures it.
-A graph bakes in the planes' storage addresses; after a detached install or restore swapped
-new planes in, the next call re-captures.
+The attention kernels take each plane's storage as an argument, so a captured graph bakes in
+the storage addresses of the sessions it was captured with: a shape keeps one captured graph
+per set of sessions (their plane storage), up to MAX_CAPTURES, and captures anew for sessions
+it has not seen or whose planes were swapped (a detached install or restore). The first call
+of a (shape, sessions) pair runs the step eagerly (that is its real result), then captures it.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -21,26 +27,34 @@ import torch
 from .kernels.attention import AttnScratch, attend_triton, pick_splits
 from ..kv.torch_backend import TorchBackend
 
+MAX_CAPTURES = 32  # captured graphs kept per shape (least recently used go first)
+
 
 class _GraphKv:
+    """Per item: attend its rows over its session's planes with device metadata, then write
+    its K/V into the reserved slots."""
+
     def __init__(self, g: "StepGraph"):
         self.g = g
 
     def attend(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        g, s = self.g, self.g.sess
-        plane = s.cache.planes[il]
-        geo = plane.geometry
-        kq = k.to(s.kv_torch)
-        vq = v.to(s.kv_torch)
-        out = attend_triton(q, kq, vq, plane.keys, plane.values, geo.head_major, g.meta[il], g.pos0,
-                            geo.window if geo.sliding else 0, s.cfg.attn_scale, g.scratch,
-                            splits=g.splits[il])
-        T = q.shape[0]
-        TorchBackend.write_rows_at(plane.keys, g.widx[il], kq.view(T, geo.kv_dim), geo.head_major,
-                                   geo.n_kv_heads, geo.head_dim)
-        TorchBackend.write_rows_at(plane.values, g.widx[il], vq.view(T, geo.kv_dim), geo.head_major,
-                                   geo.n_kv_heads, geo.head_dim)
-        return out
+        g = self.g
+        outs = []
+        for i, s in enumerate(g.sessions):
+            a, b = g.bounds[i]
+            plane = s.cache.planes[il]
+            geo = plane.geometry
+            kq = k[a:b].to(s.kv_torch)  # rounded like the store (llama.cpp reads the cache back)
+            vq = v[a:b].to(s.kv_torch)
+            T = b - a
+            outs.append(attend_triton(q[a:b], kq, vq, plane.keys, plane.values, geo.head_major, g.meta[i][il],
+                                      g.pos0[i], geo.window if geo.sliding else 0, s.cfg.attn_scale,
+                                      g.scratch[i], splits=g.splits[i][il]))
+            TorchBackend.write_rows_at(plane.keys, g.widx[i][il], kq.reshape(T, geo.kv_dim), geo.head_major,
+                                       geo.n_kv_heads, geo.head_dim)
+            TorchBackend.write_rows_at(plane.values, g.widx[i][il], vq.reshape(T, geo.kv_dim), geo.head_major,
+                                       geo.n_kv_heads, geo.head_dim)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [N, H, D]
 
 
 class _StaticCapture(dict):
@@ -55,87 +69,115 @@ class _StaticCapture(dict):
 
 
 class StepGraph:
-    def __init__(self, sess, T: int, out_rows: str):
-        cfg = sess.cfg
-        dev = sess.device
+    """One batch shape: items ((T, 'last' | 'all', max_context), ...) and capture layers."""
+
+    def __init__(self, engine, shape: tuple[tuple[int, str, int], ...], capture: tuple[int, ...]):
+        cfg = engine.cfg
+        dev = engine.device
         L = cfg.n_layers
-        self.sess, self.T, self.out_rows = sess, T, out_rows
-        n = 2 * T + 4 * L + 1 + L * T
+        self.engine, self.shape, self.capture = engine, shape, capture
+        Ts = [T for T, _, _ in shape]
+        N = sum(Ts)
+        self.N = N
+        self.bounds = []
+        o = 0
+        for T in Ts:
+            self.bounds.append((o, o + T))
+            o += T
+        n = 2 * N + len(shape) * (4 * L + 1) + L * N
         self.cuda = dev.type == "cuda"  # elsewhere the same step runs without capture (tests)
         self.host = torch.zeros(n, dtype=torch.int64)
         if self.cuda:
             self.host = self.host.pin_memory()
         self.dev = torch.zeros(n, dtype=torch.int64, device=dev)
         o = 0
-        self.tokens = self.dev[o:o + T]
-        o += T
-        self.positions = self.dev[o:o + T]
-        o += T
-        self.meta = self.dev[o:o + 4 * L].view(L, 4)
-        o += 4 * L
-        self.pos0 = self.dev[o:o + 1]
-        o += 1
-        self.widx = self.dev[o:o + L * T].view(L, T)
-        R = T if out_rows == "all" else 1
+        self.tokens = self.dev[o:o + N]
+        o += N
+        self.positions = self.dev[o:o + N]
+        o += N
+        self.meta, self.pos0, self.widx = [], [], []
+        for T in Ts:
+            self.meta.append(self.dev[o:o + 4 * L].view(L, 4))
+            o += 4 * L
+            self.pos0.append(self.dev[o:o + 1])
+            o += 1
+            self.widx.append(self.dev[o:o + L * T].view(L, T))
+            o += L * T
+        # output rows: one item keeps the forward's 'last' / 'all' (llama.cpp inp_out_ids);
+        # several items select their rows by a static index tensor
+        rows = []
+        for (T, mode, _), (a, b) in zip(shape, self.bounds):
+            rows += list(range(a, b)) if mode == "all" else [b - 1]
+        self.out_rows: str | torch.Tensor = shape[0][1] if len(shape) == 1 else \
+            torch.tensor(rows, dtype=torch.int64, device=dev)
+        self.item_rows = [(T if mode == "all" else 1) for T, mode, _ in shape]
+        R = len(rows)
         self.logits = torch.empty((R, cfg.vocab), dtype=torch.float32, device=dev)
         self.top = torch.empty((R,), dtype=torch.int64, device=dev)
         self.finite = torch.empty((), dtype=torch.bool, device=dev)
-        self.captured = {il: torch.empty((T, cfg.hidden), dtype=torch.float32, device=dev)
-                         for il in sess.capture_layers}
-        self.splits = [pick_splits(p.capacity) for p in sess.cache.planes]
-        self.scratch = AttnScratch(T, cfg.n_heads, cfg.head_dim, max(self.splits), dev)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.key = None
+        self.captured = {il: torch.empty((N, cfg.hidden), dtype=torch.float32, device=dev) for il in capture}
+        # attention splits and partials per item, from its planes' capacities (max_context)
+        self.splits, self.scratch = [], []
+        for T, _, max_context in shape:
+            caps = [min(max_context, cfg.sliding_window) if sl else max_context for sl in cfg.swa_pattern]
+            self.splits.append([pick_splits(c) for c in caps])
+            self.scratch.append(AttnScratch(T, cfg.n_heads, cfg.head_dim, max(self.splits[-1]), dev))
+        self.sessions: list = []
+        self.graphs: OrderedDict = OrderedDict()  # storage key -> torch.cuda.CUDAGraph
         self.copied = torch.cuda.Event() if self.cuda else None
         self.captures = 0
 
     def _storage_key(self) -> tuple:
-        return tuple((p.keys.data_ptr(), p.values.data_ptr()) for p in self.sess.cache.planes)
+        return tuple((id(s),) + tuple((p.keys.data_ptr(), p.values.data_ptr()) for p in s.cache.planes)
+                     for s in self.sessions)
 
-    def _prepare(self, ids: np.ndarray) -> None:
+    def _prepare(self, sessions: list, ids: list[np.ndarray]) -> None:
         """Reserve this step's rows in every plane (host metadata, muser.kv) and upload."""
-        s, T = self.sess, self.T
-        p0 = s.n_past
         if self.copied is not None:
             self.copied.synchronize()  # the previous upload has left the pinned buffer
+        self.sessions = list(sessions)
         h = self.host.numpy()
-        L = s.cfg.n_layers
-        o = 0
-        h[o:o + T] = ids
-        o += T
-        h[o:o + T] = np.arange(p0, p0 + T)
-        o += T
-        for il, p in enumerate(s.cache.planes):
-            h[o + 4 * il:o + 4 * il + 4] = (p.origin_logical, p.origin_physical, p.len, p.capacity)
-        o += 4 * L
-        h[o] = p0
-        o += 1
-        for il, p in enumerate(s.cache.planes):
-            placement = p.reserve_batch(p0, T)
-            assert placement.source_first == 0 and len(placement.physical) == T
-            h[o + il * T:o + (il + 1) * T] = placement.physical
+        L = self.engine.cfg.n_layers
+        N = self.N
+        o = 2 * N
+        for (a, b), s, t in zip(self.bounds, sessions, ids):
+            T = b - a
+            p0 = s.n_past
+            h[a:b] = t
+            h[N + a:N + b] = np.arange(p0, p0 + T)
+            for il, p in enumerate(s.cache.planes):
+                h[o + 4 * il:o + 4 * il + 4] = (p.origin_logical, p.origin_physical, p.len, p.capacity)
+            o += 4 * L
+            h[o] = p0
+            o += 1
+            for il, p in enumerate(s.cache.planes):
+                placement = p.reserve_batch(p0, T)
+                assert placement.source_first == 0 and len(placement.physical) == T
+                h[o + il * T:o + (il + 1) * T] = placement.physical
+            o += L * T
         self.dev.copy_(self.host, non_blocking=self.cuda)
         if self.copied is not None:
             self.copied.record()
 
     def _step(self) -> None:
-        s = self.sess
         cap = _StaticCapture(self.captured) if self.captured else None
-        s.fwd.run(self.tokens, self.positions, _GraphKv(self), self.out_rows, s.capture_layers, cap,
-                  logits_out=self.logits)
+        self.engine.forward.run(self.tokens, self.positions, _GraphKv(self), self.out_rows, self.capture, cap,
+                                logits_out=self.logits)
         torch.argmax(self.logits, -1, out=self.top)  # first maximal index, like greedy's tie rule
         torch.all(torch.isfinite(self.logits), out=self.finite)
 
-    def launch(self, ids: np.ndarray) -> None:
+    def launch(self, sessions: list, ids: list[np.ndarray]) -> None:
         """Prepare inputs and run the step (replay, or eager + capture on first use)."""
-        self._prepare(ids)
+        self._prepare(sessions, ids)
         if not self.cuda:
             with torch.inference_mode():
                 self._step()
             return
         key = self._storage_key()
-        if self.graph is not None and key == self.key:
-            self.graph.replay()
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+            graph.replay()
             return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -145,9 +187,20 @@ class StepGraph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), torch.inference_mode():
             self._step()  # recorded, not executed
-        self.graph, self.key = graph, key
+        self.graphs[key] = graph
+        if len(self.graphs) > MAX_CAPTURES:
+            self.graphs.popitem(last=False)
         self.captures += 1
 
-    def run(self, ids: np.ndarray) -> torch.Tensor:
-        self.launch(ids)
+    def run(self, sessions: list, ids: list[np.ndarray]) -> torch.Tensor:
+        """Logits f32 [R, vocab] of every item's output rows, items in order."""
+        self.launch(sessions, ids)
         return self.logits
+
+    def split(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Per-item views of a [R, ...] output (logits, top)."""
+        out, r = [], 0
+        for n in self.item_rows:
+            out.append(t[r:r + n])
+            r += n
+        return out

@@ -84,7 +84,7 @@ class Session(Sequence):
         self.use_graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
         if self.use_graphs and self.device.type != "cuda":
             raise LaneError("CUDA graphs need device 'cuda'")
-        self._graphs: dict = {}
+        self._graphs: dict = {}  # (rows, output) -> the engine's StepGraph this session ran alone
         self._scratches: dict[bool, AttnScratch] = {}
         self._cpu_attn = CpuAttnScratch(cfg.n_kv_heads, cfg.head_dim)  # grows on first use
 
@@ -114,11 +114,9 @@ class Session(Sequence):
                 and T <= min(p.capacity for p in self.cache.planes))
 
     def _graph(self, T: int, out_rows: str):
-        from .graphs import StepGraph
-
-        g = self._graphs.get((T, out_rows))
-        if g is None:
-            g = self._graphs[(T, out_rows)] = StepGraph(self, T, out_rows)
+        """The engine's graph for this session alone with T rows (recorded in `_graphs`)."""
+        g = self.engine.graph(((T, out_rows, self.max_context),), self.capture_layers)
+        self._graphs[(T, out_rows)] = g
         return g
 
     def _forward(self, ids: np.ndarray, rows: str,
@@ -138,7 +136,7 @@ class Session(Sequence):
         cp = self.cache.checkpoint(block=1)
         g = self._graph(1, "last")
         try:
-            g.launch(a)
+            g.launch([self], [a])
             top, ok = int(g.top[0]), bool(g.finite)  # the one readback
             if not ok:
                 raise NonFiniteLogits(f"non-finite logits at item 0, row 0: no distribution installed "

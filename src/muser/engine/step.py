@@ -18,8 +18,9 @@ item, where chunk is the session's prefill chunk). The step is one transaction: 
 requested row's logits are not finite, every session returns to its state before the step
 and NonFiniteLogits names the item and row (book 10.9).
 
-On CUDA a step with one item of <= 16 rows asking for its last or all rows replays that
-session's captured graph (engine/graphs.py); steps of several items run eagerly.
+On CUDA a step whose items all have <= 16 rows and ask for their last or all rows replays the
+captured graph of its batch shape (engine/graphs.py: keyed by the per-item row counts, owned by
+the engine); other steps run eagerly.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ class _BatchKv:
 
 
 def _graph_mode(w: StepWork) -> str | None:
-    """The graph shape ('last' | 'all') serving a one-item step, or None."""
+    """The graph output ('last' | 'all') serving this item, or None (eager)."""
     if isinstance(w.rows, str):
         mode = w.rows
     elif np.array_equal(w.rows, np.arange(w.T)):
@@ -161,16 +162,22 @@ def _graph_mode(w: StepWork) -> str | None:
 
 def run_rows(engine, works: list[StepWork]) -> list[tuple[torch.Tensor | None, dict[int, np.ndarray]]]:
     """One forward over the items' rows (no validation, no transaction: see `step`). Per item:
-    device logits f32 [R, vocab] of its requested rows (or None) and its captured inputs."""
+    device logits f32 [R, vocab] of its requested rows (or None) and its captured inputs.
+    On CUDA a batch whose every item fits a graph (<= 16 rows, 'last' or 'all', its session's
+    capture layers) replays the graph of its shape; otherwise the step runs eagerly."""
     from .session import _EagerKv
 
-    if len(works) == 1:
-        w = works[0]
-        mode = _graph_mode(w)
-        if mode is not None:
-            g = w.session._graph(w.T, mode)
-            logits = g.run(w.ids)
-            return [(logits, {il: b.to("cpu").numpy() for il, b in g.captured.items()})]
+    modes = [_graph_mode(w) for w in works]
+    if all(m is not None for m in modes):
+        shape = tuple((w.T, m, w.session.max_context) for w, m in zip(works, modes))
+        capture = tuple(sorted(set().union(*[w.capture for w in works])))
+        g = engine.graph(shape, capture)
+        g.launch([w.session for w in works], [w.ids for w in works])
+        if len(works) == 1:
+            works[0].session._graphs[(works[0].T, modes[0])] = g
+        cap = {il: b.to("cpu").numpy() for il, b in g.captured.items()}
+        return [(lg, {il: cap[il][a:b] for il in w.capture})
+                for w, lg, (a, b) in zip(works, g.split(g.logits), g.bounds)]
     dev = engine.device
     parts, bounds, sel = [], [], []
     o = 0
@@ -222,7 +229,7 @@ def step(engine, batch: Sequence[StepItem]) -> list[StepResult]:
         res = [(host_rows(lg), cap) for lg, cap in run_rows(engine, works)]
         for i, (w, (lg, _)) in enumerate(zip(works, res)):
             bad = None if lg is None else first_non_finite(lg)
-            if bad is not None:
+            if lg is not None and bad is not None:
                 raise non_finite_error(lg, bad, i, int(w.row_indices()[bad[0]]), n0[i])
         return res
 

@@ -4,14 +4,14 @@ metadata contract (MuseConfig), tensor contract, identity and pin."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 from ..gguf.identity import Identity, check_pin, identity_of
 from ..gguf.reader import GGUFFile, read_gguf
 from .config import MuseConfig
-from .contract import ContractReport, TensorClass, check_contract, parameter_count
+from .contract import ContractReport, check_contract, parameter_count
 
 
 @dataclass

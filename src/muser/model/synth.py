@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -329,7 +329,6 @@ def _unit_std(t: G) -> float:
         from gguf.quants import dequantize
 
         rng = np.random.Generator(np.random.PCG64(1234))
-        ti = type_info(t)
         b = _random_blocks(rng, t, 4096, np.ones(4096, dtype=np.float32))
         vals = dequantize(b.reshape(-1), t.value)
         _UNIT_STD[t] = float(np.std(vals))

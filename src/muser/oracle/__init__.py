@@ -8,13 +8,13 @@ session.py holds the loaded model and its sessions, forward.py the Figure 10.1 g
 numerics.py one function per op and the two arithmetic modes.
 """
 
+from ..sequence import SessionCheckpoint
 from .session import (
     DEFAULT_CHUNK,
     DEFAULT_KV,
     NoiseFloor,
     OracleModel,
     OracleSession,
-    SessionCheckpoint,
     load,
     noise_floor,
     parity_stats,

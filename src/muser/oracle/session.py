@@ -28,7 +28,7 @@ from ..model.config import MuseConfig
 from ..model.loader import ModelFile, open_model
 from .forward import OracleForward, OracleWeights, single_thread_blas
 from .numerics import ARITHMETICS, Arithmetic, log_softmax
-from ..sequence import Sequence, SessionCheckpoint, check_chunk, check_max_context
+from ..sequence import Sequence, check_chunk, check_max_context
 
 DEFAULT_CHUNK = 512  # prefill rows per forward (book 10.10: PREFILL_BATCH_TOKENS)
 DEFAULT_KV = {"f32": "f32", "ggml-cpu": "f16"}
@@ -128,7 +128,7 @@ class OracleModel:
 class NoiseFloor:
     value: float  # max over trials of max |d log-softmax|
     trials: list[float] = field(default_factory=list)
-    mode: str = "prefill"
+    mode: str | int = "prefill"
     n_tokens: int = 0
 
 

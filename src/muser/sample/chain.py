@@ -276,7 +276,6 @@ class Sampler:
                 f"{bad.size} non-finite logits (first at token {int(bad[0])}: {logits[bad[0]]}); "
                 "no distribution installed"
             )
-        P = self.params
         base = logits.astype(F32, copy=True)
         for tok, b in self._bias:  # logit-bias: the array is still in id order
             base[tok] = F32(base[tok] + b)

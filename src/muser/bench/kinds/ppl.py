@@ -1,7 +1,7 @@
 """`muser bench ppl`: perplexity of a micro Muse Glimmer GGUF on its corpus's held-out split,
 computed by Muser (the CPU oracle) and by the pinned llama.cpp on the same file, in one run.
 
-Text. `--text held-out` (or `val`) is the split of the micro model's corpus (tools/corpus.py:
+Text. `--text held-out` (or `val`) is the split of the micro model's corpus (muser.corpus:
 CPython 3.11 standard library, fixed file rule, split by SHA-256 of the path). The files are read
 from the corpus root and must hash to the split SHA-256 the GGUF records in
 `muser.micro.provenance`; each file becomes [BOS] + Muser's tokenization of it + [EOS], files in
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import math
 import sys
@@ -45,7 +44,7 @@ import numpy as np
 
 from ...oracle.numerics import log_softmax
 
-GATE_REL = 1e-3  # |PPL_muser / PPL_llama.cpp - 1| <= 0.1% (issue 5)
+GATE_REL = 1e-3  # |PPL_muser / PPL_llama.cpp - 1| <= 0.1% (the micro model's perplexity gate)
 DEFAULT_MAX_TOKENS = 8192  # 8 windows of 1024: about 3 minutes for the oracle on 2 cores
 TEXTS = {"held-out": "heldout", "val": "val"}
 PROVENANCE_KEY = "muser.micro.provenance"
@@ -79,28 +78,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 # --- the text ---------------------------------------------------------------------------------
 
 
-def corpus_module():
-    """tools/corpus.py (the one definition of the corpus rule), loaded from the repository."""
-    from ...errors import MuserError
-    from ..receipt import REPO_ROOT
-
-    name = "muser_micro_corpus"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = REPO_ROOT / "tools" / "corpus.py"
-    if not path.is_file():
-        raise MuserError(f"{str(path)!r} not found: the held-out text is defined by the repository's corpus rule")
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses resolve their module through sys.modules
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return mod
-
-
 def provenance(f) -> dict:
     from ...errors import MetadataError
 
@@ -128,16 +105,14 @@ class Text:
 
 def load_text(f, tokenizer, text: str, root: str | None = None) -> Text:
     """The split's token stream, checked against the split and stream hashes of the provenance."""
-    from ...errors import IdentityMismatch, MuserError, TokenizerError
+    from ...errors import IdentityMismatch, TokenizerError
 
     split = TEXTS[text]
     prov = provenance(f)
-    corpus = corpus_module()
+    from ... import corpus
+
     root = root or prov.get("corpus_root") or str(corpus.DEFAULT_ROOT)
-    try:
-        docs = corpus.split_docs(corpus.load_docs(Path(root)), split)
-    except corpus.CorpusError as e:
-        raise MuserError(f"corpus: {e}") from None
+    docs = corpus.split_docs(corpus.load_docs(Path(root)), split)  # CorpusError (a MuserError) names the root
     sha = corpus.split_sha256(docs)
     want = prov["corpus"].get(split, {}).get("sha256")
     if sha != want:

@@ -81,7 +81,6 @@ def _ggml_gate(x, formats) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
 
     from ...errors import MuserError
     from ...quant.quality import FORMATS, bits_per_weight, relative_rmse, sample_data

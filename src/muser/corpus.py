@@ -1,0 +1,135 @@
+"""The micro model's corpus rule: which CPython 3.11 standard-library files, in which order,
+in which split (train / val / held-out), and the split hash. `muser bench ppl` reads the
+held-out split through it; tools/corpus.py builds the tokenizer and token streams on it.
+
+Corpus rule (reproducible on any machine of our kind; the pyenv 3.11.7 install):
+- every regular `*.py` file under ROOT = <python 3.11.7>/lib/python3.11, symlinks not followed;
+- excluded directories: site-packages (third-party), __pycache__, lib-dynload, config-3.11-* (build
+  files); excluded files: `_sysconfigdata_*.py` (paths of the machine that built Python) and
+  `pydoc_data/topics.py` (generated from the HTML docs, not source);
+- test/, idlelib/, lib2to3/, tkinter/, turtledemo/, distutils/ ARE included: they are ordinary Python
+  source and double the corpus (a 12.6M-parameter model trained for minutes is data-bound);
+- a file that is not strict UTF-8 is excluded (4 deliberately mis-encoded test inputs in 3.11.7);
+- order: relative POSIX paths sorted by code point;
+- split by the first byte b of SHA-256(relative path, UTF-8): b < 16 -> held-out (1/16 = 6.25% of
+  files expected), 16 <= b < 24 -> val (checkpoint selection during training), else train.
+
+Split hash framing: SHA-256 over the files of the split in order, each framed as
+    relpath (UTF-8) + b"\\n" + str(len(content_bytes)) (ASCII decimal) + b"\\n" + content_bytes
+(length-prefixed, so the framing is unambiguous).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import MuserError
+
+DEFAULT_ROOT = Path("/root/.pyenv/versions/3.11.7/lib/python3.11")
+
+EXCLUDED_DIRS = ("site-packages", "__pycache__", "lib-dynload")
+EXCLUDED_DIR_PREFIXES = ("config-3.11-",)
+EXCLUDED_FILES = ("pydoc_data/topics.py",)
+EXCLUDED_FILE_PREFIXES = ("_sysconfigdata_",)
+
+HELDOUT_BELOW = 16  # first SHA-256 byte < 16 -> held-out
+VAL_BELOW = 24  # 16 <= byte < 24 -> val
+SPLITS = ("train", "val", "heldout")
+
+# Special tokens, ids 0..5 in this order (the same set and order as muser.model.synth); a
+# corpus file containing one of these texts is refused.
+BOS, EOS, EOT, MASK, START_HEADER, END_HEADER = (
+    "<|begin_of_text|>", "<|end_of_text|>", "<|eot|>", "<|mask|>", "<|start_header|>", "<|end_header|>",
+)
+SPECIALS = (BOS, EOS, EOT, MASK, START_HEADER, END_HEADER)
+
+
+class CorpusError(MuserError):
+    """The corpus cannot be built as specified (missing root, bad file, hash mismatch)."""
+
+
+@dataclass(frozen=True)
+class Doc:
+    relpath: str
+    data: bytes  # the file's bytes (valid UTF-8)
+    split: str
+
+    @property
+    def text(self) -> str:
+        return self.data.decode("utf-8")
+
+
+def split_of(relpath: str) -> str:
+    b = hashlib.sha256(relpath.encode("utf-8")).digest()[0]
+    if b < HELDOUT_BELOW:
+        return "heldout"
+    if b < VAL_BELOW:
+        return "val"
+    return "train"
+
+
+def _excluded_dir(rel_dir: str, name: str) -> bool:
+    return name in EXCLUDED_DIRS or (rel_dir == "" and name.startswith(EXCLUDED_DIR_PREFIXES))
+
+
+def _excluded_file(relpath: str) -> bool:
+    return relpath in EXCLUDED_FILES or os.path.basename(relpath).startswith(EXCLUDED_FILE_PREFIXES)
+
+
+def list_sources(root: Path = DEFAULT_ROOT) -> tuple[list[str], list[str]]:
+    """(included relpaths sorted, excluded non-UTF-8 relpaths sorted)."""
+    root = Path(root)
+    if not (root / "os.py").is_file() or not (root / "test").is_dir():
+        raise CorpusError(f"{str(root)!r} is not a CPython standard-library directory (no os.py / test/)")
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        rel_dir = os.path.relpath(dirpath, root)
+        rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/")
+        dirnames[:] = [d for d in dirnames if not _excluded_dir(rel_dir, d)]
+        for fn in filenames:
+            if not fn.endswith(".py"):
+                continue
+            full = os.path.join(dirpath, fn)
+            if os.path.islink(full) or not os.path.isfile(full):
+                continue
+            rel = f"{rel_dir}/{fn}" if rel_dir else fn
+            if not _excluded_file(rel):
+                found.append(rel)
+    found.sort()
+    included, non_utf8 = [], []
+    for rel in found:
+        try:
+            (root / rel).read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            non_utf8.append(rel)
+            continue
+        included.append(rel)
+    return included, non_utf8
+
+
+def load_docs(root: Path = DEFAULT_ROOT) -> list[Doc]:
+    root = Path(root)
+    rels, _ = list_sources(root)
+    docs = [Doc(r, (root / r).read_bytes(), split_of(r)) for r in rels]
+    for d in docs:
+        for s in SPECIALS:
+            if s.encode() in d.data:
+                raise CorpusError(f"{d.relpath!r} contains the special token text {s!r}")
+    return docs
+
+
+def split_docs(docs: list[Doc], split: str) -> list[Doc]:
+    if split not in SPLITS:
+        raise CorpusError(f"unknown split {split!r} (expected one of {SPLITS})")
+    return [d for d in docs if d.split == split]
+
+
+def split_sha256(docs: list[Doc]) -> str:
+    h = hashlib.sha256()
+    for d in docs:
+        h.update(d.relpath.encode("utf-8") + b"\n" + str(len(d.data)).encode("ascii") + b"\n")
+        h.update(d.data)
+    return h.hexdigest()
