@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import API_KEY, Served
+from .conftest import Served
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}]

@@ -347,8 +347,8 @@ def build_app(loop: EngineLoop, cfg: ServerConfig, metrics: Metrics) -> Starlett
         return await on_error(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", None,
                                                 "server_error"))
 
-    app = Starlette(routes=routes, exception_handlers={ApiError: on_error, HTTPException: on_http,
-                                                       Exception: on_bug})
+    handlers: dict[Any, Any] = {ApiError: on_error, HTTPException: on_http, Exception: on_bug}
+    app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.api = api
     return app
 

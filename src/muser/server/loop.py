@@ -280,7 +280,7 @@ class EngineLoop:
                     self._prefill_remote(s)
         decoders = [s for s in self.slots if s.decoding]
         prefillers = sorted((s for s in self.slots if s.prefilling), key=lambda s: s.job.t_submit)
-        items: list[tuple[Slot, list[int]]] = [(s, [s.next_token]) for s in decoders]
+        items: list[tuple[Slot, list[int]]] = [(s, [int(s.next_token)]) for s in decoders]  # decoding: set
         budget = WAITING_CHUNK if decoders else PREFILL_CHUNK  # prompt rows this step, oldest first
         for p in prefillers:
             if budget <= 0:

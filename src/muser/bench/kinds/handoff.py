@@ -128,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
                      "exposed_after_compute_s": max(0.0, done - o.compute_done_unix),
                      "kv_bytes": o.kv_bytes, "tile_bytes": o.tile_bytes, "wire_bytes": o.wire_bytes,
                      "arrivals": o.arrivals, "compute_done_unix": o.compute_done_unix})
-    mean = lambda k: statistics.fmean(r[k] for r in reps)
+    def mean(k):
+        return statistics.fmean(r[k] for r in reps)
+
     results = {
         "prompt_tokens": args.tokens, "chunk": layout.chunk_tokens,
         "ttft_local_s": cells["local"].mean, "ttft_remote_s": cells["remote"].mean,
