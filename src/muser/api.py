@@ -142,10 +142,17 @@ class Model:
 
     # -- running -------------------------------------------------------------------------------
     def session(self, max_context: int | None = None, chunk: int | None = None,
-                capture: Iterable[int] = (), graphs: bool | None = None):
+                capture: Iterable[int] = (), graphs: bool | None = None, kvpack: Any = None):
+        """A new sequence; with `kvpack` (a directory or a muser.kvpack.Store) its first prefill
+        reuses the longest stored prefix and persists new chunks (muser.kvpack.WarmSession)."""
         from .engine.session import PREFILL_CHUNK
 
-        return self.engine.session(max_context, PREFILL_CHUNK if chunk is None else chunk, capture, graphs)
+        s = self.engine.session(max_context, PREFILL_CHUNK if chunk is None else chunk, capture, graphs)
+        if kvpack is None:
+            return s
+        from .kvpack import warm_session
+
+        return warm_session(s, kvpack)
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int | None = None, sampling: Any = None,
                draft: Any = None, stop: Sequence[str] | None = None, max_context: int | None = None,

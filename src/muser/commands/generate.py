@@ -79,6 +79,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--render-special", action="store_true", help="show control tokens' text in the output")
     p.add_argument("--echo", action="store_true", help="write the prompt text before the completion")
     p.add_argument("--json", action="store_true", help="JSON lines: one per token, then a summary")
+    p.add_argument("--kvpack", metavar="DIR", help="reuse stored KV prefixes from DIR and store new ones "
+                   "(muser kvpack; created if absent)")
     p.set_defaults(func=run)
 
 
@@ -187,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
             ids = P.encode_text(tok, rendered, parse_special=args.special)
         n_ctx = P.context_size(len(ids), args.max_tokens, model.config.context_length, args.max_context,
                                name="--max-context")
-        session = model.session(max_context=n_ctx)
+        session = model.session(max_context=n_ctx, kvpack=args.kvpack)
         gen = generate(session, tok, ids, params, args.max_tokens, tuple(args.stop),
                        render_special=args.render_special)
         out = sys.stdout

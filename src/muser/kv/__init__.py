@@ -24,7 +24,19 @@ from .cache import (
 from .plane import BatchPlacement, KvPlane, PlaneGeometry, PlaneLayout, PlaneView
 
 __all__ = [
-    "KV_DTYPES", "ArrayBackend", "NumpyBackend", "DEFAULT_BLOCK", "DetachedInstall", "KvCache",
-    "KvCheckpoint", "KvSnapshot", "PlaneSnapshot", "geometries", "BatchPlacement", "KvPlane",
-    "PlaneGeometry", "PlaneLayout", "PlaneView",
+    "DEFAULT_BLOCK",
+    "KV_DTYPES",
+    "ArrayBackend",
+    "BatchPlacement",
+    "DetachedInstall",
+    "KvCache",
+    "KvCheckpoint",
+    "KvPlane",
+    "KvSnapshot",
+    "NumpyBackend",
+    "PlaneGeometry",
+    "PlaneLayout",
+    "PlaneSnapshot",
+    "PlaneView",
+    "geometries",
 ]

@@ -17,14 +17,22 @@ install (book 9.7, 10.6, 10.7, 15).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..errors import ContextOverflow, KvStateError
 from .backend import ArrayBackend, NumpyBackend, check_kv_dtype
-from .plane import BatchPlacement, KvPlane, PlaneGeometry, PlaneLayout, PlaneView, fresh_epoch
+from .plane import (
+    BatchPlacement,
+    KvPlane,
+    PlaneGeometry,
+    PlaneLayout,
+    PlaneView,
+    fresh_epoch,
+)
 
 # Verify width of one speculative block (book 10.1: MAX_DFLASH_BLOCK = 16).
 DEFAULT_BLOCK = 16
@@ -112,7 +120,7 @@ class KvCache:
 
     @classmethod
     def for_config(cls, config: Any, max_context: int, dtype: str = "f16",
-                   backend: ArrayBackend | None = None) -> "KvCache":
+                   backend: ArrayBackend | None = None) -> KvCache:
         """Planes for a MuseConfig: SWA rings on sliding layers, NoPE planes on full ones."""
         if max_context > config.context_length:
             raise ContextOverflow(
@@ -280,10 +288,10 @@ class KvCache:
         self.commit(install)
 
     # -- detached install ----------------------------------------------------------------------
-    def begin_install(self, n_tokens: int) -> "DetachedInstall":
+    def begin_install(self, n_tokens: int) -> DetachedInstall:
         return DetachedInstall(self, n_tokens)
 
-    def commit(self, install: "DetachedInstall") -> None:
+    def commit(self, install: DetachedInstall) -> None:
         """Swap the installed planes in (one assignment); refuses an incomplete install."""
         if install.cache is not self:
             raise KvStateError("this install was begun on a different cache")

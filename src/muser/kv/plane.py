@@ -85,7 +85,7 @@ class PlaneGeometry:
 
     @classmethod
     def build(cls, layer: int, sliding: bool, window: int, max_context: int, n_kv_heads: int,
-              head_dim: int, dtype: str) -> "PlaneGeometry":
+              head_dim: int, dtype: str) -> PlaneGeometry:
         if max_context <= 0:
             raise ContextOverflow(f"max_context must be positive, got {max_context}")
         if sliding and window <= 0:

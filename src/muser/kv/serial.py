@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,7 @@ class KvLayout:
     chunk_tokens: int = CHUNK_TOKENS
 
     @classmethod
-    def of_planes(cls, layouts: Sequence[PlaneLayout], chunk_tokens: int = CHUNK_TOKENS) -> "KvLayout":
+    def of_planes(cls, layouts: Sequence[PlaneLayout], chunk_tokens: int = CHUNK_TOKENS) -> KvLayout:
         ls = tuple(layouts)
         if not ls:
             raise KvLayoutMismatch("a KV layout needs at least one layer")
@@ -78,15 +79,17 @@ class KvLayout:
         for i, p in enumerate(ls):
             if p.layer != i or (p.n_kv_heads, p.head_dim, p.dtype) != (first.n_kv_heads, first.head_dim, first.dtype):
                 raise KvLayoutMismatch(f"layer {i}: layout {p} does not share layer 0's heads/head_dim/dtype")
+        if chunk_tokens < 1:
+            raise KvLayoutMismatch(f"chunk_tokens must be >= 1, got {chunk_tokens}", field="chunk_tokens")
         return cls(tuple(p.sliding for p in ls), windows.pop() if windows else 0, first.n_kv_heads,
                    first.head_dim, first.dtype, chunk_tokens)
 
     @classmethod
-    def of_cache(cls, cache: Any) -> "KvLayout":
-        return cls.of_planes(cache.layouts)
+    def of_cache(cls, cache: Any, chunk_tokens: int = CHUNK_TOKENS) -> KvLayout:
+        return cls.of_planes(cache.layouts, chunk_tokens)
 
     @classmethod
-    def of_config(cls, config: Any, dtype: str) -> "KvLayout":
+    def of_config(cls, config: Any, dtype: str) -> KvLayout:
         return cls(tuple(bool(s) for s in config.swa_pattern), int(config.sliding_window),
                    int(config.n_kv_heads), int(config.head_dim), dtype)
 
@@ -125,7 +128,22 @@ class KvLayout:
                 "head_dim": self.head_dim, "dtype": self.dtype, "chunk_tokens": self.chunk_tokens,
                 "format_version": FORMAT_VERSION}
 
-    def check_equal(self, other: "KvLayout", what: str) -> None:
+    @classmethod
+    def from_json(cls, d: Any) -> KvLayout:
+        """The layout a manifest records (to_json), every key checked."""
+        try:
+            if d["format_version"] != FORMAT_VERSION:
+                raise KvFormatError(f"layout format_version {d['format_version']!r} is not {FORMAT_VERSION}",
+                                    field="format_version")
+            sliding = tuple(bool(x) for x in d["sliding"] if x in (0, 1))
+            if len(sliding) != len(d["sliding"]) or d["dtype"] not in DTYPE_CODES:
+                raise ValueError
+            ints = [int(d[k]) for k in ("window", "n_kv_heads", "head_dim", "chunk_tokens")]
+        except (KeyError, TypeError, ValueError):
+            raise KvFormatError(f"layout record {d!r} is malformed", field="layout") from None
+        return cls(sliding, ints[0], ints[1], ints[2], d["dtype"], ints[3])
+
+    def check_equal(self, other: KvLayout, what: str) -> None:
         """Refuse `other` (from `what`) naming the first differing key and both values."""
         for key in ("dtype", "sliding", "window", "n_kv_heads", "head_dim", "chunk_tokens"):
             a, b = getattr(self, key), getattr(other, key)
@@ -163,8 +181,15 @@ def _host(rows: Any, dtype: str) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=_LE[dtype])
 
 
-def _encode(layout: KvLayout, kind: int, start: int, rows: int, n_tokens: int,
-            layers: Sequence[int], keys: Sequence[Any], values: Sequence[Any]) -> bytes:
+def encode_tile(layout: KvLayout, kind: int, start: int, n_tokens: int, keys: Sequence[Any],
+                values: Sequence[Any]) -> bytes:
+    """One tile from per-layer token-major rows [n_tokens - start, kv_dim] (numpy or torch) of
+    the layout's full layers (KIND_NOPE) or sliding layers (KIND_SWA), in layer order."""
+    layers = layout.full_layers if kind == KIND_NOPE else layout.sliding_layers
+    rows = n_tokens - start
+    if len(keys) != len(layers) or len(values) != len(layers):
+        raise KvLayoutMismatch(f"{len(keys)} key / {len(values)} value row sets for {len(layers)} layers",
+                               field="layers")
     payload = 2 * len(layers) * rows * layout.row_bytes
     head = _TILE.pack(TILE_MAGIC, FORMAT_VERSION, kind, DTYPE_CODES[layout.dtype], len(layers),
                       layout.n_kv_heads, layout.head_dim, 0, layout.window if kind == KIND_SWA else 0,
@@ -195,8 +220,8 @@ def nope_tile(snap: KvSnapshot, chunk: int, layout: KvLayout | None = None) -> b
         raise KvFormatError(f"chunk {chunk} holds no rows of a {snap.n_tokens}-token state", field="chunk")
     full = layout.full_layers
     ps = [snap.planes[i] for i in full]
-    return _encode(layout, KIND_NOPE, a, b - a, b, full, [p.keys[a - p.origin_logical:b - p.origin_logical] for p in ps],
-                   [p.values[a - p.origin_logical:b - p.origin_logical] for p in ps])
+    return encode_tile(layout, KIND_NOPE, a, b, [p.keys[a - p.origin_logical:b - p.origin_logical] for p in ps],
+                       [p.values[a - p.origin_logical:b - p.origin_logical] for p in ps])
 
 
 def swa_tile(snap: KvSnapshot, layout: KvLayout | None = None) -> bytes:
@@ -212,8 +237,8 @@ def swa_tile(snap: KvSnapshot, layout: KvLayout | None = None) -> bytes:
         if p.origin_logical > origin or p.origin_logical + p.len != n:
             raise KvFormatError(f"layer {p.layer}: snapshot rows [{p.origin_logical}, {p.origin_logical + p.len}) "
                                 f"do not hold the tail [{origin}, {n})", field="origin")
-    return _encode(layout, KIND_SWA, origin, rows, n, sl, [p.keys[origin - p.origin_logical:] for p in ps],
-                   [p.values[origin - p.origin_logical:] for p in ps])
+    return encode_tile(layout, KIND_SWA, origin, n, [p.keys[origin - p.origin_logical:] for p in ps],
+                       [p.values[origin - p.origin_logical:] for p in ps])
 
 
 def encode_tiles(snap: KvSnapshot, layout: KvLayout | None = None) -> list[bytes]:
@@ -314,10 +339,9 @@ def assemble(tiles: Sequence[Tile], layout: KvLayout, tokens: Sequence[int] | No
         pos = t.n_tokens
     if layout.full_layers and pos != n_tokens:
         raise KvFormatError(f"nope tiles cover [0, {pos}), the state has {n_tokens} tokens", field="n_tokens")
-    if layout.sliding_layers and n_tokens:
-        if len(swa) != 1 or swa[0].n_tokens != n_tokens:
-            raise KvFormatError(f"need one swa tile at {n_tokens} tokens, got {[t.n_tokens for t in swa]}",
-                                field="n_tokens")
+    if layout.sliding_layers and n_tokens and (len(swa) != 1 or swa[0].n_tokens != n_tokens):
+        raise KvFormatError(f"need one swa tile at {n_tokens} tokens, got {[t.n_tokens for t in swa]}",
+                            field="n_tokens")
     planes = []
     for pl in layout.planes():
         if pl.sliding:
@@ -400,5 +424,19 @@ def decode_snapshot(data: bytes | bytearray | memoryview, layout: KvLayout) -> K
     return assemble(tiles, layout, [int(x) for x in ids] if n_ids else None, n_tokens)
 
 
-__all__ = ["FORMAT_VERSION", "CHUNK_TOKENS", "KIND_NOPE", "KIND_SWA", "KvLayout", "Tile", "nope_tile", "swa_tile",
-           "encode_tiles", "decode_tile", "assemble", "encode_snapshot", "decode_snapshot"]
+__all__ = [
+    "CHUNK_TOKENS",
+    "FORMAT_VERSION",
+    "KIND_NOPE",
+    "KIND_SWA",
+    "KvLayout",
+    "Tile",
+    "assemble",
+    "decode_snapshot",
+    "decode_tile",
+    "encode_snapshot",
+    "encode_tile",
+    "encode_tiles",
+    "nope_tile",
+    "swa_tile",
+]

@@ -130,7 +130,6 @@ def run(args: argparse.Namespace) -> int:
                      "arrivals": o.arrivals, "compute_done_unix": o.compute_done_unix})
     def mean(k):
         return statistics.fmean(r[k] for r in reps)
-
     results = {
         "prompt_tokens": args.tokens, "chunk": layout.chunk_tokens,
         "ttft_local_s": cells["local"].mean, "ttft_remote_s": cells["remote"].mean,
