@@ -122,6 +122,8 @@ def _serve(*args: str) -> subprocess.CompletedProcess:
      "--prefill-peer nobody is not in"),
     (["--prefill-node", "no-port", "--certs", "CERTS"], "must be HOST:PORT"),
     (["--prefill-node", "127.0.0.1:9", "--certs", "MISSING"], "is missing: run `muser certs init"),
+    (["--prefill-node", "127.0.0.1:9", "--certs", "CERTS", "--kvpack", "MISSING"],
+     "with --prefill-node 127.0.0.1:9 is not served"),
 ])
 def test_startup_refuses_what_cannot_work(args, says, certs_dir, tmp_path):
     args = [str(certs_dir) if a == "CERTS" else str(tmp_path / "none") if a == "MISSING" else a for a in args]

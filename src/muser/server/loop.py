@@ -14,10 +14,14 @@ Scheduling (book 10.2-10.5, 10.10; the scheduler sees ids and counts, the backen
   step is built. A failing step fails only the jobs in it; the loop goes on.
 * Named sessions keep a conversation's KV across requests: a request whose prompt extends the
   tokens already in the named session's cache prefills only the new suffix.
-* With a prefill node (muser.handoff.RemotePrefill) a slot's prompt (or a named session's new
-  suffix, the held prefix as history) is prefilled remotely when the slot starts, on the loop
-  thread; a refused or dead link prefills locally inside RemotePrefill, which logs why. Each such
-  prefill is counted by path (remote / local) in the metrics.
+* Whole-prompt prefills, on the loop thread when a slot starts (decoders wait, as for a local
+  prefill of the prompt in one piece):
+  - with a prefill node (muser.handoff.RemotePrefill) the prompt (or a named session's new
+    suffix, the held prefix as history) is prefilled remotely; a refused or dead link prefills
+    locally inside RemotePrefill, which logs why; each is counted by path (remote / local);
+  - with a kvpack store (muser.kvpack.WarmSession) a prompt on an empty session restores its
+    longest stored prefix, prefills the rest and persists the new chunks in the background; the
+    slot waits for that writer before its session is emptied for the next request.
 """
 
 from __future__ import annotations
@@ -115,38 +119,66 @@ class StepBackend:
     the engine (every session back where it was), so its items are re-run one by one and only
     the ones that fail alone are failed."""
 
-    def __init__(self, model, context: int):
+    def __init__(self, model, context: int, remote=None, kvpack=None):
         from ..engine import StepItem
 
         self.model = model
         self.engine = model.engine
         self.context = context
         self._item = StepItem
+        self.remote = remote  # muser.handoff.RemotePrefill or None
+        self.store = None  # muser.kvpack.Store or None
+        if kvpack is not None:
+            from ..kvpack import Binding, Store
+
+            self.store = Store.open(kvpack, Binding.of_session(self.model.session(max_context=context)))
 
     def new_session(self):
         sess = self.model.session(max_context=self.context)
         # an empty-cache checkpoint with a block as long as the context: rolling back to it
         # empties the cache at no cost (no ring row is live yet), so a slot keeps its buffers
         sess.muser_empty = sess.checkpoint(block=self.context)
+        sess.muser_writer = None  # a WarmSession whose persistence may still read the planes
         return sess
 
     def reset(self, sess):
-        """`sess` emptied, or a new session when its planes were swapped (an install gives the
-        planes a fresh epoch, so the empty-cache checkpoint no longer applies)."""
+        """`sess` emptied, or a new session when its planes were swapped (an install or restore
+        gives the planes a fresh epoch, so the empty-cache checkpoint no longer applies)."""
+        if sess.muser_writer is not None:
+            sess.muser_writer.wait()  # rows being persisted are not overwritten
+            sess.muser_writer = None
         if sess.muser_empty is None:
             return self.new_session()
         if sess.n_past:
             sess.rollback(sess.muser_empty)
         return sess
 
-    def remote_prefill(self, remote, sess, ids: list[int], history: list[int]) -> tuple[np.ndarray, str]:
-        """`ids` prefilled through `remote` (RemotePrefill: remote, or local with its logged
-        reason); (logits [vocab], path)."""
-        logits = remote.prefill(sess, ids, history=history)
-        path = remote.last.path
-        if path == "remote":
-            sess.muser_empty = None  # the planes were swapped in: reset makes a new session
-        return logits, path
+    def whole_prefill(self, history: list[int]) -> bool:
+        """Whether a slot's prompt on top of `history` is prefilled in one call (prefill)."""
+        return self.remote is not None or (self.store is not None and not history)
+
+    def prefill(self, sess, ids: list[int], history: list[int]) -> tuple[np.ndarray, str, int, int]:
+        """`ids` prefilled in one call: (logits [vocab], path, tokens prefilled here, tokens
+        restored from kvpack). path: "remote" | "local" (RemotePrefill's) | "kvpack"."""
+        try:
+            if self.remote is not None:
+                logits = self.remote.prefill(sess, ids, history=history)
+                path = self.remote.last.path
+                if path == "remote":
+                    sess.muser_empty = None  # the planes were swapped in: reset makes a new session
+                return logits, path, 0 if path == "remote" else len(ids), 0
+            from ..kvpack import WarmSession
+
+            warm = WarmSession(sess, self.store)
+            logits = warm.prefill(ids)
+            sess.muser_writer = warm
+            restored = warm.last["restored"]
+            if restored:
+                sess.muser_empty = None  # restored planes were swapped in
+            return logits, "kvpack", warm.last["prefilled"], restored
+        except BaseException:
+            sess.muser_empty = None  # a failed install or restore may have swapped planes
+            raise
 
     def _run(self, items: list[tuple[Any, list[int]]]) -> list[np.ndarray]:
         res = self.engine.step([self._item(sess, toks, "last") for sess, toks in items])
@@ -190,17 +222,16 @@ class Slot:
 
 class EngineLoop:
     def __init__(self, model, slots: int = 4, context: int = 1024, queue_limit: int = 64,
-                 max_sessions: int = 16, backend=None, metrics=None, remote=None):
+                 max_sessions: int = 16, backend=None, metrics=None, remote=None, kvpack=None):
         self.model = model
         self.tokenizer = model.tokenizer
         self.context = context
-        self.backend = backend or StepBackend(model, context)
+        self.backend = backend or StepBackend(model, context, remote, kvpack)
         self.slots = [Slot(i) for i in range(slots)]
         self.queue: collections.deque[Job] = collections.deque()
         self.queue_limit = queue_limit
         self.sessions = SessionStore(max_sessions)
         self.metrics = metrics
-        self.remote = remote  # muser.handoff.RemotePrefill, or None: prompts prefill in the steps
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="muser-engine-loop", daemon=True)
@@ -274,10 +305,10 @@ class EngineLoop:
                     self._fail(s, ApiError(504, "the request ran past its timeout", None, "timeout"))
         self._admit(now)
         self._gauge()
-        if self.remote is not None:
-            for s in self.slots:
-                if s.prefilling and not s.history[s.cached:]:  # started, nothing prefilled in a step yet
-                    self._prefill_remote(s)
+        for s in self.slots:
+            # started, nothing prefilled in a step yet
+            if s.prefilling and not s.history[s.cached:] and self.backend.whole_prefill(s.history):
+                self._prefill_whole(s)
         decoders = [s for s in self.slots if s.decoding]
         prefillers = sorted((s for s in self.slots if s.prefilling), key=lambda s: s.job.t_submit)
         items: list[tuple[Slot, list[int]]] = [(s, [int(s.next_token)]) for s in decoders]  # decoding: set
@@ -298,6 +329,8 @@ class EngineLoop:
                 continue
             s.history.extend(toks)
             if s.todo:
+                if self.metrics is not None:
+                    self.metrics.prefilled_tokens.inc(len(toks))
                 del s.todo[: len(toks)]
                 if s.todo:
                     continue
@@ -307,19 +340,22 @@ class EngineLoop:
                 msg = str(e) if isinstance(e, MuserError) else f"{type(e).__name__}: {e}"
                 self._fail(s, ApiError(500, f"sampling failed: {msg}", None, "server_error"))
 
-    def _prefill_remote(self, s: Slot) -> None:
+    def _prefill_whole(self, s: Slot) -> None:
         todo = list(s.todo)
         try:
-            logits, path = self.backend.remote_prefill(self.remote, s.session, todo, list(s.history))
+            logits, path, ran, restored = self.backend.prefill(s.session, todo, list(s.history))
         except Exception as e:  # noqa: BLE001 - a prefill that fails locally too fails only this job
             msg = str(e) if isinstance(e, MuserError) else f"{type(e).__name__}: {e}"
             self._fail(s, ApiError(500, f"the prefill failed: {msg}", None, "server_error"))
             return
         if self.metrics is not None:
-            self.metrics.prefills.labels(path).inc()
-        if path != "remote":
+            if path != "kvpack":
+                self.metrics.prefills.labels(path).inc()
+            self.metrics.prefilled_tokens.inc(ran)
+            self.metrics.restored_tokens.inc(restored)
+        if path == "local":
             log.warning("slot %d: prompt of %d tokens prefilled locally: %s", s.index, len(todo),
-                        self.remote.last.reason)
+                        self.backend.remote.last.reason)
         s.history.extend(todo)
         s.todo = []
         try:
