@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 .PHONY: setup setup-test comparator run lint test clean
 
 # Runtime only: [project] dependencies (no pytest, no triton).
-$(VENV)/.stamp-runtime: pyproject.toml
+$(VENV)/.stamp-runtime: pyproject.toml setup.py src/muser/engine/kernels/cpu.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e .

@@ -124,6 +124,10 @@ def test_non_finite_logits_same_error_and_rollback_on_both(models, monkeypatch):
         return out
 
     monkeypatch.setattr(fw, "softcap_logits", lambda lg, a, b: orig_e(lg, a, b) * float("nan"))
+    from muser.engine.kernels import cpu_native  # the CPU forward's last op is the C kernel's softcap
+
+    orig_c = cpu_native.softcap
+    monkeypatch.setattr(cpu_native, "softcap", lambda lg, a, b: orig_c(lg, a, b) * float("nan"))
     monkeypatch.setattr(ofw.OracleForward, "chunk", nan_chunk)
     for call in (lambda s: s.decode(7), lambda s: s.verify([7, 8, 9]), lambda s: s.prefill(PROMPT[:20])):
         got = {name: _raised(lambda: call(s)) for name, s in sessions.items()}

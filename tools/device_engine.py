@@ -262,12 +262,16 @@ def stage_gate2(run: Run, workdir: Path, n_gen: int, dtypes: list[str] = DTYPES)
             rows.append(r)
             print(f"   gate2 {mp.name} kv={kv}: {r.get('status', 'ERROR')} max {r.get('max_dlsm')} "
                   f"floor {r.get('noise_floor')}", flush=True)
-    status = "pass" if tiny and all(r.get("status") == "pass" for r in tiny) else "fail"
+    # every row is part of the verdict (the micro model too); rows skipped for budget make it partial
+    ran = [r for r in rows if "skipped" not in r]
+    status = "fail" if not ran or any(r.get("status") != "pass" for r in ran) else \
+        ("partial" if len(ran) < len(rows) else "pass")
     for r in rows:
         run.rows.append((f"gate2 {run.device}", f"{r.get('dtype')} kv={r.get('kv')}",
                          f"{r.get('status', 'ERROR')} max {_f(r.get('max_dlsm'))} floor {_f(r.get('noise_floor'))} "
                          f"tok {'=' if r.get('tokens_identical') else r.get('token_agreement')}"))
-    return {"status": status, "greedy_tokens": n_gen, "rows": tiny, "micro_model": rows[len(tiny):]}
+    return {"status": status, "greedy_tokens": n_gen, "rows": tiny, "micro_model": rows[len(tiny):],
+            "skipped": [f"{r['dtype']} kv={r['kv']}" for r in rows if "skipped" in r]}
 
 
 def _f(x) -> str:
@@ -603,7 +607,7 @@ def main(argv=None) -> int:
         # Gate 2 ran earlier on the same machine and tree (another process of the same call):
         # its receipt's verdict gates these figures, and is named in them
         gr = json.loads(Path(a.gate_receipt).read_text())
-        g = {"status": gr["gate"]["status"], "receipt": Path(a.gate_receipt).name}
+        g = {"status": gr["gate"]["status"], "gated_by": Path(a.gate_receipt).name}
     if "full" in stages and not a.no_full and (a.device == "cuda" or a.full):
         need = 150 if a.full else 300
         run.stage("full", need, stage_full, run, work, a.full, a.llama_bench_json, g.get("status", "n/a"),
@@ -618,7 +622,8 @@ def main(argv=None) -> int:
         dev = device_description(a.device)
         rdir = Path(a.receipts) if a.receipts else out
         gate = {"status": g.get("status", "n/a"), "what": "Gate 2: exact lane vs oracle f32, prefill + "
-                f"{a.gate_tokens} greedy tokens, f32 and f16 K/V, tiny fixtures of {a.gate_dtypes}"}
+                f"{a.gate_tokens} greedy tokens, f32 and f16 K/V, tiny fixtures of {a.gate_dtypes}",
+                "rows": g.get("rows"), "micro_model": g.get("micro_model"), "skipped": g.get("skipped")}
         paths = []
         if "gate2" in run.results:
             paths.append(write_receipt(
@@ -631,7 +636,8 @@ def main(argv=None) -> int:
             paths.append(write_receipt("engine-full-geometry", model={"path": fr.get("path"),
                                        "file_bytes": fr.get("file_bytes"), "dtype_mix": fr.get("dtype_mix"),
                                        "config": fr.get("config")}, device=dev, lane="exact",
-                                       gate={"status": g.get("status", "n/a"), "receipt": g.get("receipt"),
+                                       gate={"status": "n/a", "gated_by": g.get("gated_by") or "engine-gate2 receipt of this call",
+                                             "gated_by_status": g.get("status", "n/a"),
                                              "what": "Gate 2 (tiny fixtures, this tree on this machine) gates these figures"},
                                        results=fr, out_dir=rdir))
         run.results["receipts"] = [str(p) for p in paths]

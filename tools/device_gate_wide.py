@@ -68,11 +68,16 @@ def main() -> int:
         print(f"gate2 wide kv={kv}: {r['status']} max {r['max_dlsm']:.3e} bound {r['bound']:.3e} "
               f"tokens identical {r['tokens_identical']} ({row['seconds']} s)", flush=True)
         del eng
-    if all("skipped" in r for r in res["rows"]):
+    skipped = [r["kv"] for r in res["rows"] if "skipped" in r]
+    if len(skipped) == len(res["rows"]):
         status = "n/a"
+    elif skipped and status == "pass":
+        status = "partial"  # a gate with rows left out for budget is not a pass
     p = write_receipt("engine-gate2-wide-cuda", model=res["fixture"], device=device_description("cuda"),
                       lane="exact", gate={"status": status, "what": "Gate 2 at full width, 4 layers, "
-                                          f"{a.gate_tokens} greedy tokens, default CUDA kernels"},
+                                          f"{a.gate_tokens} greedy tokens, default CUDA kernels",
+                                          "skipped": skipped,
+                                          "rows": [r for r in res["rows"] if "skipped" not in r]},
                       results=res, out_dir=a.out)
     print(f"receipt {p} ({time.time() - t0:.0f} s)")
     return 0

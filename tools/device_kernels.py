@@ -527,7 +527,7 @@ def main(argv=None) -> dict:
     gate = {"status": "n/a", "what": "kernel comparisons only (see check per case)"}
     if args.gate_receipt:
         gr = json.loads(Path(args.gate_receipt).read_text())
-        gate = {"status": gr["gate"]["status"], "receipt": Path(args.gate_receipt).name,
+        gate = {"status": "n/a", "gated_by": Path(args.gate_receipt).name, "gated_by_status": gr["gate"]["status"],
                 "what": "Gate 2 of the same tree on the same machine"}
     res["receipt"] = str(write_receipt("kernels-graph-" + args.device if args.graph else "kernels-" + args.device,
                                        model={"what": "random valid quantized weights at the full geometry's shapes"},

@@ -125,7 +125,7 @@ def main() -> int:
     gate = {"status": "n/a", "what": "profile only"}
     if a.gate_receipt:
         gr = json.loads(Path(a.gate_receipt).read_text())
-        gate = {"status": gr["gate"]["status"], "receipt": Path(a.gate_receipt).name,
+        gate = {"status": "n/a", "gated_by": Path(a.gate_receipt).name, "gated_by_status": gr["gate"]["status"],
                 "what": "Gate 2 of the same tree on the same machine"}
     write_receipt("decode-profile-cuda", model={"path": a.full, "bytes": Path(a.full).stat().st_size},
                   device=device_description("cuda"), lane="exact", gate=gate, results=res, out_dir=out)

@@ -24,6 +24,8 @@ BENCH=$LB/llama.cpp/build/bin/llama-bench
 mkdir -p "$W" "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:/tmp/site"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >/dev/null 2>&1 || true
+# the CPU kernel library (a CPU engine without it refuses with a LaneError naming the fix)
+python3 setup.py -q build_ext --inplace >/dev/null 2>&1 || echo "CPU kernel library not built: CPU engines will refuse" >&2
 T0=$(date +%s)
 el() { echo $(( $(date +%s) - T0 )); }
 

@@ -135,3 +135,7 @@ class KvLayoutMismatch(KvStateError):
 class HandoffRefused(MuserError):
     """A remote-KV handoff refused: authentication, integrity, replay, identity, schedule or
     link failure (book 10.7). Nothing from the refused stream reached a live plane."""
+
+
+class ReceiptError(MuserError):
+    """A receipt the writer refuses (or a file it could not have written)."""

@@ -181,8 +181,9 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
     assert all(L.ffn_in is not None and L.attn_in is not None for L in eng.weights.layers)
     assert all(not w.fields for w in eng.weights.matrices() if w is not eng.weights.embd and w.packed is not None)
     eng.forward.linear.triton_rows = True  # the CUDA path: fused kernels for <= 16 rows
-    eng.forward.cpu_fast = False
-    eng.forward.fused = True
+    from muser.engine.kernels import fused
+
+    eng.forward.native, eng.forward.tails = False, fused  # the CUDA forward's Triton tails
     prompt = [6 + (i * 37) % 300 for i in range(20)]
     rs, es = ref.session(max_context=64, graphs=False), eng.session(max_context=64, graphs=False)
     a = [rs.prefill(prompt)]

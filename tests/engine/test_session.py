@@ -167,11 +167,13 @@ def _msg(err, call) -> str:
 def test_non_finite_logits_install_nothing_and_roll_back(eng16, monkeypatch):
     import muser.engine.forward as fw
 
+    # the forward's last op: the C kernel's softcap on the CPU, the torch one elsewhere
+    fw, name = (eng16.forward.tails, "softcap") if eng16.forward.native else (fw, "softcap_logits")
     s = eng16.session(max_context=128)
     s.prefill(PROMPT[:40])  # rings wrapped: a rollback must restore overwritten rows
     good = s.logits.copy()
-    orig = fw.softcap_logits
-    monkeypatch.setattr(fw, "softcap_logits", lambda l, a, b: orig(l, a, b) * float("nan"))
+    orig = getattr(fw, name)
+    monkeypatch.setattr(fw, name, lambda l, a, b: orig(l, a, b) * float("nan"))
     with pytest.raises(NonFiniteLogits, match="no distribution"):
         s.decode(7)
     with pytest.raises(NonFiniteLogits):
@@ -180,7 +182,7 @@ def test_non_finite_logits_install_nothing_and_roll_back(eng16, monkeypatch):
         s.prefill(PROMPT[40:60])
     assert s.n_past == 40
     assert np.array_equal(s.logits, good)  # the installed distribution is unchanged
-    monkeypatch.setattr(fw, "softcap_logits", orig)
+    monkeypatch.setattr(fw, name, orig)
     assert np.array_equal(s.decode(7), _fresh_decode(eng16, PROMPT[:40], 7))
 
 
@@ -231,9 +233,12 @@ def test_fast_lane_drift_is_measured_not_exact(tiny_gguf, eng32):
         gate2(tiny_gguf, fast, None, "f32", n_gen=1)
 
 
-def test_graph_step_device_metadata_path(eng16, kernels):
+def test_graph_step_device_metadata_path(eng16, tiny_gguf, kernels):
     """The CUDA-graph step (device-resident positions, plane metadata and write slots; Triton
-    attention; static capture buffers) run without capture on the CPU, against the eager path."""
+    attention; static capture buffers) run without capture on the CPU, against the eager path
+    (the C attention kernel: another summation order, so within twice the f16-K/V noise floor)."""
+    nf = oracle.load(tiny_gguf, arithmetic="f32", kv="f16").noise_floor(PROMPT[:33]).value
+
     ref = eng16.session(max_context=64, capture=(1,))
     ref.prefill(PROMPT[:30])
     s = eng16.session(max_context=64, capture=(1,))
@@ -243,7 +248,7 @@ def test_graph_step_device_metadata_path(eng16, kernels):
         got = g.run([s], [np.array(blk)]).numpy().copy()
         want = ref.verify(blk)
         assert s.n_past == ref.n_past
-        assert max_dlsm(got, want) <= GATE_FLOOR  # summation order only (f16 K/V)
+        assert max_dlsm(got, want) <= max(GATE_FLOOR, 2 * nf)  # summation order only (f16 K/V)
         assert np.abs(g.captured[1].numpy() - ref.captured[1]).max() <= 1e-5
         assert int(g.top[-1]) == int(np.argmax(got[-1])) and bool(g.finite)
     for pa, pb in zip(s.snapshot().planes, ref.snapshot().planes):

@@ -28,7 +28,7 @@ import torch
 from ..errors import LaneError
 from ..model.config import POST_NORM_EPS, MuseConfig
 from ..model.loader import ModelFile
-from .lanes import Lane, Linear, cpu_concat
+from .lanes import Lane, Linear
 from .weights import QWeight, upload, vector
 
 
@@ -53,8 +53,9 @@ class LayerWeights:
     ffn_up: QWeight
     ffn_down: QWeight  # [hidden, ffn]
     post_ffw_norm: torch.Tensor
-    # CUDA: the projections that read one input, packed as one matrix (kernels/qmatvec_v3.Stack):
-    # attn_in = q|k|v|gate (v left out when its format differs), ffn_in = gate|up
+    # the projections that read one input, packed as one matrix (CUDA: kernels/qmatvec_v3.Stack,
+    # v left out when its format differs; CPU: cpu_native.CpuStack): attn_in = q|k|v|gate,
+    # ffn_in = gate|up
     attn_in: object | None = None
     attn_in_v: bool = False
     ffn_in: object | None = None
@@ -129,7 +130,19 @@ class ModelWeights:
             # kernel (MUSER_MATVEC_COMPARE=1)
             mw.pack_for_decode(drop_fields=os.environ.get("MUSER_MATVEC_COMPARE") != "1")
             torch.cuda.empty_cache()
+        elif device.type == "cpu":
+            mw.stack_for_cpu()
         return mw
+
+    def stack_for_cpu(self) -> None:
+        """The projections that read one input as one matrix of the CPU GEMM
+        (cpu_native.CpuStack): q|k|v|gate and ffn gate|up."""
+        from .kernels.cpu_native import stack
+
+        for L in self.layers:
+            L.attn_in = stack([L.wq, L.wk, L.wv, L.wgate])
+            L.attn_in_v = True
+            L.ffn_in = stack([L.ffn_gate, L.ffn_up])
 
     def pack_for_decode(self, drop_fields: bool) -> None:
         """The decode kernel's layout (kernels/qmatvec_v3) for every K-quant matrix, and the
@@ -199,64 +212,6 @@ def softcap_logits(l: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# the CPU forward for decode and verify shapes (T <= 16)
-#
-# The same graph as Forward.run with the per-op overhead cut: projections sharing an input are
-# one GEMV over their stacked f32 decodes (Q|K|V|gate, ffn gate|up), Q and K are QK-normed and
-# rotated as one [T, H + KV, D] tensor, elementwise steps run in place on fresh temporaries.
-# Every element sees the same f32 operations as in `run` except the GEMV's summation order.
-
-CPU_FAST_ROWS = 16  # the verify width (session.MAX_VERIFY); wider chunks take `run`
-
-
-@dataclass
-class _CpuLayer:
-    sliding: bool
-    attn_norm: torch.Tensor  # [hidden]
-    w_qkvg: torch.Tensor  # f32 [attn_dim + 2 kv_dim + attn_dim, hidden]
-    qk_norm: torch.Tensor  # [H + KV, D]: q_norm rows then k_norm rows
-    wo: torch.Tensor  # f32 [hidden, attn_dim]
-    post_attn_norm: torch.Tensor
-    ffn_norm: torch.Tensor
-    w_gu: torch.Tensor  # f32 [2 ffn, hidden]: gate rows then up rows
-    w_down: torch.Tensor  # f32 [hidden, ffn]
-    post_ffw_norm: torch.Tensor
-
-
-def _rms_norm_cpu(x: torch.Tensor, eps: torch.Tensor, inv_n: torch.Tensor | None) -> torch.Tensor:
-    """rms_norm with the scale chain in place: the same f32 ops, fewer allocations. torch's mean
-    is sum then divide; for a power-of-two width the divide is the exact multiply by inv_n.
-    eps, inv_n: 0-dim f32 tensors (a Python scalar operand costs a conversion per call)."""
-    ms = (x * x).sum(-1, keepdim=True)
-    ms = ms.div_(x.shape[-1]) if inv_n is None else ms.mul_(inv_n)
-    return x * ms.add_(eps).sqrt_().reciprocal_()
-
-
-def _inv_width(n: int) -> torch.Tensor | None:
-    return torch.tensor(1.0 / n, dtype=torch.float32) if n & (n - 1) == 0 else None
-
-
-def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x f32 [T, n_in] @ w^T (w f32 [n_out, n_in]) -> [T, n_out]; one row through GEMV."""
-    if x.shape[0] == 1:
-        return torch.mv(w, x[0]).unsqueeze(0)
-    return torch.mm(x, w.t())
-
-
-def _rope_cpu(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """`rope` writing both halves of each pair into one output (no stack). x [T, n, D];
-    c, s [T, 1, D/2]."""
-    T, nh, D = x.shape
-    p = x.view(T, nh, D // 2, 2)
-    x0, x1 = p[..., 0], p[..., 1]
-    out = torch.empty_like(x)
-    o = out.view(T, nh, D // 2, 2)
-    torch.sub(x0 * c, x1 * s, out=o[..., 0])
-    torch.add(x0 * s, x1 * c, out=o[..., 1])
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
 # the forward
 
 
@@ -291,10 +246,21 @@ class Forward:
         self.lane = lane
         self.device = device
         self.linear = Linear(lane, device)
-        self.cpu_fast = device.type == "cpu"  # the CPU small-T forward (run_cpu); off = reference
-        # CUDA: the fused element-wise tails (kernels/fused.py) in place of the torch op chains
-        self.fused = device.type == "cuda"
-        self._cpu: list[_CpuLayer] | None = None
+        # The fused element-wise tails in place of the torch op chains: Triton on CUDA
+        # (kernels/fused.py), the C library on the CPU (kernels/cpu_native.py, whose fixed
+        # reduction orders make the CPU lane row-invariant). The torch ops above stay as the
+        # reference both are tested against.
+        self.native = device.type == "cpu"
+        self.fused = True
+        if self.native:
+            from .kernels import cpu_native
+
+            self.tails = cpu_native
+            self._ones = torch.ones(cfg.hidden, dtype=torch.float32)  # the weightless entry norm
+        else:
+            from .kernels import fused
+
+            self.tails = fused
         self._cos = torch.empty((0, cfg.head_dim // 2), dtype=torch.float32, device=device)
         self._sin = self._cos
 
@@ -315,11 +281,10 @@ class Forward:
         inp_out_ids). capture: layers whose input residual is recorded into `captured`
         (n_layers = the residual leaving the last layer). Returns logits f32 [R, vocab] (R = 1,
         T or len(out_rows)) or None. Capture-safe: no host sync, no host-built tensors."""
-        if (self.cpu_fast and getattr(kv, "cpu_fast", False) and tokens.shape[0] <= CPU_FAST_ROWS
-                and self._cpu_consts() is not None):  # eager CPU steps only (graph steps: below)
-            return self.run_cpu(tokens, positions, kv, out_rows, capture, captured, logits_out)
         rows_idx, out_rows = _row_mode(out_rows)
         cfg, W, lin = self.cfg, self.w, self.linear
+        if self.native:
+            self.tails.follow_torch_threads()
         T = tokens.shape[0]
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         eps = cfg.rms_eps
@@ -327,12 +292,12 @@ class Forward:
         cos = self._cos.index_select(0, positions)  # [T, D/2]
         sin = self._sin.index_select(0, positions)
         h = W.embd.decode(tokens)  # [T, hidden]: the quantized table row, decoded exactly (ch 11)
-        h = rms_norm(h, eps)  # entry norm, weightless (muse-glimmer.cpp build_norm(.., nullptr))
+        # entry norm, weightless (muse-glimmer.cpp build_norm(.., nullptr)); * 1.0 is exact
+        h = self.tails.norm_mul(h, self._ones, eps) if self.native else rms_norm(h, eps)
         last = len(W.layers) - 1
         final_capture = captured is not None and len(W.layers) in capture
-        fz = self.fused
+        fz, FK = self.fused, self.tails
         if fz:
-            from .kernels import fused as FK
             cos_c, sin_c = cos.contiguous(), sin.contiguous()
         x_next = None  # fused path: this layer's pre-norm, computed by the previous layer's tail
         for il, L in enumerate(W.layers):
@@ -406,93 +371,12 @@ class Forward:
             x = x_next if not final_capture or out_rows == "all" else FK.norm_mul(h.contiguous(), W.out_norm, eps)
         else:
             x = rms_norm(h, eps) * W.out_norm
-        logits = softcap_logits(lin(W.lm_head, x), cfg.logit_scale, cfg.softcap)
+        cap = FK.softcap if self.native else softcap_logits
+        logits = cap(lin(W.lm_head, x), cfg.logit_scale, cfg.softcap)
         if logits_out is not None:
             logits_out.copy_(logits)
             return logits_out
         return logits
-
-    def _cpu_consts(self) -> list[_CpuLayer] | None:
-        """Per-layer constants of the CPU forward, built once; None when the f32 decodes would
-        exceed the CPU cache budget (then `run` decodes in row chunks)."""
-        if self._cpu is not None:
-            return self._cpu or None
-        lin, W, cfg = self.linear, self.w, self.cfg
-        out: list[_CpuLayer] = []
-        for L in W.layers:
-            mats = [cpu_concat(lin, [L.wq, L.wk, L.wv, L.wgate]), cpu_concat(lin, [L.wo]),
-                    cpu_concat(lin, [L.ffn_gate, L.ffn_up]), cpu_concat(lin, [L.ffn_down])]
-            if any(m is None for m in mats):
-                self._cpu = []
-                return None
-            qk = torch.cat([L.q_norm.expand(cfg.n_heads, cfg.head_dim),
-                            L.k_norm.expand(cfg.n_kv_heads, cfg.head_dim)], 0).contiguous()
-            out.append(_CpuLayer(L.sliding, L.attn_norm, mats[0], qk, mats[1], L.post_attn_norm,
-                                 L.ffn_norm, mats[2], mats[3], L.post_ffw_norm))
-        embd = cpu_concat(lin, [W.embd])  # the table decoded once (the same exact decoder, ch 11)
-        if embd is None or cpu_concat(lin, [W.lm_head]) is None:
-            self._cpu = []
-            return None
-        self._cpu_embd = embd
-        f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
-        # the f32 values the scalar ops round their operands to
-        self._cpu_scalars = (f32(cfg.rms_eps), f32(float(POST_NORM_EPS)), f32(1.0),
-                             _inv_width(cfg.hidden), _inv_width(cfg.head_dim))
-        self._cpu = out
-        return out
-
-    def run_cpu(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KvStep, out_rows: "str | torch.Tensor",
-                 capture: tuple[int, ...] = (), captured: dict | None = None,
-                 logits_out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """run() for T <= CPU_FAST_ROWS on the CPU (same arguments, same results up to f32
-        summation order)."""
-        rows_idx, out_rows = _row_mode(out_rows)
-        cfg, W, lin = self.cfg, self.w, self.linear
-        layers = self._cpu
-        T = tokens.shape[0]
-        H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        A, KD = H * D, KV * D
-        eps, post_eps, one, inv_h, inv_d = self._cpu_scalars
-        cos = self._cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
-        sin = self._sin.index_select(0, positions).unsqueeze(1)
-        h = _rms_norm_cpu(self._cpu_embd.index_select(0, tokens), eps, inv_h)  # [T, hidden]
-        last = len(layers) - 1
-        final_capture = captured is not None and len(layers) in capture
-        for il, L in enumerate(layers):
-            if il in capture and captured is not None:
-                captured[il] = h
-            x = _rms_norm_cpu(h, eps, inv_h).mul_(L.attn_norm)
-            y = _mm(x, L.w_qkvg)  # [T, A | KD | KD | A]
-            qk = y[:, :A + KD].view(T, H + KV, D)
-            qk = _rms_norm_cpu(qk, eps, inv_d).mul_(L.qk_norm)  # QK-norm, q and k at once (book 14)
-            if L.sliding:
-                qk = _rope_cpu(qk, cos, sin)
-            v = y[:, A + KD:A + 2 * KD].reshape(T, KV, D)
-            a = kv.attend(il, qk[:, :H], qk[:, H:].contiguous(), v)  # [T, H, D]
-            g = y[:, A + 2 * KD:]
-            sg = torch.exp(-g).add_(one).reciprocal_()  # sigmoid: 1 / (1 + expf(-x))
-            a = a.reshape(T, A) * sg  # gate before o_proj (book 9.8)
-            o = _rms_norm_cpu(_mm(a, L.wo), post_eps, inv_h).mul_(L.post_attn_norm)
-            h = o.add_(h)
-            if il == last and out_rows != "all" and not final_capture:
-                if out_rows == "none":
-                    return None
-                h = _pick(h, out_rows, rows_idx)
-            x = _rms_norm_cpu(h, eps, inv_h).mul_(L.ffn_norm)
-            gu = _mm(x, L.w_gu)  # [T, 2 ffn]
-            gt = gu[:, :cfg.ffn]
-            f = gt / torch.exp(-gt).add_(one)  # silu: x / (1 + expf(-x))
-            f = f.mul_(gu[:, cfg.ffn:])
-            f = _rms_norm_cpu(_mm(f, L.w_down), post_eps, inv_h).mul_(L.post_ffw_norm)
-            h = f.add_(h)
-        if final_capture:
-            captured[len(layers)] = h
-            if out_rows == "none":
-                return None
-            if out_rows != "all":
-                h = _pick(h, out_rows, rows_idx)
-        x = _rms_norm_cpu(h, eps, inv_h).mul_(W.out_norm)
-        logits = softcap_logits(_mm(x, cpu_concat(lin, [W.lm_head])), cfg.logit_scale, cfg.softcap)
         if logits_out is not None:
             logits_out.copy_(logits)
             return logits_out

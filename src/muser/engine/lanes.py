@@ -6,9 +6,11 @@
 * fast: as exact for <= 16 rows; wider calls (prefill) use bf16 operands on tensor cores with
   f32 output. Its drift is measured and reported, never called exact.
 
-On the CPU the decoded f32 (or bf16) matrices are cached once per weight within a byte budget
-(the CPU has no bandwidth to save by decoding per call; the decode is the same bit-exact
-decoder), beyond it each call decodes row chunks.
+On the CPU every projection runs the C library's GEMM (kernels/cpu_native.py: one fixed
+reduction order per output, whatever the row count or thread count, so the lane is
+row-invariant), reading Q8_0 as stored and other formats as their exact f32 decode, cached once
+per weight within a byte budget; beyond it each call decodes row chunks. The fast lane's wide
+calls on the CPU stay bf16 torch GEMMs.
 """
 
 from __future__ import annotations
@@ -75,30 +77,41 @@ class Linear:
         self._cached_bytes = 0
 
     def stacked_ok(self, T: int) -> bool:
-        """Stacked projections (kernels/qmatvec_v3.Stack) serve this call: CUDA, decode-shaped,
-        and no older kernel forced by MUSER_MATVEC."""
+        """Stacked projections serve this call: on CUDA (kernels/qmatvec_v3.Stack) decode-shaped
+        calls with no older kernel forced by MUSER_MATVEC; on the CPU (cpu_native.CpuStack)
+        every call of the C GEMM."""
         import os
 
-        return self.triton_rows and T <= qmatvec.MAX_ROWS and os.environ.get("MUSER_MATVEC", "") in ("", "v3")
+        if self.triton_rows:
+            return T <= qmatvec.MAX_ROWS and os.environ.get("MUSER_MATVEC", "") in ("", "v3")
+        return not self.cuda and not self._torch_wide(T)
+
+    def _torch_wide(self, T: int) -> bool:
+        return self.lane is Lane.FAST and T > qmatvec.MAX_ROWS
 
     def stacked_raw(self, st, x: torch.Tensor) -> torch.Tensor:
-        """x [T, n_in] -> [T, sum n_out] for a Stack (one launch)."""
+        """x [T, n_in] -> [T, sum n_out] for a Stack (one launch / one GEMM)."""
+        if not self.cuda:
+            from .kernels import cpu_native
+
+            if isinstance(st, cpu_native.CpuStack):
+                return cpu_native.gemm(st.mat, x.contiguous())
         from .kernels import qmatvec_v3
 
         return qmatvec_v3.matvec_v3(st.packed, x.contiguous())
 
     def stacked(self, st, x: torch.Tensor) -> list[torch.Tensor]:
         """x [T, n_in] -> the members' outputs of a Stack (column views of one [T, sum] result)."""
-        from .kernels import qmatvec_v3
-
-        return st.split(qmatvec_v3.matvec_v3(st.packed, x.contiguous()))
+        return st.split(self.stacked_raw(st, x))
 
     def __call__(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         if self.triton_rows and T <= qmatvec.MAX_ROWS:
             return qmatvec.matvec(w, x.contiguous())
-        wide = self.lane is Lane.FAST and T > qmatvec.MAX_ROWS
+        wide = self._torch_wide(T)
         dt = torch.bfloat16 if wide else torch.float32
+        if not self.cuda and not wide:
+            return self._cpu_gemm(w, x.contiguous())
         if not self.cuda:
             wd = self._cpu_decoded(w, dt)
             if wd is not None:
@@ -117,6 +130,38 @@ class Linear:
             return x @ wd.T
         return (x.to(dt) @ wd.T).to(torch.float32)
 
+    def cpu_mat(self, w: QWeight):
+        """The GEMM's form of `w` (cpu_native.CpuMat), cached; None past the byte budget."""
+        from .kernels.cpu_native import CpuMat
+
+        key = ("mat", id(w))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        size = w.n_out * w.n_in * (1 if CpuMat.native(w) else 4)
+        if self._cached_bytes + size > CPU_CACHE_BYTES:
+            return None
+        m = CpuMat.of(w)
+        self._cache[key] = m
+        self._cached_bytes += m.nbytes
+        return m
+
+    def _cpu_gemm(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:
+        """x f32 [T, n_in] -> [T, n_out] through the C GEMM; past the cache budget each call
+        decodes row chunks (every output is still one whole-row dot in the fixed order)."""
+        from .kernels import cpu_native
+
+        m = self.cpu_mat(w)
+        if m is not None:
+            return cpu_native.gemm(m, x)
+        out = torch.empty((x.shape[0], w.n_out), dtype=torch.float32)
+        rows = max(1, CHUNK_BYTES // (4 * w.n_in))
+        for n0 in range(0, w.n_out, rows):
+            n1 = min(w.n_out, n0 + rows)
+            part = cpu_native.CpuMat(cpu_native.FMT_F32, decode_range(w, n0, n1).contiguous(), None, n1 - n0, w.n_in)
+            cpu_native.gemm(part, x, out=out[:, n0:n1])
+        return out
+
     def _cpu_decoded(self, w: QWeight, dt: torch.dtype) -> torch.Tensor | None:
         key = (id(w), dt)
         hit = self._cache.get(key)
@@ -129,23 +174,6 @@ class Linear:
         self._cache[key] = wd
         self._cached_bytes += size
         return wd
-
-
-def cpu_concat(lin: "Linear", ws: list[QWeight]) -> torch.Tensor | None:
-    """The CPU fast forward's fused projection: the f32 decodes of `ws` stacked along n_out
-    ([sum n_out, n_in]), cached in `lin` within the same byte budget; None beyond it. One GEMV
-    over the stack computes each output as the same dot product as its own matrix would."""
-    key = ("cat",) + tuple(id(w) for w in ws)
-    hit = lin._cache.get(key)
-    if hit is not None:
-        return hit
-    size = 4 * ws[0].n_in * sum(w.n_out for w in ws)
-    if lin._cached_bytes + size > CPU_CACHE_BYTES:
-        return None
-    wd = torch.cat([w.decode().to(torch.float32) for w in ws], 0).contiguous()
-    lin._cache[key] = wd
-    lin._cached_bytes += size
-    return wd
 
 
 def decode_range(w: QWeight, n0: int, n1: int) -> torch.Tensor:

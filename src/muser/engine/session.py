@@ -20,7 +20,7 @@ from ..errors import LaneError, NonFiniteLogits
 from ..kv.torch_backend import TORCH_KV, device_cache, resident_bytes
 from ..sequence import MAX_VERIFY, WAITING_CHUNK, Sequence, SessionCheckpoint, check_chunk, check_max_context
 from .forward import Forward
-from .kernels.attention import AttnScratch, CpuAttnScratch, attend_cpu, attend_ref, attend_triton, pick_splits
+from .kernels.attention import AttnScratch, attend_ref, attend_triton, pick_splits
 
 PREFILL_CHUNK = 512  # PREFILL_BATCH_TOKENS (book 10.10)
 
@@ -33,7 +33,6 @@ class _EagerKv:
     def __init__(self, sess: "Session", p0: int, T: int):
         self.s, self.p0, self.T = sess, p0, T
         self.cuda = sess.device.type == "cuda"
-        self.cpu_fast = not self.cuda  # Forward may take its CPU small-T path (attend_cpu below)
         if self.cuda:
             meta = np.array([[p.origin_logical, p.origin_physical, p.len, p.capacity]
                              for p in sess.cache.planes], dtype=np.int64)
@@ -52,10 +51,12 @@ class _EagerKv:
             splits = pick_splits(plane.capacity) if self.T <= MAX_VERIFY else 1
             out = attend_triton(q, kq, vq, plane.keys, plane.values, g.head_major, self.meta[il],
                                 self.pos, window, cfg.attn_scale, self.scratch, splits=splits)
-        elif self.T <= MAX_VERIFY:  # decode / verify shapes: contiguous runs, no gather
-            out = attend_cpu(q, kq, vq, plane.keys, plane.values, g.head_major, plane.origin_logical,
-                             plane.origin_physical, plane.len, plane.capacity, self.p0, window,
-                             cfg.attn_scale, s._cpu_attn)
+        elif s.device.type == "cpu":  # the C kernel: fixed order per row, any T (row-invariant)
+            from .kernels import cpu_native
+
+            out = cpu_native.attend(q, kq, vq, plane.keys, plane.values, g.head_major, plane.origin_logical,
+                                    plane.origin_physical, plane.len, plane.capacity, self.p0, window,
+                                    cfg.attn_scale)
         else:
             out = attend_ref(q, kq, vq, plane.keys, plane.values, g.head_major, plane.origin_logical,
                              plane.origin_physical, plane.len, plane.capacity, self.p0, window,
@@ -86,7 +87,6 @@ class Session(Sequence):
             raise LaneError("CUDA graphs need device 'cuda'")
         self._graphs: dict = {}  # (rows, output) -> the engine's StepGraph this session ran alone
         self._scratches: dict[bool, AttnScratch] = {}
-        self._cpu_attn = CpuAttnScratch(cfg.n_kv_heads, cfg.head_dim)  # grows on first use
 
     @property
     def kv_bytes(self) -> int:

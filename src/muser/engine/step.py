@@ -139,7 +139,6 @@ class _BatchKv:
 
     def __init__(self, parts: list, bounds: list[tuple[int, int]]):
         self.parts, self.bounds = parts, bounds
-        self.cpu_fast = all(p.cpu_fast for p in parts)
 
     def attend(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         outs = [p.attend(il, q[a:b], k[a:b].contiguous(), v[a:b].contiguous())

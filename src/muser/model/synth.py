@@ -103,6 +103,7 @@ class SynthSpec:
     source: str = "master"  # "master" | "blocks" (quantized bytes)
     seed: int = 0
     gain: float = 1.0  # projection std = gain / sqrt(n_in)
+    gains: tuple[tuple[str, float], ...] = ()  # (tensor role, e.g. "ffn_up", gain) overriding gain
     lm_gain: float = 25.0  # LM-head std = lm_gain / sqrt(hidden): peaky logits
     norm_jitter: float = 0.1  # norm weights = 1 + jitter * N(0, 1)
     embd_std: float = 1.0
@@ -305,6 +306,9 @@ def _std(spec: SynthSpec, name: str, shape: tuple[int, ...]) -> float:
         return spec.embd_std
     if name == "output.weight":
         return spec.lm_gain / math.sqrt(shape[0])
+    for role, g in spec.gains:
+        if f".{role}.weight" in name:
+            return g / math.sqrt(shape[0])
     return spec.gain / math.sqrt(shape[0])
 
 

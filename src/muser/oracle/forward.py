@@ -150,7 +150,7 @@ class OracleForward:
             key = nm.VEC_DOT_TYPE.get(lin.dtype, lin.dtype)
             if key not in rounded:
                 rounded[key] = self.arith.activation(x, lin.dtype)
-            out.append(nm.matmul(rounded[key], lin.w))
+            out.append(nm.matmul(rounded[key], lin.w, self.arith.reduction))
         return out
 
     def _norm(self, x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
@@ -182,13 +182,13 @@ class OracleForward:
         qq = a.attn_query(a.site(q))
         out = np.empty((T, cfg.n_heads, hd), dtype=F32)
         for g in range(nkv):
-            qg = qq[:, g * hpk:(g + 1) * hpk, :].transpose(1, 0, 2).astype(F64)  # [hpk, T, hd]
-            kg = keys[:, g, :].astype(F64)  # [n_keys, hd]: the KV head GQA group g shares
-            scores = (qg @ kg.T).astype(F32)  # [hpk, T, n_keys]
+            qg = qq[:, g * hpk:(g + 1) * hpk, :].transpose(1, 0, 2)  # [hpk, T, hd]
+            kg = keys[:, g, :]  # [n_keys, hd]: the KV head GQA group g shares
+            scores = nm.dot(qg, kg.T, a.reduction)  # [hpk, T, n_keys]
             p = nm.softmax_rows(scores, cfg.attn_scale, mask[None, :, :])
             p = a.attn_probs(a.site(p))
-            og = p.astype(F64) @ vals[:, g, :].astype(F64)  # [hpk, T, hd]
-            out[:, g * hpk:(g + 1) * hpk, :] = og.transpose(1, 0, 2).astype(F32)
+            og = nm.dot(p, vals[:, g, :], a.reduction)  # [hpk, T, hd]
+            out[:, g * hpk:(g + 1) * hpk, :] = og.transpose(1, 0, 2)
         return out.reshape(T, cfg.n_heads * hd)
 
     # -- the graph -----------------------------------------------------------------------------

@@ -100,10 +100,45 @@ _ACT_ROUND = {G.F16: f16_round, G.BF16: bf16_round, G.Q8_0: q8_0_round, G.Q8_K: 
 # --- continuous ops, ggml-cpu expression order -------------------------------------------------
 
 
-def matmul(x: np.ndarray, w64: np.ndarray) -> np.ndarray:
+# Legitimate f32 reduction orders of a dot product (the spread between them is part of the noise
+# floor, DESIGN.md "Exactness contract"): "f64" accumulates in float64 and rounds once (the
+# oracle's own, correctly rounded); "f32-block32" rounds each 32-element block's partial to f32
+# and accumulates the blocks in f32 one after another (ggml-cpu quants.c vec_dot: sumf += d*sumi
+# per block); "f32-seq" rounds every product and accumulates element by element in f32 (a
+# scalar loop, ggml_vec_dot_f32's leftover path).
+REDUCTIONS = ("f64", "f32-block32", "f32-seq")
+_BLOCK = {"f32-block32": 32, "f32-seq": 1}
+
+
+def dot(a: np.ndarray, b: np.ndarray, reduction: str = "f64") -> np.ndarray:
+    """a [..., K] @ b [K, N] -> [..., N] f32 in the given reduction order (see REDUCTIONS)."""
+    a64, b64 = np.asarray(a, dtype=F64), np.asarray(b, dtype=F64)
+    if reduction == "f64":
+        return (a64 @ b64).astype(F32)
+    blk = _BLOCK.get(reduction)
+    if blk is None:
+        raise LaneError(f"reduction {reduction!r} is not one of {', '.join(REDUCTIONS)}")
+    K = a64.shape[-1]
+    acc = np.zeros(np.broadcast_shapes(a64.shape[:-1] + (1,), b64.shape[:-2] + (1, b64.shape[-1])), dtype=F32)
+    if blk == 1:
+        a32, b32 = a64.astype(F32), b64.astype(F32)
+        if np.array_equal(a32, a64) and np.array_equal(b32, b64):
+            # f32 inputs: numpy's f32 multiply is the correctly rounded product, in place
+            tmp = np.empty_like(acc)
+            for k in range(K):
+                np.multiply(a32[..., k:k + 1], b32[..., k:k + 1, :], out=tmp)
+                acc += tmp
+            return acc
+    for s in range(0, K, blk):
+        acc += (a64[..., s:s + blk] @ b64[..., s:s + blk, :]).astype(F32)  # partial rounded, f32 add
+    return acc
+
+
+def matmul(x: np.ndarray, w64: np.ndarray, reduction: str = "f64") -> np.ndarray:
     """x [T, n_in] (f32, or the exact float64 values of quantized activations) @ W^T
-    (W [n_out, n_in] as float64) -> [T, n_out] f32: float64 accumulation, one rounding."""
-    return (np.asarray(x, dtype=F64) @ w64.T).astype(F32)
+    (W [n_out, n_in] as float64) -> [T, n_out] f32: float64 accumulation and one rounding, or
+    another legitimate f32 order (dot)."""
+    return dot(x, w64.T, reduction)
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
@@ -209,8 +244,11 @@ class Arithmetic:
     mode: str  # "f32" | "ggml-cpu"
     kv: str  # "f16" | "f32": the KV cache element type
     jitter: "str | np.random.Generator | None" = field(default=None, repr=False)  # "up" | "down" | rng
+    reduction: str = "f64"  # dot-product order (REDUCTIONS); noise_floor() runs the others
 
     def __post_init__(self) -> None:
+        if self.reduction not in REDUCTIONS:
+            raise LaneError(f"reduction {self.reduction!r} is not one of {', '.join(REDUCTIONS)}")
         if self.mode not in ARITHMETICS:
             raise LaneError(f"arithmetic {self.mode!r} is not one of {', '.join(ARITHMETICS)}")
         if self.kv not in ("f16", "f32"):

@@ -21,9 +21,12 @@ Sides. Muser: muser.oracle.load(model, arithmetic, kv) -> session(max_context=L)
 all_logits=True). llama.cpp: bench.llamacpp.LlamaCppRunner (n_ctx = n_batch = L, type_k = type_v
 = the same KV type, non-flash attention, one prefill per window).
 
-Gate: |PPL_muser / PPL_llama.cpp - 1| <= 0.1%. The receipt also carries, per side, mean NLL,
-next-token accuracy and per-window NLL, and between the sides the per-position max |d
-log-softmax| (max, median) and top-1 agreement. With --reference (the F16 master), the reference
+Gate: |PPL_muser / PPL_llama.cpp - 1| <= 0.1%, and position by position (muser.gates.judge):
+max |d log-softmax| <= max(1e-4, 2 x noise max), median <= max(1e-5, 2 x noise median), top-1
+agreement >= 1 - 2 x the noise's top-1 disagreement, where the noise is the oracle rerun with
+every norm output and rounding point's input moved 1 f32 ulp up, on the same windows (a
+temperature-like slip barely moves a calibrated model's perplexity, but moves every position).
+The receipt also carries, per side, mean NLL, next-token accuracy and per-window NLL. With --reference (the F16 master), the reference
 runs through both sides with the same settings and each side reports its top-1 agreement with
 the reference, mean KL(reference || model) and the reference's PPL. --no-comparator (for files
 the pinned llama.cpp cannot load: Muser's native NVFP4) runs Muser alone; the gate is then n/a.
@@ -42,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ...gates import judge
+from ...oracle import NoiseFloor
 from ...oracle.numerics import log_softmax
 
 GATE_REL = 1e-3  # |PPL_muser / PPL_llama.cpp - 1| <= 0.1% (the micro model's perplexity gate)
@@ -64,9 +69,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="KV type on both sides (default: f16 with ggml-cpu, f32 with f32)")
     p.add_argument("--reference", default=None,
                    help="reference GGUF (the F16 master): top-1 agreement and KL per side")
-    p.add_argument("--noise-floor", action="store_true",
-                   help="also run the oracle with every rounding point's input moved 1 f32 ulp up, and "
-                        "report the PPL shift that causes (the scale of rounding noise on this file)")
     p.add_argument("--no-comparator", action="store_true",
                    help="Muser only, for files the pinned llama.cpp cannot load (gate n/a)")
     p.add_argument("--corpus-root", default=None,
@@ -305,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
         t_text = time.time() - t0
 
         muser_side, llama_side, between = Side("muser"), Side("llama.cpp"), Between()
-        noise_side = Side("muser, 1 ulp up")
+        noise_side, noise_between = Side("muser, 1 ulp up"), Between()
         for i, s in enumerate(starts):
             ids = text.ids[s:s + L].astype(np.int64)  # [L]
             tgt = ids[1:]  # [L-1]: token t is scored from the logits of position t-1
@@ -319,15 +321,17 @@ def run(args: argparse.Namespace) -> int:
             if ref is not None:
                 muser_side.add_reference(lp_m, top_m, lp_m if ref == "self" else oracle_lp(ref), tgt)
             muser_side.seconds += time.time() - t0
-            if args.noise_floor:
-                t0 = time.time()
-                arith = m.forward.arith  # the jitter switch OracleModel.noise_floor uses
-                arith.jitter = "up"
-                try:
-                    noise_side.add(oracle_lp(m), tgt)
-                finally:
-                    arith.jitter = None
-                noise_side.seconds += time.time() - t0
+            t0 = time.time()
+            arith = m.forward.arith  # the jitter switch OracleModel.noise_floor uses
+            arith.jitter = "up"
+            try:
+                lp_n = oracle_lp(m)
+            finally:
+                arith.jitter = None
+            noise_side.add(lp_n, tgt)
+            noise_between.add(lp_m, lp_n)
+            del lp_n
+            noise_side.seconds += time.time() - t0
             if runners:
                 t0 = time.time()
                 lp_l = log_softmax(runners[0].logits(ids)[:-1])
@@ -359,12 +363,15 @@ def run(args: argparse.Namespace) -> int:
             "text_seconds": round(t_text, 2),
             "wall_seconds": None,
         }
-        if args.noise_floor:
-            d = np.concatenate(noise_side.tok_nll) - np.concatenate(muser_side.tok_nll)
-            results["noise_floor"] = {
-                "what": "oracle rerun with every norm output and rounding point's input moved 1 f32 ulp up",
-                "ppl": noise_side.ppl, "ppl_rel_shift": noise_side.ppl / muser_side.ppl - 1.0,
-                "token_nll_diff_std": float(d.std()), "seconds": round(noise_side.seconds, 2)}
+        d = np.concatenate(noise_side.tok_nll) - np.concatenate(muser_side.tok_nll)
+        ns = noise_between.summary()
+        floor = NoiseFloor(ns["max_abs_dlogsoftmax"], [ns["max_abs_dlogsoftmax"]], "prefill", ns["positions"],
+                           jitter=ns["max_abs_dlogsoftmax"], median=ns["median_abs_dlogsoftmax"],
+                           top1=ns["top1_agreement"])
+        results["noise_floor"] = {
+            "what": "oracle rerun with every norm output and rounding point's input moved 1 f32 ulp up",
+            "ppl": noise_side.ppl, "ppl_rel_shift": noise_side.ppl / muser_side.ppl - 1.0,
+            "token_nll_diff_std": float(d.std()), "seconds": round(noise_side.seconds, 2)} | ns
         if runners:
             rel = muser_side.ppl / llama_side.ppl - 1.0
             d = np.concatenate(muser_side.tok_nll) - np.concatenate(llama_side.tok_nll)
@@ -372,10 +379,14 @@ def run(args: argparse.Namespace) -> int:
             results["agreement"] = {"ppl_rel_diff": rel, "abs_ppl_rel_diff": abs(rel),
                                     "nll_diff": muser_side.mean_nll - llama_side.mean_nll,
                                     "token_nll_diff_std": float(d.std())} | between.summary()
-            gate = {"status": "pass" if abs(rel) <= GATE_REL else "fail", "name": "ppl agreement",
-                    "rule": f"|PPL_muser / PPL_llama.cpp - 1| <= {GATE_REL:g}", "value": abs(rel)}
-            if args.noise_floor:
-                gate["noise_ppl_rel_shift"] = results["noise_floor"]["ppl_rel_shift"]
+            v = judge(np.concatenate(between.per_pos_max), between.agree / between.n, floor)
+            ok = abs(rel) <= GATE_REL and v["ok"]
+            gate = {"status": "pass" if ok else "fail", "name": "ppl agreement",
+                    "rule": f"|PPL_muser / PPL_llama.cpp - 1| <= {GATE_REL:g}; per position: max <= max(1e-4, "
+                            "2 x noise max), median <= max(1e-5, 2 x noise median), top-1 >= 1 - 2 x noise "
+                            "disagreement", "value": abs(rel), "ppl_ok": abs(rel) <= GATE_REL,
+                    "per_position": {k: v[k] for k in ("values", "bounds", "checks")},
+                    "noise_ppl_rel_shift": results["noise_floor"]["ppl_rel_shift"]}
         else:
             gate = {"status": "n/a", "name": "ppl agreement",
                     "reason": "--no-comparator: the pinned llama.cpp does not run this file"}
@@ -398,10 +409,10 @@ def run(args: argparse.Namespace) -> int:
     if ref is not None:
         line += f"  top1 vs ref {mu['top1_agreement_with_reference']:.4f}  KL {mu['mean_kl_from_reference']:.5f}"
     print(line)
-    if args.noise_floor:
-        nf = results["noise_floor"]
-        print(f"noise floor: 1-ulp jitter moves Muser's ppl by {nf['ppl_rel_shift'] * 100:+.5f}% "
-              f"(token NLL std {nf['token_nll_diff_std']:.4f})")
+    nf = results["noise_floor"]
+    print(f"noise floor: 1-ulp jitter moves Muser's ppl by {nf['ppl_rel_shift'] * 100:+.5f}% "
+          f"(token NLL std {nf['token_nll_diff_std']:.4f}), per position max {nf['max_abs_dlogsoftmax']:.3e} "
+          f"median {nf['median_abs_dlogsoftmax']:.3e} top1 {nf['top1_agreement']:.4f}")
     if runners:
         ll, ag = results["llamacpp"], results["agreement"]
         line = f"llama.cpp (kv {kv}):{' ' * max(0, len(args.arithmetic) - 2)} ppl {ll['ppl']:.5f}  acc {ll['next_token_accuracy']:.4f}"

@@ -262,7 +262,7 @@ def _plot(results: dict[str, list[dict]], out_dir: str | None) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "skipped: matplotlib is not installed"
-    from ..receipt import DEFAULT_RECEIPTS
+    from ..receipt import default_receipts_dir
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for name, rs in results.items():
@@ -277,7 +277,7 @@ def _plot(results: dict[str, list[dict]], out_dir: str | None) -> str:
         ax.set_xlabel("concurrent clients")
         ax.set_title(title)
         ax.legend(fontsize=7)
-    path = Path(out_dir or DEFAULT_RECEIPTS) / f"serve-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.png"
+    path = Path(out_dir or default_receipts_dir()) / f"serve-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.png"
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     return str(path)

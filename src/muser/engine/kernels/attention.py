@@ -10,10 +10,8 @@ reads the current token back from its f16 cache.
 
 Math (f32): s = (q . k) * scale, masked softmax over all visible rows, weighted sum of V.
 
-* `attend_ref`  - torch; plane metadata as host ints; used by eager CUDA and CPU prefill chunks.
-* `attend_cpu`  - torch for the CPU decode/verify shapes (T <= 16): the visible rows are at most
-  two contiguous runs of the plane (the ring wraps once), copied with the new rows into a
-  reusable f32 buffer; no index gather, no concatenation, no mask when T = 1.
+* `attend_ref`  - torch; plane metadata as host ints; used by eager CUDA prefill chunks, and the
+  reference of the CPU lane's C kernel (kernels/cpu_native.attend, same arguments).
 * `attend_triton` - split-sequence online softmax (16.2), plane metadata read from device
   tensors, so one captured CUDA graph serves every position (book 10.3, CUDA graphs).
 """
@@ -94,74 +92,6 @@ def attend_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         o = torch.bmm(p.view(n_kv, -1, p.shape[-1]), vg)  # [n_kv, t*hpk, D]
         out[t0:t1] = o.view(n_kv, t1 - t0, hpk, D).permute(1, 0, 2, 3).reshape(t1 - t0, H, D)
     return out
-
-
-class CpuAttnScratch:
-    """attend_cpu's f32 K/V buffers [n_kv, S, D], grown geometrically to the widest call seen
-    (bounded by the visible rows + T), reused by every layer of a session."""
-
-    def __init__(self, n_kv: int, head_dim: int):
-        self.n_kv, self.d = n_kv, head_dim
-        self.k = torch.empty((n_kv, 0, head_dim), dtype=torch.float32)
-        self.v = self.k
-
-    def get(self, S: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k.shape[1] < S:
-            n = max(S, 2 * self.k.shape[1], 64)
-            self.k = torch.empty((self.n_kv, n, self.d), dtype=torch.float32)
-            self.v = torch.empty((self.n_kv, n, self.d), dtype=torch.float32)
-        return self.k[:, :S], self.v[:, :S]
-
-
-def _copy_runs(dst: torch.Tensor, plane: torch.Tensor, head_major: bool, a: int, n: int, capacity: int,
-               n_kv: int, d: int) -> None:
-    """dst [n_kv, n, D] f32 <- the plane's n slots from physical a on, wrapping once at capacity."""
-    n1 = min(n, capacity - a)
-    for src0, dst0, m in ((a, 0, n1), (0, n1, n - n1)):
-        if m <= 0:
-            continue
-        if head_major:  # [n_kv, cap, D]
-            dst[:, dst0:dst0 + m].copy_(plane[:, src0:src0 + m])
-        else:  # [cap, n_kv * D]
-            dst[:, dst0:dst0 + m].copy_(plane[src0:src0 + m].view(m, n_kv, d).transpose(0, 1))
-
-
-def attend_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               k_plane: torch.Tensor, v_plane: torch.Tensor, head_major: bool,
-               origin_logical: int, origin_physical: int, length: int, capacity: int,
-               p0: int, window: int, scale: float, scratch: CpuAttnScratch) -> torch.Tensor:
-    """attend_ref for small T on the CPU (same arguments plus the scratch; same f32 steps: one
-    score GEMM, scale, max-subtracted exp, divide by the row sum, one value GEMM; only the
-    GEMM summation order may differ). q [T, H, D] f32; k_new, v_new [T, n_kv, D]; -> [T, H, D]."""
-    T, H, D = q.shape
-    n_kv = k_new.shape[1]
-    hpk = H // n_kv
-    lo = origin_logical if window == 0 else max(origin_logical, p0 - window + 1)
-    n_old = max(0, origin_logical + length - lo)
-    S = n_old + T
-    kb, vb = scratch.get(S)  # [n_kv, S, D]: old rows in logical order, then the new rows
-    if n_old:
-        a = (origin_physical + lo - origin_logical) % capacity
-        _copy_runs(kb, k_plane, head_major, a, n_old, capacity, n_kv, D)
-        _copy_runs(vb, v_plane, head_major, a, n_old, capacity, n_kv, D)
-    kb[:, n_old:].copy_(k_new.transpose(0, 1))
-    vb[:, n_old:].copy_(v_new.transpose(0, 1))
-    # heads of one KV head side by side: [n_kv, T * hpk, D], row t * hpk + j = head g * hpk + j
-    qg = q.reshape(T, n_kv, hpk, D).transpose(0, 1).reshape(n_kv, T * hpk, D)
-    s = torch.bmm(qg, kb.transpose(1, 2)).mul_(scale)  # [n_kv, T * hpk, S]
-    if T > 1:  # the gather starts at row 0's window; later rows see fewer old rows, new j <= t
-        t = torch.arange(T, dtype=torch.int64)[:, None]
-        j = torch.arange(S, dtype=torch.int64)[None, :]
-        kpos = torch.where(j < n_old, lo + j, p0 + j - n_old)
-        qpos = p0 + t
-        hide = kpos > qpos
-        if window:
-            hide |= (qpos - kpos) >= window  # SWA: visible while p1 - p0 < W
-        s.view(n_kv, T, hpk, S).masked_fill_(hide[None, :, None, :], float("-inf"))
-    s = s.sub_(s.amax(-1, keepdim=True)).exp_()
-    s = s.div_(s.sum(-1, keepdim=True))
-    o = torch.bmm(s, vb)  # [n_kv, T * hpk, D]
-    return o.view(n_kv, T, hpk, D).transpose(0, 1).reshape(T, H, D)
 
 
 MAX_SPLITS = 64  # module attribute so device profiles can try others (tools/device_profile.py)
@@ -308,4 +238,4 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     return out
 
 
-__all__ = ["HAVE_TRITON", "AttnScratch", "CpuAttnScratch", "attend_cpu", "attend_ref", "attend_triton", "pick_splits", "plane_strides"]
+__all__ = ["HAVE_TRITON", "AttnScratch", "attend_ref", "attend_triton", "pick_splits", "plane_strides"]
