@@ -3,10 +3,17 @@ sessions, health, Prometheus metrics).
 
     muser serve                                   # the embedded micro model on the CPU, port 8080
     muser serve --model F.gguf --device cuda --slots 4 --api-key KEY
+    muser serve --prefill-node 10.0.0.2:7070 --certs DIR   # prompts prefill on a `muser prefill-node`
+    muser serve --kvpack DIR                 # prompts restore their longest stored prefix (docs/kvpack.md)
     OPENAI_BASE_URL=http://127.0.0.1:8080/v1 python -c "import openai; ..."
 
 One engine-loop thread owns the model; N slots (each its own KV) share every step. --port 0
-takes a free port (the startup line names it).
+takes a free port (the startup line names it). With --prefill-node, a slot's prompt is prefilled
+by that node over mutual TLS (Handoff V2, docs/handoff.md) with this server's certificate DIR/decode
+from `muser certs issue DIR decode`; a refusal or a dead node prefills locally and logs why
+(/metrics: muser_prefills_total{path="remote"|"local"}). With --kvpack, a prompt on an empty
+slot restores its longest stored prefix from DIR and the new 512-token chunks are persisted in
+the background (/metrics: muser_restored_tokens_total, muser_prefilled_tokens_total).
 """
 
 from __future__ import annotations
@@ -32,7 +39,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body", type=int, default=4 << 20, help="request body limit in bytes (default 4 MiB)")
     p.add_argument("--max-prompt", type=int, help="prompt limit in tokens (default: the context less one)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (default 600)")
+    p.add_argument("--prefill-node", metavar="HOST:PORT", help="prefill prompts on this `muser prefill-node`")
+    p.add_argument("--certs", metavar="DIR", help="certs dir for --prefill-node (muser certs init / issue; "
+                                                  "this server's certificate is DIR/decode)")
+    p.add_argument("--prefill-peer", metavar="NAME",
+                   help="the prefill node's certificate name in DIR (default prefill; needs --prefill-node)")
+    p.add_argument("--kvpack", metavar="DIR", help="kvpack store: restore stored prompt prefixes, persist new "
+                                                   "chunks (created if absent)")
     p.set_defaults(func=run)
+
+
+def _remote(args: argparse.Namespace):
+    """RemotePrefill for --prefill-node, its certs loaded: refusals before the model loads."""
+    from ..errors import LaneError
+
+    if args.prefill_node is None:
+        for flag, v in (("--certs", args.certs), ("--prefill-peer", args.prefill_peer)):
+            if v is not None:
+                raise LaneError(f"{flag} {v} is only used with --prefill-node HOST:PORT")
+        return None
+    if args.certs is None:
+        raise LaneError(f"--prefill-node {args.prefill_node} needs --certs DIR (mutual TLS with the node)")
+    from ..handoff import RemotePrefill
+    from ..handoff.certs import check_name
+
+    peer = args.prefill_peer or "prefill"
+    check_name(peer)
+    remote = RemotePrefill(args.prefill_node, args.certs, name="decode", peer=peer)
+    if peer not in remote.certs.peers:
+        raise LaneError(f"--prefill-peer {peer} is not in {args.certs}/peers.json (muser certs issue {args.certs} {peer})")
+    return remote
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,9 +88,14 @@ def run(args: argparse.Namespace) -> int:
         raise LaneError(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.api_key is not None and not args.api_key:
         raise LaneError("--api-key must not be empty")
+    remote = _remote(args)
+    if remote is not None and args.kvpack is not None:
+        raise LaneError(f"--kvpack {args.kvpack} with --prefill-node {args.prefill_node} is not served: a prompt "
+                        "is either restored from the store or prefilled by the node")
     model = muser.load(args.model, device=args.device, lane=args.lane, kv=args.kv)
     try:
         Server(model, slots=args.slots, context=args.ctx, host=args.host, port=args.port, model_id=args.model_id,
+               remote=remote, kvpack=args.kvpack,
                queue_limit=args.queue, max_sessions=args.max_sessions, api_key=args.api_key,
                max_body_bytes=args.max_body, max_prompt_tokens=args.max_prompt,
                timeout_s=args.timeout).serve()

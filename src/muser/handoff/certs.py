@@ -24,6 +24,7 @@ import secrets
 import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from ..errors import HandoffRefused, MuserError
@@ -206,7 +207,8 @@ class Certs:
         if not der:
             raise HandoffRefused("peer presented no certificate")
         fp = fingerprint(der)
-        names = [v for k in sock.getpeercert().get("subject", ()) for (a, v) in k if a == "commonName"]
+        subject: Any = (sock.getpeercert() or {}).get("subject", ())  # ((("commonName", NAME),), ...)
+        names = [v for k in subject for (a, v) in k if a == "commonName"]
         if len(names) != 1:
             raise HandoffRefused(f"peer certificate {fp[:16]} has {len(names)} common names, expected one")
         name = names[0]

@@ -31,12 +31,14 @@ class NodeProcess:
     def wait(self, timeout_s: float = 180.0) -> NodeProcess:
         """Block until the node prints its address (it has loaded the model and bound)."""
         end = time.monotonic() + timeout_s
+        out = self.proc.stdout
+        assert out is not None  # Popen(stdout=PIPE)
         while self.addr is None:
-            r, _, _ = select.select([self.proc.stdout], [], [], max(0.0, end - time.monotonic()))
+            r, _, _ = select.select([out], [], [], max(0.0, end - time.monotonic()))
             if not r:
                 self.stop()
                 raise MuserError(f"prefill-node did not start within {timeout_s:g} s")
-            line = self.proc.stdout.readline()
+            line = out.readline()
             if not line:
                 raise MuserError(f"prefill-node exited: {self.proc.stderr.read()[-2000:]}")
             if line.startswith("prefill-node listening on "):

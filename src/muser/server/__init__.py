@@ -3,7 +3,8 @@ over Engine.step with muser.generation's Emitter per request (loop), chat render
 Glimmer turn parser (chat), metrics.
 
     from muser.server import Server
-    srv = Server(model, slots=4, context=1024, host="127.0.0.1", port=8080)
+    srv = Server(model, slots=4, context=1024, host="127.0.0.1", port=8080,
+                 remote=RemotePrefill(addr, certs_dir))   # remote: optional, muser.handoff
     srv.serve()       # blocks; prints "muser serve: listening on http://HOST:PORT ..."
 """
 
@@ -20,7 +21,7 @@ from .metrics import Metrics
 class Server:
     def __init__(self, model, slots: int = 4, context: int | None = None, host: str = "127.0.0.1",
                  port: int = 8080, model_id: str | None = None, queue_limit: int = 64, max_sessions: int = 16,
-                 **cfg):
+                 remote=None, kvpack=None, **cfg):
         from ..errors import ContextOverflow
 
         limit = model.config.context_length
@@ -32,10 +33,16 @@ class Server:
         self.model = model
         self.metrics = Metrics(slots)
         self.loop = EngineLoop(model, slots=slots, context=context, queue_limit=queue_limit,
-                               max_sessions=max_sessions, metrics=self.metrics)
+                               max_sessions=max_sessions, metrics=self.metrics, remote=remote,
+                               kvpack=kvpack)
         self.config = ServerConfig(model_id=model_id or model.path.name.removesuffix(".gguf"), **cfg)
         self.app = build_app(self.loop, self.config, self.metrics)
         self.host, self.port = host, port
+
+    def _extras(self) -> str:
+        b = self.loop.backend
+        return ("" if b.remote is None else f"; prompts prefill on {b.remote.host}:{b.remote.port}") + \
+            ("" if b.store is None else f"; kvpack {b.store.backend.root}")
 
     def serve(self, log_level: str = "warning") -> None:
         import uvicorn
@@ -48,7 +55,8 @@ class Server:
         self.loop.start()
         host = f"[{self.host}]" if family == socket.AF_INET6 else self.host
         print(f"muser serve: listening on http://{host}:{port}/v1 (model {self.config.model_id}, "
-              f"{len(self.loop.slots)} slots, context {self.loop.context}, device {self.model.device})",
+              f"{len(self.loop.slots)} slots, context {self.loop.context}, device {self.model.device})"
+              + self._extras(),
               file=sys.stderr, flush=True)
         server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, access_log=False,
                                                timeout_graceful_shutdown=2))

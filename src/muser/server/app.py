@@ -30,6 +30,7 @@ from ..errors import MuserError
 from ..sample import SamplingParams
 from . import chat as chatfmt
 from ..generation import emitter as make_emitter
+from ..prompt import encode_prompt, encode_rendered
 from .loop import Done, EngineLoop, Failed, Job
 from .metrics import Metrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse
@@ -178,7 +179,7 @@ class Api:
             raise ApiError(400, "tool_choice is given without tools", "tool_choice")
         try:
             text = self.template.render(chatfmt.template_messages(req), add_generation_prompt=True, tools=tools)
-            return self.tokenizer.encode(text, add_special=False, parse_special=True)
+            return encode_rendered(self.tokenizer, text)  # muser.prompt: the BOS the GGUF asks, never twice
         except MuserError as e:
             raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
 
@@ -220,16 +221,10 @@ class Api:
             raise ApiError(400, "stream_options needs stream: true", "stream_options")
         if req.echo and req.logprobs is not None:
             raise ApiError(400, "echo with logprobs needs prompt logprobs, which are not served", "echo")
-        if isinstance(req.prompt, str):
-            prompt = self.tokenizer.encode(req.prompt, add_special=True, parse_special=False)
-        else:
-            bad = [t for t in req.prompt if not 0 <= t < self.tokenizer.vocab_size]
-            if bad:
-                raise ApiError(400, f"prompt token {bad[0]} is outside the vocab [0, {self.tokenizer.vocab_size})",
-                               "prompt")
-            prompt = list(req.prompt)
-        if not prompt:
-            raise ApiError(400, "the prompt has no tokens", "prompt")
+        try:  # muser.prompt's defaults: the GGUF's BOS, special-token text literal; ids range-checked
+            prompt = encode_prompt(self.tokenizer, req.prompt)
+        except MuserError as e:
+            raise ApiError(400, str(e), "prompt") from None
         max_tokens = self._budget(prompt, req.max_tokens if req.max_tokens is not None else 16, "max_tokens",
                                   "prompt")
         job = self._job(prompt, params, stop, max_tokens, req.logprobs, False, session)
@@ -352,8 +347,8 @@ def build_app(loop: EngineLoop, cfg: ServerConfig, metrics: Metrics) -> Starlett
         return await on_error(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", None,
                                                 "server_error"))
 
-    app = Starlette(routes=routes, exception_handlers={ApiError: on_error, HTTPException: on_http,
-                                                       Exception: on_bug})
+    handlers: dict[Any, Any] = {ApiError: on_error, HTTPException: on_http, Exception: on_bug}
+    app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.api = api
     return app
 

@@ -14,11 +14,20 @@ Scheduling (book 10.2-10.5, 10.10; the scheduler sees ids and counts, the backen
   step is built. A failing step fails only the jobs in it; the loop goes on.
 * Named sessions keep a conversation's KV across requests: a request whose prompt extends the
   tokens already in the named session's cache prefills only the new suffix.
+* Whole-prompt prefills, on the loop thread when a slot starts (decoders wait, as for a local
+  prefill of the prompt in one piece):
+  - with a prefill node (muser.handoff.RemotePrefill) the prompt (or a named session's new
+    suffix, the held prefix as history) is prefilled remotely; a refused or dead link prefills
+    locally inside RemotePrefill, which logs why; each is counted by path (remote / local);
+  - with a kvpack store (muser.kvpack.WarmSession) a prompt on an empty session restores its
+    longest stored prefix, prefills the rest and persists the new chunks in the background; the
+    slot waits for that writer before its session is emptied for the next request.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +38,8 @@ import numpy as np
 from ..errors import MuserError
 from ..generation import Emitter, GenEvent
 from .protocol import ApiError
+
+log = logging.getLogger("muser.server")
 
 PREFILL_CHUNK = 512  # PREFILL_BATCH_TOKENS (book 10.10)
 WAITING_CHUNK = 64  # MAX_TEACHER_FORCED_TOKENS while decoders wait (book 10.10)
@@ -108,24 +119,66 @@ class StepBackend:
     the engine (every session back where it was), so its items are re-run one by one and only
     the ones that fail alone are failed."""
 
-    def __init__(self, model, context: int):
+    def __init__(self, model, context: int, remote=None, kvpack=None):
         from ..engine import StepItem
 
         self.model = model
         self.engine = model.engine
         self.context = context
         self._item = StepItem
+        self.remote = remote  # muser.handoff.RemotePrefill or None
+        self.store = None  # muser.kvpack.Store or None
+        if kvpack is not None:
+            from ..kvpack import Binding, Store
+
+            self.store = Store.open(kvpack, Binding.of_session(self.model.session(max_context=context)))
 
     def new_session(self):
         sess = self.model.session(max_context=self.context)
         # an empty-cache checkpoint with a block as long as the context: rolling back to it
         # empties the cache at no cost (no ring row is live yet), so a slot keeps its buffers
         sess.muser_empty = sess.checkpoint(block=self.context)
+        sess.muser_writer = None  # a WarmSession whose persistence may still read the planes
         return sess
 
-    def reset(self, sess) -> None:
+    def reset(self, sess):
+        """`sess` emptied, or a new session when its planes were swapped (an install or restore
+        gives the planes a fresh epoch, so the empty-cache checkpoint no longer applies)."""
+        if sess.muser_writer is not None:
+            sess.muser_writer.wait()  # rows being persisted are not overwritten
+            sess.muser_writer = None
+        if sess.muser_empty is None:
+            return self.new_session()
         if sess.n_past:
             sess.rollback(sess.muser_empty)
+        return sess
+
+    def whole_prefill(self, history: list[int]) -> bool:
+        """Whether a slot's prompt on top of `history` is prefilled in one call (prefill)."""
+        return self.remote is not None or (self.store is not None and not history)
+
+    def prefill(self, sess, ids: list[int], history: list[int]) -> tuple[np.ndarray, str, int, int]:
+        """`ids` prefilled in one call: (logits [vocab], path, tokens prefilled here, tokens
+        restored from kvpack). path: "remote" | "local" (RemotePrefill's) | "kvpack"."""
+        try:
+            if self.remote is not None:
+                logits = self.remote.prefill(sess, ids, history=history)
+                path = self.remote.last.path
+                if path == "remote":
+                    sess.muser_empty = None  # the planes were swapped in: reset makes a new session
+                return logits, path, 0 if path == "remote" else len(ids), 0
+            from ..kvpack import WarmSession
+
+            warm = WarmSession(sess, self.store)
+            logits = warm.prefill(ids)
+            sess.muser_writer = warm
+            restored = warm.last["restored"]
+            if restored:
+                sess.muser_empty = None  # restored planes were swapped in
+            return logits, "kvpack", warm.last["prefilled"], restored
+        except BaseException:
+            sess.muser_empty = None  # a failed install or restore may have swapped planes
+            raise
 
     def _run(self, items: list[tuple[Any, list[int]]]) -> list[np.ndarray]:
         res = self.engine.step([self._item(sess, toks, "last") for sess, toks in items])
@@ -169,11 +222,11 @@ class Slot:
 
 class EngineLoop:
     def __init__(self, model, slots: int = 4, context: int = 1024, queue_limit: int = 64,
-                 max_sessions: int = 16, backend=None, metrics=None):
+                 max_sessions: int = 16, backend=None, metrics=None, remote=None, kvpack=None):
         self.model = model
         self.tokenizer = model.tokenizer
         self.context = context
-        self.backend = backend or StepBackend(model, context)
+        self.backend = backend or StepBackend(model, context, remote, kvpack)
         self.slots = [Slot(i) for i in range(slots)]
         self.queue: collections.deque[Job] = collections.deque()
         self.queue_limit = queue_limit
@@ -252,9 +305,13 @@ class EngineLoop:
                     self._fail(s, ApiError(504, "the request ran past its timeout", None, "timeout"))
         self._admit(now)
         self._gauge()
+        for s in self.slots:
+            # started, nothing prefilled in a step yet
+            if s.prefilling and not s.history[s.cached:] and self.backend.whole_prefill(s.history):
+                self._prefill_whole(s)
         decoders = [s for s in self.slots if s.decoding]
         prefillers = sorted((s for s in self.slots if s.prefilling), key=lambda s: s.job.t_submit)
-        items: list[tuple[Slot, list[int]]] = [(s, [s.next_token]) for s in decoders]
+        items: list[tuple[Slot, list[int]]] = [(s, [int(s.next_token)]) for s in decoders]  # decoding: set
         budget = WAITING_CHUNK if decoders else PREFILL_CHUNK  # prompt rows this step, oldest first
         for p in prefillers:
             if budget <= 0:
@@ -272,6 +329,8 @@ class EngineLoop:
                 continue
             s.history.extend(toks)
             if s.todo:
+                if self.metrics is not None:
+                    self.metrics.prefilled_tokens.inc(len(toks))
                 del s.todo[: len(toks)]
                 if s.todo:
                     continue
@@ -280,6 +339,30 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - this job fails, the others go on
                 msg = str(e) if isinstance(e, MuserError) else f"{type(e).__name__}: {e}"
                 self._fail(s, ApiError(500, f"sampling failed: {msg}", None, "server_error"))
+
+    def _prefill_whole(self, s: Slot) -> None:
+        todo = list(s.todo)
+        try:
+            logits, path, ran, restored = self.backend.prefill(s.session, todo, list(s.history))
+        except Exception as e:  # noqa: BLE001 - a prefill that fails locally too fails only this job
+            msg = str(e) if isinstance(e, MuserError) else f"{type(e).__name__}: {e}"
+            self._fail(s, ApiError(500, f"the prefill failed: {msg}", None, "server_error"))
+            return
+        if self.metrics is not None:
+            if path != "kvpack":
+                self.metrics.prefills.labels(path).inc()
+            self.metrics.prefilled_tokens.inc(ran)
+            self.metrics.restored_tokens.inc(restored)
+        if path == "local":
+            log.warning("slot %d: prompt of %d tokens prefilled locally: %s", s.index, len(todo),
+                        self.backend.remote.last.reason)
+        s.history.extend(todo)
+        s.todo = []
+        try:
+            self._advance(s, logits)
+        except Exception as e:  # noqa: BLE001 - this job fails, the others go on
+            msg = str(e) if isinstance(e, MuserError) else f"{type(e).__name__}: {e}"
+            self._fail(s, ApiError(500, f"sampling failed: {msg}", None, "server_error"))
 
     def _admit(self, now: float) -> None:
         for s in self.slots:
@@ -326,9 +409,7 @@ class EngineLoop:
         if s.session is None and job.session_name is not None:
             s.session = self.backend.new_session()  # becomes the named session's own KV
         if s.session is None:
-            if s.own is None:
-                s.own = self.backend.new_session()
-            self.backend.reset(s.own)
+            s.own = self.backend.new_session() if s.own is None else self.backend.reset(s.own)
             s.session = s.own
         s.todo = list(job.prompt[s.cached:])
 

@@ -24,6 +24,12 @@ class Metrics:
         self.cached_tokens = Counter("muser_cached_prompt_tokens", "prompt tokens served from a named session's KV",
                                      registry=r)
         self.completion_tokens = Counter("muser_completion_tokens", "tokens sampled", registry=r)
+        self.prefills = Counter("muser_prefills", "prompts prefilled through the prefill node, by path: remote, or "
+                                "local (the node refused or was unreachable)", ["path"], registry=r)
+        self.prefilled_tokens = Counter("muser_prefilled_tokens", "prompt tokens run through this server's model",
+                                        registry=r)
+        self.restored_tokens = Counter("muser_restored_tokens", "prompt tokens restored from the kvpack store",
+                                       registry=r)
         self.requests = Counter("muser_requests", "finished HTTP requests", ["endpoint", "status"], registry=r)
 
     def render(self) -> bytes:
