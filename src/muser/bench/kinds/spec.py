@@ -134,7 +134,9 @@ def run(args: argparse.Namespace) -> int:
                                  "speculative binaries were not built on this machine"}
         path_r = write_receipt("spec", model=ident.to_json(), device=device_description(args.device), lane=args.lane,
                                gate={"status": "pass" if all_same else "fail",
-                                     "rule": "speculative tokens identical to plain decode for every prompt/mode"},
+                                     "rule": "speculative tokens identical to plain decode for every prompt/mode",
+                                     "cases": len(rows), "identical_cases": sum(r["identical"] for r in rows),
+                                     "tokens_compared": sum(r["tokens"] for r in rows)},
                                results=results)
         for k, v in summary.items():
             print(f"{k:18} acceptance {v['acceptance_rate'] or 0:.3f}  mean accepted {v['mean_accepted_length'] or 0:.2f}"
