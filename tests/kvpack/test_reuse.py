@@ -43,13 +43,9 @@ def test_restored_equals_cold_bitwise_at_every_boundary(models, prompt, name, tm
 
 
 def test_warm_against_one_forward_cold(models, prompt, tmp_path):
-    """A cold prefill in one 512-row forward against restore + 16-row chunks: the CPU engine's
-    kernels are not yet row-invariant across chunkings, so this is not bitwise. Measured on this
-    fixture (f16 K/V): max |d log-softmax| = 7.3e-4 over the prompt's last row and 4 greedy
-    steps; asserted: greedy tokens identical and max |d| <= 2e-3. When the kernels become
-    row-invariant this comparison turns bitwise and the bound should tighten to equality."""
-    from muser.gates import log_softmax
-
+    """A cold prefill in one 512-row forward against restore + 16-row chunks: the CPU exact lane
+    is row-invariant (engine/kernels/cpu.c), so the chunking does not matter and the logits are
+    bitwise the same, for the prompt's last row and 4 greedy steps."""
     m = models["engine-exact-cpu-f16"]
     ids = prompt[:100]
     first = warm_session(session(m, 120), tmp_path, chunk_tokens=CH)
@@ -65,9 +61,8 @@ def test_warm_against_one_forward_cold(models, prompt, tmp_path):
         assert t == int(np.argmax(b[-1]))
         a.append(warm.decode(t))
         b.append(one.decode(t))
-    d = float(np.abs(log_softmax(np.stack(a)) - log_softmax(np.stack(b))).max())
-    print(f"warm vs one-forward cold: max |d log-softmax| = {d:.3e}, bitwise = {all(np.array_equal(x, y) for x, y in zip(a, b))}")
-    assert d <= 2e-3, d  # measured: see the docstring; bitwise only with row-invariant attention
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert np.array_equal(x, y), (i, float(np.abs(x - y).max()))
 
 
 def test_binding_and_chunk_refusals(models, tmp_path):
