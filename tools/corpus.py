@@ -4,21 +4,7 @@
     tools/corpus.py build [--root DIR] [--out .device/micro]   corpus + tokenizer + uint16 token streams
     tools/corpus.py hashes [--root DIR]                         print the split hashes (no tokenizer)
 
-Corpus rule (reproducible on any machine of our kind; the pyenv 3.11.7 install):
-- every regular `*.py` file under ROOT = <python 3.11.7>/lib/python3.11, symlinks not followed;
-- excluded directories: site-packages (third-party), __pycache__, lib-dynload, config-3.11-* (build
-  files); excluded files: `_sysconfigdata_*.py` (paths of the machine that built Python) and
-  `pydoc_data/topics.py` (generated from the HTML docs, not source);
-- test/, idlelib/, lib2to3/, tkinter/, turtledemo/, distutils/ ARE included: they are ordinary Python
-  source and double the corpus (a 12.6M-parameter model trained for minutes is data-bound);
-- a file that is not strict UTF-8 is excluded (4 deliberately mis-encoded test inputs in 3.11.7);
-- order: relative POSIX paths sorted by code point;
-- split by the first byte b of SHA-256(relative path, UTF-8): b < 16 -> held-out (1/16 = 6.25% of
-  files expected), 16 <= b < 24 -> val (checkpoint selection during training), else train.
-
-Split hash framing: SHA-256 over the files of the split in order, each framed as
-    relpath (UTF-8) + b"\\n" + str(len(content_bytes)) (ASCII decimal) + b"\\n" + content_bytes
-(length-prefixed, so the framing is unambiguous).
+The corpus rule, the split and its hash framing are muser.corpus (one definition).
 
 Token streams: each file becomes [BOS] + ids(text) + [EOS]; the split's stream is the files in order,
 stored little-endian uint16 (`<split>.u16`).
