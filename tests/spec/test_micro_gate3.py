@@ -9,6 +9,9 @@ import pytest
 
 import muser
 from muser.bench.kinds.spec import natural_prompts
+from muser.sample import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)  # the API default samples at 0.8
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 TARGET = MODELS / "muse-glimmer-micro-q8_0.gguf"
@@ -23,9 +26,10 @@ def test_spec_on_off_identical_micro(kv):
         assert len(prompts) == 5
         proposals = 0
         for name, ids in prompts:
-            plain = [e.token for e in m.stream(ids, 128)]
-            gen = m.stream(ids, 128, draft=DRAFT, verify_len=7)
-            assert [e.token for e in gen] == plain, name
+            plain = [(e.token, e.logprob) for e in m.stream(ids, 128, GREEDY)]
+            gen = m.stream(ids, 128, GREEDY, draft=DRAFT, verify_len=7)
+            # identical tokens, and logprobs bit for bit (the CPU exact lane is row-invariant)
+            assert [(e.token, e.logprob) for e in gen] == plain, name
             proposals += gen.spec.stats()["proposals"]
         assert proposals > 0  # the speculative path ran
     finally:

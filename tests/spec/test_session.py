@@ -11,6 +11,7 @@ from muser.errors import LaneError
 from muser.sample import SamplingParams
 
 N_NEW = 48  # the target's window is 16 rows: the SWA ring wraps three times
+GREEDY = SamplingParams(temperature=0.0)  # the API default samples at 0.8
 
 
 @pytest.fixture(scope="module", params=["f16", "f32"])
@@ -50,8 +51,8 @@ def _oracle(drafter, truth, hit_every=2):
 def test_greedy_identical_with_random_drafter(model, spec_target, make_drafter, k):
     d = make_drafter(spec_target)
     ids = _prompt(k)
-    plain = [(e.token, e.logprob) for e in model.stream(ids, N_NEW)]
-    gen = model.stream(ids, N_NEW, draft=d, verify_len=k)
+    plain = [(e.token, e.logprob) for e in model.stream(ids, N_NEW, GREEDY)]
+    gen = model.stream(ids, N_NEW, GREEDY, draft=d, verify_len=k)
     got = [(e.token, e.logprob) for e in gen]
     assert [t for t, _ in got] == [t for t, _ in plain]
     # the CPU exact lane is row-invariant: verify rows and decode rows are bitwise the same
@@ -63,12 +64,12 @@ def test_greedy_identical_with_random_drafter(model, spec_target, make_drafter, 
 def test_acceptance_paths_and_rollback_exact(model, spec_target, make_drafter):
     d = make_drafter(spec_target)
     ids = _prompt(5)
-    plain = _tokens(model.stream(ids, N_NEW))
+    plain = _tokens(model.stream(ids, N_NEW, GREEDY))
     drafter = model.drafter(d)
     truth = {"p0": len(ids), "ids": plain}
     drafter.propose = _oracle(drafter, truth)
     try:
-        gen = model.stream(ids, N_NEW, draft=d, verify_len=7)
+        gen = model.stream(ids, N_NEW, GREEDY, draft=d, verify_len=7)
         got = _tokens(gen)
         spec = gen.spec
     finally:

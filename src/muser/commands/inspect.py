@@ -172,8 +172,12 @@ def _human(d: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from ..gguf.reader import read_gguf
 
+    if Path(args.file).is_dir():
+        raise IsADirectoryError(21, "is a directory, not a GGUF file", str(args.file))
     with read_gguf(args.file) as f:
         drafter = f.get("general.architecture") == "dflash"
     if drafter:  # a DFlash sidecar (muser.spec.format)

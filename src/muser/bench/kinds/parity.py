@@ -234,7 +234,9 @@ def run(args: argparse.Namespace) -> int:
 
         raise EmptyInput("--tokens is empty")
     runs = _parse_runs(args.runs, len(tokens), cfg.sliding_window)
-    m.session(max_context=len(tokens))._check(tokens, None)  # bad ids refused before any work
+    from ...sequence import check_tokens
+
+    check_tokens(tokens, cfg.vocab, "--tokens")  # bad ids refused before any work (muser.sequence)
     runner = LlamaCppRunner(args.model, kv=args.kv, n_ctx=max(256, len(tokens)))
     try:
         suite = run_suite(m, runner, tokens, runs)

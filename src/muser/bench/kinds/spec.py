@@ -38,10 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def natural_prompts(model, n: int, n_tokens: int, root: str | None) -> list[tuple[str, list[int]]]:
     from ...errors import IdentityMismatch, MuserError
-    from .ppl import corpus_module, provenance
+    from ... import corpus
+    from .ppl import provenance
 
     prov = provenance(model.engine.model_file.gguf)
-    corpus = corpus_module()
     root = root or prov.get("corpus_root") or str(corpus.DEFAULT_ROOT)
     try:
         docs = corpus.split_docs(corpus.load_docs(Path(root)), "heldout")
