@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..weights import FMT_CODE, QWeight
-from .qmatvec import HAVE_TRITON, _rows_bucket, check_matvec_args
+from .qmatvec import HAVE_TRITON, _rows_bucket, check_matvec_args, launch_dequant
 
 if HAVE_TRITON:
     import triton
@@ -119,13 +119,7 @@ def _ptrs(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def dequant_nvfp4_triton(w: QWeight, block_n: int = 4) -> torch.Tensor:
     """The Triton tile decoder over the whole weight: f32 [n_out, n_in] (tests compare it
     bit-exact with `w.decode()`)."""
-    if not HAVE_TRITON:
-        raise RuntimeError("triton is not installed")
-    out = torch.empty((w.n_out, w.n_in), dtype=torch.float32, device=w.device)
-    grid = (triton.cdiv(w.n_out, block_n), w.n_tiles)
-    _dequant_nvfp4_kernel[grid](out, *_ptrs(w), w.n_out, w.n_in, FMT=FMT_CODE[w.fmt], BLOCK_N=block_n,
-                                enable_fp_fusion=False)
-    return out
+    return launch_dequant(_dequant_nvfp4_kernel, _ptrs(w), w, block_n)
 
 
 def matvec_nvfp4(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -155,16 +155,21 @@ def check_matvec_args(w: QWeight, x: torch.Tensor, out: torch.Tensor | None) -> 
     return out
 
 
-def dequant_triton(w: QWeight, block_n: int = 4) -> torch.Tensor:
-    """The Triton tile decoder over the whole weight: f32 [n_out, n_in] (tests compare it
-    bit-exact with `w.decode()`)."""
+def launch_dequant(kernel, ptrs, w: QWeight, block_n: int) -> torch.Tensor:
+    """A tile decoder `kernel` over the whole weight (fields `ptrs` in kernel order): f32
+    [n_out, n_in]; shared by this module's formats and NVFP4 (kernels/nvfp4.py)."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     out = torch.empty((w.n_out, w.n_in), dtype=torch.float32, device=w.device)
     grid = (triton.cdiv(w.n_out, block_n), w.n_tiles)
-    _dequant_kernel[grid](out, *_ptrs(w), w.n_out, w.n_in, FMT=FMT_CODE[w.fmt], BLOCK_N=block_n,
-                          enable_fp_fusion=False)
+    kernel[grid](out, *ptrs, w.n_out, w.n_in, FMT=FMT_CODE[w.fmt], BLOCK_N=block_n, enable_fp_fusion=False)
     return out
+
+
+def dequant_triton(w: QWeight, block_n: int = 4) -> torch.Tensor:
+    """The Triton tile decoder over the whole weight: f32 [n_out, n_in] (tests compare it
+    bit-exact with `w.decode()`)."""
+    return launch_dequant(_dequant_kernel, _ptrs(w), w, block_n)
 
 
 def matvec(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
