@@ -24,22 +24,22 @@ SPEC = SynthSpec(n_layers=8, hidden=128, n_heads=4, head_dim=32, ffn=256, slidin
                  context_length=2048)
 
 
-@pytest.fixture(scope="session")
-def certs_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("certs")
+def ca_with_nodes(d: Path) -> Path:
+    """A private CA in `d` with the two node certificates, prefill and decode."""
     C.init(d)
     for name in ("prefill", "decode"):
         C.issue(d, name)
     return d
+
+
+@pytest.fixture(scope="session")
+def certs_dir(tmp_path_factory) -> Path:
+    return ca_with_nodes(tmp_path_factory.mktemp("certs"))
 
 
 @pytest.fixture(scope="session")
 def other_ca(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("other-ca")
-    C.init(d)
-    for name in ("prefill", "decode"):
-        C.issue(d, name)
-    return d
+    return ca_with_nodes(tmp_path_factory.mktemp("other-ca"))
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from muser.api import default_model_path
-from muser.handoff import certs as C
 from muser.handoff.spawn import SRC, NodeProcess
 
+from ..handoff.conftest import ca_with_nodes
 from .conftest import Served
 
 MESSAGES = [{"role": "user", "content": "Write a function that reverses a list."}]
@@ -26,11 +26,7 @@ OTHER = [{"role": "user", "content": "Parse the command line arguments."}]
 
 @pytest.fixture(scope="module")
 def certs_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("serve-certs")
-    C.init(d)
-    for name in ("prefill", "decode"):
-        C.issue(d, name)
-    return d
+    return ca_with_nodes(tmp_path_factory.mktemp("serve-certs"))
 
 
 @pytest.fixture(scope="module")
