@@ -177,3 +177,19 @@ def test_against_llamacpp_cpu(kind, tiny_gguf, tmp_path):
             ll = res["llama.cpp"]
             assert ll["ratio_verify_over_decode1"] > 0
             assert res["speed_ratio_verify"] == pytest.approx(ll["verify_s"]["mean"] / res["muser"]["verify_s"]["mean"])
+
+
+def test_cuda_comparator_inputs_come_from_the_command_line(tmp_path):
+    """The CUDA llama-bench comparator never looks for its script or tarball in the checkout or
+    beside it: each is a named argument, refused by name when missing or not a file."""
+    from muser.bench.speed import LlamaBenchCuda
+    from muser.errors import ComparatorError
+
+    with pytest.raises(ComparatorError, match="--llama-bench-script"):
+        LlamaBenchCuda(tmp_path / "m.gguf", "f16", None, None)
+    script = tmp_path / "run.sh"
+    script.write_text("#!/bin/bash\n")
+    with pytest.raises(ComparatorError, match="--llama-tarball"):
+        LlamaBenchCuda(tmp_path / "m.gguf", "f16", None, str(script))
+    with pytest.raises(ComparatorError, match="is not a file"):
+        LlamaBenchCuda(tmp_path / "m.gguf", "f16", str(tmp_path / "missing.tgz"), str(script))

@@ -47,7 +47,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import ComparatorError, ContextOverflow, LaneError, MuserError
-from .receipt import REPO_ROOT, Cell
+from .receipt import Cell
 
 KINDS = ("decode", "prefill", "verify")
 MAX_VERIFY = 16  # engine.session.MAX_VERIFY, the speculative verify width (book 10.1)
@@ -98,8 +98,9 @@ def register_kind(sub: argparse._SubParsersAction, kind: str, help: str, doc: st
                    help="CUDA: llama-bench JSON output produced earlier in the same device session "
                         "(read instead of running llama-bench)")
     p.add_argument("--llama-tarball", default=None,
-                   help=f"CUDA: pinned llama.cpp source tarball for {DEVICE_SCRIPT} "
-                        f"(default: {LLAMA_TARBALL} under shared/)")
+                   help=f"CUDA: the pinned llama.cpp source tarball ({LLAMA_TARBALL}, made by pack-llama-src.sh)")
+    p.add_argument("--llama-bench-script", default=None,
+                   help=f"CUDA: the script that builds and runs llama-bench on that tarball ({DEVICE_SCRIPT})")
     p.add_argument("--out-dir", default=None, help="receipt directory (default: the per-user cache, muser.api.cache_dir()/receipts; give bench/receipts for the project's evidence)")
     p.set_defaults(func=lambda a, _k=kind: run(a, _k))
 
@@ -396,29 +397,13 @@ class LlamaCpuCells:
 # --- llama.cpp on CUDA (llama-bench through the device script) ---------------------------------
 
 
-def _shared_dirs() -> list[Path]:
-    return [REPO_ROOT / "shared", REPO_ROOT.parent / "shared"]
-
-
-def find_device_script() -> Path:
-    for d in _shared_dirs():
-        p = d / "tools" / DEVICE_SCRIPT
-        if p.is_file():
-            return p
-    raise ComparatorError(f"{DEVICE_SCRIPT} not found under {' or '.join(str(d / 'tools') for d in _shared_dirs())}")
-
-
-def find_tarball(given: str | None) -> Path:
-    if given:
-        if not Path(given).is_file():
-            raise ComparatorError(f"--llama-tarball {given!r} is not a file")
-        return Path(given)
-    for d in _shared_dirs():
-        for p in (d / LLAMA_TARBALL, d / "tools" / LLAMA_TARBALL):
-            if p.is_file():
-                return p
-    raise ComparatorError(f"{LLAMA_TARBALL} not found under shared/ (make it with pack-llama-src.sh or pass "
-                          "--llama-tarball)")
+def given_file(value: str | None, flag: str, what: str) -> Path:
+    """A comparator input named on the command line (never looked up in the checkout)."""
+    if not value:
+        raise ComparatorError(f"the CUDA llama.cpp comparator needs {flag} ({what})")
+    if not Path(value).is_file():
+        raise ComparatorError(f"{flag} {value!r} is not a file")
+    return Path(value)
 
 
 def bench_tests(kind: str, n: int) -> list[tuple[int, int]]:
@@ -455,9 +440,9 @@ def load_bench_json(path) -> list[dict]:
 class LlamaBenchCuda:
     """One llama-bench run per repetition (-r 1), interleaved with Muser's repetitions."""
 
-    def __init__(self, model_path, kv: str, tarball: str | None):
-        self.script = find_device_script()
-        self.tarball = find_tarball(tarball)
+    def __init__(self, model_path, kv: str, tarball: str | None, script: str | None):
+        self.script = given_file(script, "--llama-bench-script", DEVICE_SCRIPT)
+        self.tarball = given_file(tarball, "--llama-tarball", LLAMA_TARBALL)
         self.model_path = Path(model_path)
         self.kv = kv
         self.runs: list[dict] = []
@@ -614,7 +599,7 @@ def run(args: argparse.Namespace, kind: str) -> int:
                 pick_bench_samples(bench_json, np_, ng, d, path)
     llama = None
     if args.against and cuda and bench_json is None:
-        llama = LlamaBenchCuda(path, args.kv, args.llama_tarball)
+        llama = LlamaBenchCuda(path, args.kv, args.llama_tarball, args.llama_bench_script)
     elif args.against and not cuda:
         from .llamacpp import _llama_cpp
 
