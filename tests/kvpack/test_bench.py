@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import json
 
+from muser.bench.plot import PNG_MAGIC
 from muser.cli import main
 
 
-def test_bench_kvpack_receipt(tiny_gguf, tmp_path, monkeypatch):
-    monkeypatch.setenv("MUSER_RECEIPTS", str(tmp_path))  # the optional plot goes here too
+def test_bench_kvpack_receipt(tiny_gguf, tmp_path):
     argv = ["bench", "kvpack", "--model", str(tiny_gguf), "--lengths", "530", "--reps", "1", "--warmup", "0",
-            "--gate-tokens", "2", "--out-dir", str(tmp_path)]
+            "--gate-tokens", "2", "--out-dir", str(tmp_path), "--plot"]
     assert main(argv) == 0
     (receipt,) = tmp_path.glob("*-kvpack.json")
+    assert receipt.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC  # bare --plot: next to the receipt
     r = json.loads(receipt.read_text())
     assert r["gate"]["status"] == "pass"
     g = r["gate"]["per_length"]["530"]

@@ -26,6 +26,8 @@ TEXT = "def handle(self, request, *args, **kwargs):\n    if request.method == 'G
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ..plot import add_plot_flag
+
     p = sub.add_parser("kvpack", help="TTFT cold vs warm kvpack restore, bytes per token, restore bandwidth",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF (default: the embedded default model)")
@@ -38,6 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gate-tokens", type=int, default=16, help="greedy tokens compared by the gate (default 16)")
     p.add_argument("--dir", default=None, help="kvpack directory (default: a fresh temporary one, removed)")
     p.add_argument("--out-dir", default=None, help="receipt directory (default bench/receipts)")
+    add_plot_flag(p)
     p.set_defaults(func=run)
 
 
@@ -74,9 +77,11 @@ def run(args: argparse.Namespace) -> int:
 
     from ...errors import ContextOverflow, LaneError
     from ...kv.serial import assemble
+    from ..plot import check_plot_flag, plot_for_run
     from ..receipt import device_description, run_interleaved, write_receipt
     from ..speed import model_json
 
+    check_plot_flag(args)
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     if not lengths or min(lengths) < 2 or args.reps < 1 or args.warmup < 0 or args.gate_tokens < 1:
         raise LaneError(f"--lengths {args.lengths!r} (each >= 2), --reps >= 1, --warmup >= 0, --gate-tokens >= 1")
@@ -164,10 +169,9 @@ def run(args: argparse.Namespace) -> int:
                  for g in gates.values()) and all(r["payload_equals_formula"] for r in results.values())
         gate = {"status": "pass" if ok else "fail", "rule": "warm first-token logits bitwise equal to cold; "
                 "identical greedy text; stored KV payload equals MuseConfig.kv_bytes", "per_length": gates}
-        plot = _plot(results, lengths)
         path = write_receipt("kvpack", model=model_json(m), device=device_description(args.device), lane=args.lane,
-                             gate=gate, results={"kv": args.kv, "lengths": results, "disk_read": disk,
-                                                 "plot": plot}, cells=cells, out_dir=args.out_dir)
+                             gate=gate, results={"kv": args.kv, "lengths": results, "disk_read": disk},
+                             cells=cells, out_dir=args.out_dir)
         for n in lengths:
             r = results[n]
             print(f"P={n}: TTFT cold {r['ttft_cold_mean_s'] * 1e3:.1f} ms, warm {r['ttft_warm_mean_s'] * 1e3:.1f} ms "
@@ -177,35 +181,10 @@ def run(args: argparse.Namespace) -> int:
                   f"(read + verify {np.mean(r['read_verify_bytes_per_s']) / 1e9:.3f} GB/s) vs plain read "
                   f"{disk['mean_bytes_per_s'] / 1e9:.2f} GB/s")
         print(f"gate: {gate['status']}; receipt {path}")
+        plot_for_run(args, path)
         return 0 if ok else 1
     finally:
         m.close()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 
-
-def _plot(results: dict, lengths: list[int]) -> str | None:
-    """A PNG beside the receipts when matplotlib is installed; else None (recorded as such)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    from ..receipt import DEFAULT_RECEIPTS
-
-    fig, ax = plt.subplots(figsize=(5, 3))
-    x = np.arange(len(lengths))
-    ax.bar(x - 0.2, [results[n]["ttft_cold_mean_s"] * 1e3 for n in lengths], 0.4, label="cold")
-    ax.bar(x + 0.2, [results[n]["ttft_warm_mean_s"] * 1e3 for n in lengths], 0.4, label="warm (kvpack)")
-    ax.set_xticks(x, [str(n) for n in lengths])
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("TTFT (ms)")
-    ax.legend()
-    out = Path(os.environ.get("MUSER_RECEIPTS") or DEFAULT_RECEIPTS) / f"kvpack-ttft-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return str(out)
