@@ -53,6 +53,7 @@ def test_serve_plot_draws_one_line_set_per_server(tmp_path):
     finally:
         P.pyplot().close(fig)
     servers = list(body["results"])
+    assert servers == ["muser", "llama-server"]  # the latest serve receipt ran the comparator
     assert labels[0] == [f"{s} {q}" for s in servers for q in ("p50", "p99")]
     assert labels[2] == servers
 

@@ -130,22 +130,23 @@ def plot_handoff(plt, bodies: list[dict]):
     x = np.arange(len(rows))
     labels = [f"{int(_number(b, 'results', 'prompt_tokens'))} tokens\nKV {b.get('kv', '?')}"
               + (f"\n{b['time_utc'][:16]}" if len(rows) > 1 else "") for b in rows]
+    tops = [0.0] * len(rows)
     for i, (name, key) in enumerate((("local prefill", "ttft_local_s"), ("remote prefill (handoff)", "ttft_remote_s"),
                                      ("producer's own prefill", "producer_prefill_s"))):
         ys = [_number(b, "results", key) * 1e3 for b in rows]
         err = [_spread(_handoff_samples(b, key)) * 1e3 for b in rows]
         a0.bar(x + (i - 1) * 0.27, ys, 0.27, yerr=err, capsize=3, label=name)
-    for xi, b in zip(x, rows):
+        tops = [max(t, y + e) for t, y, e in zip(tops, ys, err)]  # the group's highest bar + error
+    for xi, b, top in zip(x, rows, tops):
         r = _number(b, "results", "remote_over_producer_prefill")
         t = _number(b, "results", "target_remote_over_producer")
-        top = max(_number(b, "results", k) for k in ("ttft_local_s", "ttft_remote_s", "producer_prefill_s"))
-        a0.annotate(f"remote/producer x{r:.3f}\n(target <= {t:g})", (xi, top * 1e3 * 1.12), xytext=(0, 4),
+        a0.annotate(f"remote/producer x{r:.3f}\n(target <= {t:g})", (xi, top), xytext=(0, 4),
                     textcoords="offset points", ha="center", fontsize=7)
-    a0.set_ylim(0, a0.get_ylim()[1] * 1.15)
+    a0.set_ylim(0, a0.get_ylim()[1] * 1.4)  # room for the ratios and the legend above the bars
     a0.set_xticks(x, labels, fontsize=7)
     a0.set_ylabel("time to first token's logits (ms)")
     a0.set_title("TTFT: remote vs local prefill")
-    a0.legend(fontsize=7)
+    a0.legend(fontsize=7, ncol=3, loc="upper center")
     hidden = [_number(b, "results", "hidden_fraction") for b in rows]
     a1.bar(x, hidden, 0.5, color="tab:green")
     for xi, h, b in zip(x, hidden, rows):
