@@ -76,6 +76,7 @@ def test_refusals_name_the_value_and_write_nothing(tmp_path):
     with pytest.raises(PlotError, match=r"broken-kvpack\.json.*lacks results\.lengths\.\d+\.ttft_warm_mean_s"):
         P.plot_receipts([str(broken)], out)
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["broken-kvpack.json"]
+    assert P.pyplot().get_fignums() == []  # the half-drawn figure was closed
     assert main(["bench", "plot", str(tmp_path / "missing.json"), "--out", str(out)]) == 2
 
 

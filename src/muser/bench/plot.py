@@ -286,7 +286,13 @@ def plot_receipts(paths: list[str | os.PathLike], out: str | os.PathLike) -> Pat
         raise PlotError(f"receipts of different families ({', '.join(families)}) do not share a plot: "
                         + ", ".join(f"{b['_file']} is {b['kind']}" for b in bodies))
     plt = pyplot()
-    fig = PLOTTERS[families[0]](plt, bodies)
+    before = set(plt.get_fignums())
+    try:
+        fig = PLOTTERS[families[0]](plt, bodies)
+    except BaseException:  # a receipt refused mid-figure: its half-drawn figure goes too
+        for n in set(plt.get_fignums()) - before:
+            plt.close(n)
+        raise
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         fig.tight_layout()
