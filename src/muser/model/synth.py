@@ -387,31 +387,40 @@ def random_block_bytes(spec: SynthSpec, name: str, shape: tuple[int, ...], t: G)
 _E2M1_RMS = math.sqrt(8.5625)
 
 
-def _nvfp4_d(spec: SynthSpec, name: str, shape: tuple[int, ...], rng: np.random.Generator, n: int) -> np.ndarray:
-    d0 = _std(spec, name, shape) / _E2M1_RMS
-    return (d0 * rng.uniform(0.5, 1.5, size=n)).astype(np.float32)
+def _scale_codes(table: np.ndarray, d0: float, rng: np.random.Generator, n: int) -> np.ndarray:
+    """n scale bytes drawn uniformly from the codes whose value lies in [d0/2, 3 d0/2] (the ±50%
+    jitter of the K-quant blocks' d, as bytes: no per-value encode over billions of scales)."""
+    codes = np.flatnonzero((table >= 0.5 * d0) & (table <= 1.5 * d0)).astype(np.uint8)  # NaN compares False
+    if codes.size == 0:
+        raise ValueError(f"no scale code within [{0.5 * d0:g}, {1.5 * d0:g}]")
+    return codes[rng.integers(0, codes.size, size=n)]
 
 
 def nvfp4_ggml_block_bytes(spec: SynthSpec, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Random valid ggml NVFP4 blocks (type 40: 4 UE4M3 sub-block scales + 32 payload bytes)."""
-    from ..quant.fp4 import ue4m3_encode
+    from ..quant.fp4 import UE4M3_HALF_VALUES
 
     rng = _rng(spec, name)
     n_blocks = math.prod(shape) // 64
     b = np.frombuffer(rng.bytes(n_blocks * 36), dtype=np.uint8).reshape(n_blocks, 36).copy()
-    b[:, 0:4] = ue4m3_encode(_nvfp4_d(spec, name, shape, rng, n_blocks * 4)).reshape(n_blocks, 4)
+    # value = kvalues[q] (doubled E2M1) x UE4M3/2 = E2M1 x UE4M3 (ggml_ue4m3_to_fp32)
+    table = UE4M3_HALF_VALUES * np.float32(2.0)
+    table[0x80:] = np.nan  # bit 7 is ignored: draw from the canonical codes only
+    d0 = _std(spec, name, shape) / _E2M1_RMS
+    b[:, 0:4] = _scale_codes(table, d0, rng, n_blocks * 4).reshape(n_blocks, 4)
     return b
 
 
 def nvfp4_native_parts(spec: SynthSpec, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """Random native NVFP4: payload uint8 [n_out, n_in/2] and E4M3FN scales uint8 [n_out, n_in/16]
     (scale2 = 1). Recomputed per call from the tensor's seed, so payload and scales agree."""
-    from ..quant.fp4 import e4m3fn_encode
+    from ..quant.fp4 import E4M3FN_VALUES
 
     rng = _rng(spec, name)
     n_in, n_out = shape
     packed = np.frombuffer(rng.bytes(n_out * n_in // 2), dtype=np.uint8).reshape(n_out, n_in // 2)
-    scales = e4m3fn_encode(_nvfp4_d(spec, name, shape, rng, n_out * n_in // 16)).reshape(n_out, n_in // 16)
+    d0 = _std(spec, name, shape) / _E2M1_RMS
+    scales = _scale_codes(E4M3FN_VALUES, d0, rng, n_out * n_in // 16).reshape(n_out, n_in // 16)
     return packed, scales
 
 
