@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     import muser
 
     from ...errors import ContextOverflow, LaneError
-    from ...kv.serial import assemble
+    from ...kv.serial import install_tiles
     from ..receipt import device_description, run_interleaved, write_receipt
     from ..speed import model_json
 
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 hit = store.lookup(ids)  # read + verify every entry of the prefix
                 t1 = time.perf_counter()
-                s.restore(assemble(hit.tiles, store.binding.layout, tokens=ids[:hit.n_tokens]))  # install
+                install_tiles(s, hit.tiles, store.binding.layout, hit.n_tokens)  # install, the warm path's way
                 samples.append(time.perf_counter() - t0)
                 read_verify.append(t1 - t0)
             file_bytes = sum(os.path.getsize(next(d.rglob(nm))) for nm in hit.names)
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
                  for g in gates.values()) and all(r["payload_equals_formula"] for r in results.values())
         gate = {"status": "pass" if ok else "fail", "rule": "warm first-token logits bitwise equal to cold; "
                 "identical greedy text; stored KV payload equals MuseConfig.kv_bytes", "per_length": gates}
-        plot = _plot(results, lengths)
+        plot = _plot(results, lengths, args.out_dir)
         path = write_receipt("kvpack", model=model_json(m), device=device_description(args.device), lane=args.lane,
                              gate=gate, results={"kv": args.kv, "lengths": results, "disk_read": disk,
                                                  "plot": plot}, cells=cells, out_dir=args.out_dir)
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _plot(results: dict, lengths: list[int]) -> str | None:
+def _plot(results: dict, lengths: list[int], out_dir: str | None) -> str | None:
     """A PNG beside the receipts when matplotlib is installed; else None (recorded as such)."""
     try:
         import matplotlib
@@ -193,7 +193,7 @@ def _plot(results: dict, lengths: list[int]) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    from ..receipt import DEFAULT_RECEIPTS
+    from ..receipt import default_receipts_dir
 
     fig, ax = plt.subplots(figsize=(5, 3))
     x = np.arange(len(lengths))
@@ -203,7 +203,7 @@ def _plot(results: dict, lengths: list[int]) -> str | None:
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (ms)")
     ax.legend()
-    out = Path(os.environ.get("MUSER_RECEIPTS") or DEFAULT_RECEIPTS) / f"kvpack-ttft-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.png"
+    out = Path(out_dir or os.environ.get("MUSER_RECEIPTS") or default_receipts_dir()) / f"kvpack-ttft-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
