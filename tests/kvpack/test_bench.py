@@ -22,6 +22,3 @@ def test_bench_kvpack_receipt(tiny_gguf, tmp_path, monkeypatch):
     assert res["kv_payload_bytes"] == res["formula_kv_bytes"] and res["stored_prefix_tokens"] == 512
     assert 0 < res["overhead_bytes"] < 16384
     assert set(r["cells"]) == {"cold/530", "warm/530"}
-    disk = r["results"]["disk_read"]
-    assert len(disk["bytes_per_s"]) == 3 and len(disk["cached_bytes_per_s"]) == 3  # cold and cached reads
-    assert disk["bytes"] >= 4 * res["bytes_on_disk"] and all(x > 0 for x in disk["bytes_per_s"])

@@ -6,8 +6,8 @@ stored prefix, prefill the rest, first greedy token) are timed interleaved, A B 
 the warm first-token logits are bitwise the cold ones and the greedy text of both runs is
 identical (--gate-tokens tokens). Also recorded: bytes on disk per stored token against the
 model's KV formula (MuseConfig.kv_bytes), and restore bandwidth (read + verify + install of the
-hit, and read + verify alone) against the read bandwidth of a fresh plain file in the same
-directory, cold (its pages dropped first) and cached.
+hit, and read + verify alone) against the read bandwidth of a plain file in the same directory
+(page cache as it is).
 """
 
 from __future__ import annotations
@@ -50,38 +50,23 @@ def _prompt(tok, n: int) -> list[int]:
 
 
 def _read_bandwidth(d: Path, nbytes: int) -> dict:
-    """Read bandwidth of a fresh plain file of ~`nbytes` in `d` (the store's filesystem), written
-    in 64 MiB pieces and fsynced: 3 cold reads (the file's pages dropped from the page cache by
-    posix_fadvise DONTNEED before each) and 3 cached reads (page cache as the warm path finds it).
-    The headline `mean_bytes_per_s` is the cold one: what the disk gives."""
+    """Bytes/s of reading a plain file of `nbytes` in `d` (written, fsynced, read 3 times)."""
     path = d / "read-probe.bin"
-    piece = os.urandom(min(nbytes, 64 << 20))
-    size = 0
     with open(path, "wb") as f:
-        while size < nbytes:
-            f.write(piece)
-            size += len(piece)
+        f.write(os.urandom(1 << 20) * max(1, nbytes >> 20))
         f.flush()
         os.fsync(f.fileno())
-    buf = bytearray(1 << 26)  # read in 64 MiB pieces: no second whole-file copy
-    cold, cached = [], []
-    for drop in (True, True, True, False, False, False):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if drop:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            t0 = time.perf_counter()
-            with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-                while f.readinto(buf):
-                    pass
-            (cold if drop else cached).append(size / (time.perf_counter() - t0))
-        finally:
-            os.close(fd)
+    size = path.stat().st_size
+    samples = []
+    buf = bytearray(size)
+    for _ in range(3):
+        t0 = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(buf)
+        samples.append(size / (time.perf_counter() - t0))
     path.unlink()
-    return {"bytes": size, "bytes_per_s": cold, "mean_bytes_per_s": float(np.mean(cold)),
-            "cached_bytes_per_s": cached, "cached_mean_bytes_per_s": float(np.mean(cached)),
-            "note": "cold: posix_fadvise(DONTNEED) on the fsynced file before each read; cached: page cache "
-                    "as found; same filesystem as the store"}
+    return {"bytes": size, "bytes_per_s": samples, "mean_bytes_per_s": float(np.mean(samples)),
+            "note": "page cache as found (no cache drop); same filesystem as the store"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{r['bytes_on_disk_per_token']:.0f} B/token on disk, payload == formula: "
                   f"{r['payload_equals_formula']}; restore {np.mean(r['restore_bytes_per_s']) / 1e9:.3f} GB/s "
                   f"(read + verify {np.mean(r['read_verify_bytes_per_s']) / 1e9:.3f} GB/s) vs plain read "
-                  f"{disk['mean_bytes_per_s'] / 1e9:.2f} GB/s cold, {disk['cached_mean_bytes_per_s'] / 1e9:.2f} cached")
+                  f"{disk['mean_bytes_per_s'] / 1e9:.2f} GB/s")
         print(f"gate: {gate['status']}; receipt {path}")
         return 0 if ok else 1
     finally:
