@@ -3,7 +3,8 @@
 # $OUT as soon as it finishes; a failed or skipped stage is recorded and the run goes on.
 #
 #   bash tools/device_session.sh [--cpu-dry] [--carry DIR] [--deadline S] [--depths 0,8192]
-#                                [--kv-lengths 2048,8192,32768] [--nvfp4-mix nvfp4-ggml] STAGE...
+#                                [--kv-lengths 2048,8192,32768] [--nvfp4-mix nvfp4-ggml]
+#                                [--llama-server PATH] STAGE...
 #
 # Stages, in the order given (build and fixture start in the background at t = 0; the stages
 # that need their outputs wait for them inside their own time box):
@@ -24,6 +25,7 @@
 #            are the K-quant side (same geometry, random valid blocks of each format)
 #   serve    muser bench serve --device cuda at 1/4/16 clients on the full Q4_K file when it is
 #            written (else the shipped micro model), the CUDA llama-server beside it when built
+#            (or the one --llama-server names)
 #
 # --cpu-dry: the same stages on the CPU with tiny fixtures (8 layers of the default synthetic
 # widths): no llama.cpp build (the venv's llama-cpp-python is the comparator), device_kernels in
@@ -34,7 +36,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"
-DRY=0 CARRY=.device/gpubench DEADLINE=585 DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
+DRY=0 CARRY=.device/gpubench DEADLINE=585 LLAMA_SERVER="" DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
 STAGES=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -44,6 +46,7 @@ while [ $# -gt 0 ]; do
     --depths) DEPTHS=${2:?--depths LIST}; shift ;;
     --nvfp4-mix) NVFP4_MIX=${2:?--nvfp4-mix nvfp4|nvfp4-ggml}; shift ;;
     --kv-lengths) KV_LENGTHS=${2:?--kv-lengths LIST}; shift ;;
+    --llama-server) LLAMA_SERVER=${2:?--llama-server PATH}; shift ;;
     build|fixture|kernels|gate|speed|kvpack|nvfp4|serve) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
@@ -133,7 +136,8 @@ fi
 # --- the comparator's figures: one llama-bench run per file (read by the speed kinds) -------------
 llama_json() {  # GGUF NAME -> $W/NAME.json (pp512, pp16, tg128, tg1 at DEPTHS; 5 reps each)
   [ $DRY = 1 ] && return 1
-  wait_for "$W/llama-bench.done" $(( DEADLINE - 60 )) && [ -x $BENCH ] || { echo "no llama-bench build"; return 1; }
+  has build && wait_for "$W/llama-bench.done" $(( DEADLINE - 60 ))  # a warm machine may hold a build
+  [ -x $BENCH ] || { record "llama-bench-$2" - 0 "no llama-bench build ($(cat "$W/llama-bench.done" 2>/dev/null))"; return 1; }
   run_stage "llama-bench-$2" 150 30 bash -c "$BENCH -m '$1' -ngl 99 -fa 1 -p 512,16 -n 128,1 -d $DEPTHS -r 5 \
       -o json >'$W/$2.json' 2>'$L/llama-bench-$2.err'" && cp "$W/$2.json" "$R/llama-bench-$2.json"
   [ -s "$W/$2.json" ]
@@ -144,9 +148,8 @@ speed_kinds() {
   local label=$1 model=$2 gate=$3 lj=$4 kind against=()
   if [ $DRY = 1 ]; then against=(--against llama.cpp); elif [ -n "$lj" ]; then
     against=(--against llama.cpp --llama-bench-json "$lj"); fi
-  local plot=()
-  $PY -m muser bench decode --help 2>/dev/null | grep -q -- "--plot" && plot=(--plot)
   for kind in decode prefill verify; do
+    local plot=(); plot_flag $kind && plot=(--plot)
     local d=$DEPTHS; [ $kind = verify ] && d=${DEPTHS%%,*}
     run_stage "$label-$kind" 150 40 $PY -m muser bench $kind --model "$model" --device $DEV --depths "$d" \
         --reps $REPS --warmup 1 $SPEED_TOKENS --gate-receipt "$gate" --out-dir "$R" "${against[@]}" "${plot[@]}"
@@ -169,6 +172,8 @@ speed_plot() {  # LABEL: tok/s vs depth of this stage's decode and prefill recei
   fi
 }
 
+plot_flag() { $PY -m muser bench "$1" --help 2>/dev/null | grep -q -- "--plot"; }  # KIND writes its PNG
+
 gate_receipt() {  # MIX -> path of this call's passing-or-not wide Gate 2 receipt for MIX
   grep -l "\"dtype\": \"$1\"" "$R"/*-engine-gate2-wide-$DEV.json 2>/dev/null | head -1
 }
@@ -180,7 +185,7 @@ for st in "${STAGES[@]}"; do
       if [ -f tools/device_kernels.py ]; then
         mkdir -p "$R/kernels"
         if [ $DRY = 1 ]; then run_stage kernels 150 20 $PY tools/device_kernels.py --out "$R/kernels" --device cpu --smoke
-        else run_stage kernels 150 60 $PY tools/device_kernels.py --out "$R/kernels"; fi
+        else run_stage kernels 150 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 140; fi
       else record kernels - 0 "tools/device_kernels.py is absent"; fi ;;
     gate) wide_gate q4_k_xl ;;
     speed|nvfp4)
@@ -196,14 +201,16 @@ for st in "${STAGES[@]}"; do
     kvpack)
       if ! wait_for "$W/full.done" $(( DEADLINE - 120 )) || [ ! -s "$FULL" ]; then
         record kvpack - 0 "no $FULL"; continue; fi
+      plot=(); plot_flag kvpack && plot=(--plot)
       run_stage kvpack 300 60 $PY -m muser bench kvpack --model "$FULL" --device $DEV --lengths $KV_LENGTHS \
-          --reps 1 --warmup 0 --gate-tokens 16 --dir "$W/kvpack-store" --out-dir "$R" ;;
+          --reps 1 --warmup 0 --gate-tokens 16 --dir "$W/kvpack-store" --out-dir "$R" "${plot[@]}" ;;
     serve)
       model=(); [ -s "$FULL" ] && model=(--model "$FULL")
       ls_=(); [ -x $SERVER ] && ls_=(--llama-server $SERVER)
-      [ $DRY = 1 ] && [ -x /work/coord/llama-build/bin/llama-server ] && ls_=(--llama-server /work/coord/llama-build/bin/llama-server)
+      [ -n "$LLAMA_SERVER" ] && ls_=(--llama-server "$LLAMA_SERVER")
+      plot=(); plot_flag serve && plot=(--plot)
       run_stage serve 200 60 $PY -m muser bench serve --device $DEV "${model[@]}" "${ls_[@]}" --clients 1,4,16 \
-          --max-tokens 16 --slots 16 --ctx 1024 --out-dir "$R" ;;
+          --max-tokens 16 --slots 16 --ctx 1024 --out-dir "$R" "${plot[@]}" ;;
   esac
 done
 
