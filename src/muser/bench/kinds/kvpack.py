@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     import muser
 
     from ...errors import ContextOverflow, LaneError
-    from ...kv.serial import install_tiles
+    from ...kv.serial import assemble
     from ..receipt import device_description, run_interleaved, write_receipt
     from ..speed import model_json
 
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 hit = store.lookup(ids)  # read + verify every entry of the prefix
                 t1 = time.perf_counter()
-                install_tiles(s, hit.tiles, store.binding.layout, hit.n_tokens)  # install, the warm path's way
+                s.restore(assemble(hit.tiles, store.binding.layout, tokens=ids[:hit.n_tokens]))  # install
                 samples.append(time.perf_counter() - t0)
                 read_verify.append(t1 - t0)
             file_bytes = sum(os.path.getsize(next(d.rglob(nm))) for nm in hit.names)
