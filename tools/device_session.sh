@@ -219,7 +219,31 @@ for pid in ${FX_PIDS:-}; do
   while kill -0 "$pid" 2>/dev/null && [ "$(left)" -gt 5 ]; do sleep 2; done
 done
 cat "$W"/*.done 2>/dev/null | sed 's/^/background: /'
+speed_table() {  # one line per speed cell of this call's receipts: model, kind, depth, both engines
+  $PY - "$R" <<'EOF'
+import json, pathlib, sys
+for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    try:
+        r = json.loads(p.read_text())
+    except ValueError:
+        continue
+    if r.get("kind") not in ("decode", "prefill", "verify"):
+        continue
+    name, res = pathlib.Path(r["model"]["path"]).name, r["results"]
+    for d, c in res["per_depth"].items():
+        if r["kind"] == "verify":
+            mu = c.get("muser", {})
+            print(f"{name:28} verify  d{d:>6}  verify/decode1 {mu.get('ratio_verify_over_decode1', 0):.3f}  {res['status']}")
+            continue
+        mu, ll = c["muser"]["tok_s"], c.get("llama.cpp", {}).get("tok_s", {})
+        gb = mu.get("achieved_gbps", {}).get("mean")
+        print(f"{name:28} {r['kind']:7} d{d:>6}  muser {mu['mean']:9.2f} tok/s" + (f" {gb:8.1f} GB/s" if gb else "")
+              + (f" | llama.cpp {ll['mean']:9.2f} | ratio {c['ratio_muser_over_llamacpp']:.3f}" if ll else "")
+              + f"  {res['status']}")
+EOF
+}
 { echo "session $(el) s, stages: ${STAGES[*]} (dry=$DRY)"; column -t -s $'\t' "$W/stages.tsv"
-  cat "$W"/*.done 2>/dev/null | sed 's/^/background: /'; ls -la "$R"; df -h "$W" | tail -1; } >"$OUT/summary.txt"
+  cat "$W"/*.done 2>/dev/null | sed 's/^/background: /'; speed_table; ls -la "$R"; df -h "$W" | tail -1
+} >"$OUT/summary.txt"
 bundle
 cat "$OUT/summary.txt"
