@@ -24,8 +24,8 @@
 #            llama-bench (type 40) on that file beside them; the Q4_K receipts of the speed stage
 #            are the K-quant side (same geometry, random valid blocks of each format)
 #   serve    muser bench serve --device cuda at 1/4/16 clients on the full Q4_K file when it is
-#            written (else the shipped micro model), the CUDA llama-server beside it when built
-#            (or the one --llama-server names)
+#            written (else, or when that run fails, the shipped micro model), the CUDA
+#            llama-server beside it when built (or the one --llama-server names)
 #
 # --cpu-dry: the same stages on the CPU with tiny fixtures (8 layers of the default synthetic
 # widths): no llama.cpp build (the venv's llama-cpp-python is the comparator), device_kernels in
@@ -210,7 +210,12 @@ for st in "${STAGES[@]}"; do
       [ -n "$LLAMA_SERVER" ] && ls_=(--llama-server "$LLAMA_SERVER")
       plot=(); plot_flag serve && plot=(--plot)
       run_stage serve 200 60 $PY -m muser bench serve --device $DEV "${model[@]}" "${ls_[@]}" --clients 1,4,16 \
-          --max-tokens 16 --slots 16 --ctx 1024 --out-dir "$R" "${plot[@]}" ;;
+          --max-tokens 16 --slots 16 --ctx 1024 --out-dir "$R" "${plot[@]}"
+      rc=$?  # 1: a receipt with a failed load == alone gate; anything else with the full file: the micro model
+      if [ $rc -gt 1 ] && [ ${#model[@]} -gt 0 ] && [ $DRY = 0 ]; then
+        run_stage serve-micro 120 60 $PY -m muser bench serve --device $DEV "${ls_[@]}" --clients 1,4,16 \
+            --max-tokens 16 --slots 16 --ctx 1024 --out-dir "$R" "${plot[@]}"
+      fi ;;
   esac
 done
 
