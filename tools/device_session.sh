@@ -19,7 +19,8 @@
 #            (default 0,8192; verify at the first depth only), llama-bench's figures on the same
 #            file beside them (one llama-bench run, read as --llama-bench-json), a PNG of tok/s
 #            vs depth for both engines
-#   kvpack   muser bench kvpack --device cuda --model FULL --lengths --kv-lengths (one rep)
+#   kvpack   muser bench kvpack --device cuda --model FULL, prompt lengths --kv-lengths (default
+#            2048,8192,32768), one repetition, exact lane
 #   nvfp4    the same Gate 2 for the NVFP4 mix, then the speed kinds on the NVFP4 full file,
 #            llama-bench (type 40) on that file beside them; the Q4_K receipts of the speed stage
 #            are the K-quant side (same geometry, random valid blocks of each format)
