@@ -3,14 +3,14 @@
 #
 #   bash tools/device_session.sh A   # bg: build the pinned llama.cpp (CUDA, sm_90) and write the
 #                                    # 16.75 GB full-geometry GGUF; fg: engine env, kernels, Gate 2
-#                                    # on CUDA (default and v2 matvec), invariance, graphs; then
+#                                    # on CUDA, invariance, graphs; then
 #                                    # llama-bench pp512/tg128 at depth 0 -> $OUT
 #   bash tools/device_session.sh B   # llama-bench at depth 32768, the kernel table
 #                                    # (tools/device_kernels.py), then the engine's full-geometry
 #                                    # stage with llama.cpp's figures beside it -> $OUT
 #
-#   bash tools/device_session.sh K   # this round's pair: K (Gate 2 + kernels + v3 sweep + llama
-#   bash tools/device_session.sh F   # d0), then F (llama d32768 + full-geometry stage, v3 vs v2)
+#   bash tools/device_session.sh K   # a pair: K (Gate 2 + kernels + the GEMM stage + llama
+#   bash tools/device_session.sh F   # d0), then F (llama d32768 + full-geometry stage)
 #
 # Carry: .device (llama.cpp-src.tgz from ../shared/tools/pack-llama-src.sh) and .whl (gguf wheel).
 set -uo pipefail
@@ -76,17 +76,15 @@ EOF
 }
 
 if [ "$phase" = K ]; then
-  # call 1 of 2 (back to back): bg llama.cpp build + full file; fg Gate 2 and invariance with the
-  # default kernels (v3 packed layout + stacks), the v1/v2/v3 kernel table and the v3 sweep (its
-  # winners -> $W/v3_tuning.json for call 2), then llama-bench at depth 0
+  # call 1 of 2 (back to back): bg llama.cpp build + full file; fg Gate 2 and invariance, the
+  # GEMM stage (tools/device_kernels.py), then llama-bench at depth 0
   ( build_llama; echo "llama build rc=$? at $(el) s" >$W/build.done ) &
   full_bg
   timeout -s TERM 230 python3 tools/device_engine.py --out "$OUT" --no-full \
       --stages env,kernels,gate2,invariance --budget 215 2>&1 | tail -40
   echo "--- kernels at $(el) s"
-  timeout -s TERM $(( 520 - $(el) )) python3 tools/device_kernels.py --out "$OUT" --jobs 12 \
-      --budget $(( 505 - $(el) )) 2>&1 | grep -v "^v3 sweep" | tail -40
-  cp "$OUT/v3_tuning.json" $W/v3_tuning.json 2>/dev/null
+  timeout -s TERM $(( 520 - $(el) )) python3 tools/device_kernels.py --out "$OUT" \
+      --budget $(( 505 - $(el) )) 2>&1 | tail -40
   while [ ! -f $W/build.done ] || [ ! -f $W/full.done ]; do
     [ "$(el)" -gt 540 ] && { echo "build/file not done at $(el) s"; break; }; sleep 3
   done
@@ -94,40 +92,36 @@ if [ "$phase" = K ]; then
   [ "$(el)" -lt 545 ] && llama_bench 0 $(( 590 - $(el) )) llama-bench-d0.json
 elif [ "$phase" = F ]; then
   # call 2 of 2: llama-bench at depth 32768 (if call 1's build is still here), then the engine's
-  # full-geometry stage: v3 (tuned by call 1's sweep) beside v2, depths 0 and 32768, verify,
+  # full-geometry stage: depths 0 and 32768, verify,
   # pp512 exact and fast, with llama.cpp's figures of this session beside them
   ensure_full
   [ -x $BENCH ] && llama_bench 32768 150 llama-bench-d32768.json
   merge_llama_json
-  if [ -s $W/v3_tuning.json ]; then export MUSER_V3_TUNING=$W/v3_tuning.json; cp $W/v3_tuning.json "$OUT/"; fi
-  echo "--- engine full geometry at $(el) s (MUSER_V3_TUNING=${MUSER_V3_TUNING:-none})"
+  echo "--- engine full geometry at $(el) s"
   timeout -s TERM $(( 590 - $(el) )) python3 tools/device_engine.py --out "$OUT" --full $FULL --stages env,full \
-      --depths 0,32768 --matvec v3,v2 --budget $(( 575 - $(el) )) --llama-bench-json $W/llama-bench.json 2>&1 | tail -30
+      --depths 0,32768 --budget $(( 575 - $(el) )) --llama-bench-json $W/llama-bench.json 2>&1 | tail -30
 elif [ "$phase" = P ]; then
-  # profile call: the kernel table timed inside CUDA graphs (no host launch cost) with the v3
-  # sweep over the engine's stacked shapes, then where a decode step's GPU time goes
+  # profile call: the GEMM stage (tools/device_kernels.py), then where a decode step's GPU time goes
   # (tools/device_profile.py) at depths 0 and 32768 with two attention split caps
   full_bg
-  timeout -s TERM 300 python3 tools/device_kernels.py --out "$OUT" --graph --kinds v2,v3 --jobs 12 \
-      --budget 285 2>&1 | grep -v "^v3 sweep" | tail -32
+  timeout -s TERM 300 python3 tools/device_kernels.py --out "$OUT" --budget 285 2>&1 | tail -32
   wait_full 400
   echo "--- profile at $(el) s"
   timeout -s TERM $(( 590 - $(el) )) python3 tools/device_profile.py $FULL "$OUT" --depths 0,32768 \
-      --splits 64,256 2>&1 | tail -70
+      --split-positions 512,1024 2>&1 | tail -70
 elif [ "$phase" = Z ]; then
-  # closing call: Gate 2 + invariance + graphs with the default kernels (v3 + stacks + fused
-  # tails), the step profile at depths 0 and 32768, then the full-geometry stage (v3 only:
-  # realistic residency) with this session's llama.cpp rows (carried in .device/)
+  # closing call: Gate 2 + invariance + graphs with the default kernels (GEMM + stacks + fused
+  # tails), the step profile at depths 0 and 32768, then the full-geometry stage with this session's llama.cpp rows (carried in .device/)
   full_bg
   timeout -s TERM 230 python3 tools/device_engine.py --out "$OUT" --no-full \
       --stages env,kernels,gate2,invariance --budget 215 2>&1 | tail -36
   wait_full 300
   echo "--- profile at $(el) s"
-  timeout -s TERM 120 python3 tools/device_profile.py $FULL "$OUT" --depths 0,32768 --splits 64 \
+  timeout -s TERM 120 python3 tools/device_profile.py $FULL "$OUT" --depths 0,32768 --split-positions 512 \
       --gate-receipt "$(ls "$OUT"/*-engine-gate2-cuda.json | head -1)" 2>&1 | tail -34
   echo "--- engine full geometry at $(el) s"
   timeout -s TERM $(( 590 - $(el) )) python3 tools/device_engine.py --out "$OUT" --full $FULL --stages env,full \
-      --depths 0,32768 --matvec v3 --budget $(( 575 - $(el) )) \
+      --depths 0,32768 --budget $(( 575 - $(el) )) \
       --gate-receipt "$(ls "$OUT"/*-engine-gate2-cuda.json | head -1)" \
       --llama-bench-json .device/llama-bench-session3.json 2>&1 | tail -24
 elif [ "$phase" = A ]; then
@@ -135,11 +129,6 @@ elif [ "$phase" = A ]; then
   full_bg
   timeout -s TERM 330 python3 tools/device_engine.py --out "$OUT" --no-full \
       --stages env,kernels,gate2,invariance --budget 310 2>&1 | tail -45
-  if [ -f src/muser/engine/kernels/qmatvec_v2.py ]; then
-    echo "--- Gate 2 again with MUSER_MATVEC=v2 at $(el) s"
-    MUSER_MATVEC=v2 timeout -s TERM 110 python3 tools/device_engine.py --out "$OUT/v2" --no-full \
-        --stages gate2 --gate-dtypes F16,Q8_0,Q4_K,Q5_K,Q6_K,q4_k_xl --gate-tokens 128 --budget 100 2>&1 | tail -16
-  fi
   while [ ! -f $W/build.done ] || [ ! -f $W/full.done ]; do
     [ "$(el)" -gt 500 ] && { echo "build/file not done at $(el) s"; break; }; sleep 3
   done
@@ -148,7 +137,7 @@ elif [ "$phase" = A ]; then
 elif [ "$phase" = C ]; then
   # one call on a cold machine, no llama.cpp build: engine correctness, then the full geometry
   # (llama.cpp's figures from an earlier call of this session, carried in .device/), then the
-  # kernel table, then Gate 2 with the v2 matvec
+  # GEMM stage
   full_bg
   timeout -s TERM 250 python3 tools/device_engine.py --out "$OUT" --no-full \
       --stages env,kernels,gate2,invariance --budget 235 2>&1 | tail -45
@@ -156,17 +145,12 @@ elif [ "$phase" = C ]; then
   echo "--- engine full geometry at $(el) s"
   mkdir -p "$OUT/full"
   timeout -s TERM $(( 470 - $(el) )) python3 tools/device_engine.py --out "$OUT/full" --full $FULL \
-      --stages full --depths 0,32768 --matvec v1,v2 --budget $(( 455 - $(el) )) \
+      --stages full --depths 0,32768 --budget $(( 455 - $(el) )) \
       --gate-receipt "$(ls "$OUT"/*-engine-gate2-cuda.json | head -1)" \
       --llama-bench-json .device/llama-bench-d0.json 2>&1 | tail -16
   echo "--- kernel table at $(el) s"
   [ "$(el)" -lt 520 ] && timeout -s TERM $(( 560 - $(el) )) python3 tools/device_kernels.py --out "$OUT" \
-      --no-sweep --budget $(( 545 - $(el) )) 2>&1 | tail -25
-  if [ "$(el)" -lt 540 ]; then
-    echo "--- Gate 2 with MUSER_MATVEC=v2 at $(el) s"
-    MUSER_MATVEC=v2 timeout -s TERM $(( 585 - $(el) )) python3 tools/device_engine.py --out "$OUT/v2" --no-full \
-        --stages gate2 --gate-dtypes Q4_K,Q6_K,q4_k_xl,Q8_0 --gate-tokens 128 --budget $(( 575 - $(el) )) 2>&1 | tail -10
-  fi
+      --budget $(( 545 - $(el) )) 2>&1 | tail -25
 else
   ensure_full
   llama_bench 32768 190 llama-bench-d32768.json
