@@ -4,8 +4,9 @@
 1. compare  - per format (F32 F16 BF16 Q8_0 Q4_0 Q4_K Q5_K Q6_K): the Triton GEMM vs the f64
               matmul of the decoded weight at 1, 16, 17 and 512 rows (max error relative to
               sum |x w|), and inside the GEMM: each probed row alone vs inside the 16- and
-              512-row launches, bitwise (the N tile changes with the row count; the K order
-              must not). A 64-row M tile is probed too (reported only: the engine fixes 16).
+              512-row launches, bitwise (the N tile and the K-chunk programs change with the
+              row count; the K order must not), and one row under every N tile / warps / split
+              choice, bitwise. A 64-row M tile is probed too (reported only: the engine fixes 16).
 2. invariance - bitwise row invariance on the engine: every position's logits decoded alone
               vs verified in blocks of 2..16 vs prefilled in chunks of 64 and 512 vs stepped
               beside another session (Engine.step), both K/V types, over a sequence that wraps
@@ -15,7 +16,8 @@
 4. bench    - full-geometry layer shapes (tools/make_fixture.py --full: QKV|gate stack,
               attn_output, ffn gate|up, ffn_down, lm_head), random Q4_K / Q6_K weights built
               on the GPU (no file): time of 1 vs 16 vs 512 rows per shape (CUDA events,
-              weights rotated past the L2), achieved GB/s of the weight bytes.
+              weights rotated past the L2), achieved GB/s of the weight bytes; at 1 row a sweep
+              of N tile x warps beside the default config.
 5. fixtures - stage 2 on a tiny fixture of every dtype (tools/make_fixture.py's writer,
               muser.model.synth; written to --workdir unless already there), blocks 2, 5, 16.
 
@@ -117,6 +119,13 @@ def stage_compare(run: Run) -> dict:
                     if i < M:
                         bit &= bool(torch.equal(alone, y[i:i + 1]))
             r["row_alone_vs_blocks_bitwise"] = bit
+            # N tile, warps and K-chunk programs are speed choices: the same bits for each
+            cfgs = [(16, 1, True), (32, 1, True), (64, 2, False), (128, 4, True)]
+            x1 = x[:1].contiguous()
+            y0 = qgemm.gemm(w, x1, bn=bn)
+            r["configs_bitwise"] = all(bool(torch.equal(qgemm.gemm(w, x1, bn=b if bn is None else bn, num_warps=nw,
+                                                                   split=sp), y0)) for b, nw, sp in cfgs)
+            bit &= r["configs_bitwise"]
             if run.dev == "cuda":
                 y64 = qgemm.gemm(w, x.contiguous(), block_m=64)
                 r["block_m64_equals_16_bitwise"] = bool(torch.equal(y64, full[max(ms)]))
@@ -298,7 +307,21 @@ def stage_bench(run: Run) -> dict:
                     for i in range(reps):
                         qgemm.gemm(ws[i % copies], x, y)
                     us = (time.perf_counter() - t) * 1e6 / reps
-                r[f"m{M}"] = {"us": us, "GBps": nbytes / us / 1e3, "TFLOPs_useful": 2 * M * n_out * n_in / us / 1e6}
+                r[f"m{M}"] = {"us": us, "GBps": nbytes / us / 1e3, "TFLOPs_useful": 2 * M * n_out * n_in / us / 1e6,
+                              "config": list(qgemm.config(M, n_out))}
+                if M == 1 and run.dev == "cuda":  # the N tile / warps sweep (speed only, same bits)
+                    sweep = {}
+                    for b, nw in ((32, 1), (64, 4), (128, 4)):
+                        if run.left() < 10:
+                            break
+                        qgemm.gemm(ws[0], x, y, bn=b, num_warps=nw)
+                        e0.record()
+                        for i in range(reps):
+                            qgemm.gemm(ws[i % copies], x, y, bn=b, num_warps=nw)
+                        e1.record()
+                        run.sync()
+                        sweep[f"{b}x{nw}"] = e0.elapsed_time(e1) * 1e3 / reps
+                    r["m1_sweep_us"] = sweep
             del ws
         except Exception as e:  # noqa: BLE001
             r["error"] = repr(e)

@@ -94,6 +94,9 @@ def drive(rec: Recorder) -> None:
         q1.dequant_triton(w)
         for T in (1, 16, 17, 512):  # decode, verify and prefill tiles: both N tiles of config()
             qgemm.gemm(w, torch.zeros(T, n_in), torch.empty(T, n_out))
+        k2 = 2560  # two K chunks: the split kernel and its in-order sum
+        w2 = repack("t", fmt, n_out, k2, torch.from_numpy(random_bytes(fmt, n_out, k2, 2).copy()))
+        qgemm.gemm(w2, torch.zeros(1, k2), torch.empty(1, n_out))
     from muser.engine import nvfp4 as nv
     from muser.engine.kernels import nvfp4 as knv
 

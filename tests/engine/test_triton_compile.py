@@ -29,6 +29,6 @@ def test_every_engine_kernel_compiles_for_sm90(tmp_path):
     rows = json.loads(out.read_text())
     kernels = {r["kernel"] for r in rows}
     # the engine's kernels are all there: attention (partial + reduce), GEMM (+ its prep), dequant
-    assert {"_attn_partial", "_attn_reduce", "_qgemm_kernel", "_prep_kernel", "_dequant_kernel", "_matvec_nvfp4_kernel", "_dequant_nvfp4_kernel", "_norm_mul_kernel", "_norm2_kernel", "_qk_norm_rope_kernel",
+    assert {"_attn_partial", "_attn_reduce", "_qgemm_kernel", "_prep_kernel", "_chunk_sum", "_attn_rows", "_dequant_kernel", "_matvec_nvfp4_kernel", "_dequant_nvfp4_kernel", "_norm_mul_kernel", "_norm2_kernel", "_qk_norm_rope_kernel",
             "_gate_kernel"} <= kernels
     assert all(r["ok"] for r in rows)

@@ -5,7 +5,7 @@ Row invariance (DESIGN.md "Exactness contract"): each output y[m, n] is reduced 
 order over K that does not depend on the row count, on which M tile the row lands in, or on
 the N tiling. The M tile is fixed at 16 rows (one m16n8k16 mma height; a 1-row decode is a
 16-row tile with 15 idle rows, which costs nothing on a bandwidth-bound step), there is no
-split-K, and the per-row sums of x the K-quant mins need come from a separate fixed-shape pass
+shape-dependent split-K, and the per-row sums of x the K-quant mins need come from a separate fixed-shape pass
 (`_prep_kernel`), so no reduction's tree depends on the launch shape. Tuning may change the N
 tile and num_warps only.
 
@@ -48,6 +48,7 @@ FORMATS = (G.F32, G.F16, G.BF16, G.Q8_0, G.Q4_0, G.Q4_K, G.Q5_K, G.Q6_K)
 BM = 16  # rows per M tile: fixed (see module doc), never tuned
 SUB = 32  # elements per row sum of x (the K-quant sub-block)
 PREP_BK = 256  # elements of one row per prep program
+KC = 2048  # K chunk: each output is the in-order sum of its per-chunk sums (fixed by K alone)
 
 
 def supports(fmt: G) -> bool:
@@ -117,7 +118,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _qgemm_kernel(xp, xs, y, p0, p1, p2, p3, p4, p5, M, N, K, sy,
-                      FMT: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
+                      FMT: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, KC: tl.constexpr,
+                      SPLIT: tl.constexpr, INTERP: tl.constexpr):
         pm = tl.program_id(0)  # M tiles vary fastest: the programs of one N tile share its weights in L2
         pn = tl.program_id(1)
         r = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -130,83 +132,109 @@ if HAVE_TRITON:
         l32 = tl.arange(0, 32)
         l16 = tl.arange(0, 16)
         zero = tl.zeros([BLOCK_M, BN], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BN], dtype=tl.float32)
-        if FMT == 5 or FMT == 6:  # Q4_K / Q5_K: qs [N, nb*128], d, dmin [N, nb], sc, m [N, nb*8], qh [N, nb*32]
-            nb = K // 256
-            for kb in range(0, nb):
-                blk = row * nb + kb  # [BN]
-                d = tl.load(p1 + blk, mask=nmask, other=0.0).to(tl.float32)
-                dmin = tl.load(p2 + blk, mask=nmask, other=0.0).to(tl.float32)
-                if FMT == 6:
-                    qh = tl.load(p5 + blk[:, None] * 32 + l32[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-                for g in tl.static_range(4):  # 64-element groups: low nibbles, then high nibbles
-                    b = tl.load(p0 + blk[:, None] * 128 + g * 32 + l32[None, :], mask=nmask[:, None],
-                                other=0).to(tl.int32)  # [BN, 32]
-                    for half in tl.static_range(2):
-                        j = 2 * g + half  # sub-block (scale slot)
-                        q = (b >> (4 * half)) & 0xF
-                        if FMT == 6:
-                            q = q | (((qh >> j) & 1) << 4)  # ggml: + (qh & u ? 16 : 0)
-                        k0 = kb * 256 + 32 * j
-                        pj = _mma(xp, r, rmask, k0, K, MK, q.to(tl.float32).to(tl.bfloat16), zero, 32, INTERP)
-                        sc = tl.load(p3 + blk * 8 + j, mask=nmask, other=0).to(tl.float32)
-                        mn = tl.load(p4 + blk * 8 + j, mask=nmask, other=0).to(tl.float32)
-                        sj = tl.load(xs + r * NS + k0 // 32, mask=rmask, other=0.0)  # [BM]
-                        acc = acc + ((d * sc)[None, :] * pj - (dmin * mn)[None, :] * sj[:, None])
-        elif FMT == 7:  # Q6_K: ql [N, nb*128], qh [N, nb*64], sc int8 [N, nb*16], d f16 [N, nb]
-            nb = K // 256
-            for kb in range(0, nb):
-                blk = row * nb + kb
-                d = tl.load(p3 + blk, mask=nmask, other=0.0).to(tl.float32)
-                for hn in tl.static_range(2):  # 128-element halves
-                    for lh in tl.static_range(2):  # l in [16 lh, 16 lh + 16)
-                        lo_a = tl.load(p0 + blk[:, None] * 128 + hn * 64 + lh * 16 + l16[None, :],
-                                       mask=nmask[:, None], other=0).to(tl.int32)  # ql[l]
-                        lo_b = tl.load(p0 + blk[:, None] * 128 + hn * 64 + 32 + lh * 16 + l16[None, :],
-                                       mask=nmask[:, None], other=0).to(tl.int32)  # ql[l + 32]
-                        hb = tl.load(p1 + blk[:, None] * 64 + hn * 32 + lh * 16 + l16[None, :],
-                                     mask=nmask[:, None], other=0).to(tl.int32)
-                        for qt in tl.static_range(4):  # quarter: elements hn*128 + 32 qt + l
-                            if qt % 2 == 0:
-                                lo = (lo_a >> (4 * (qt // 2))) & 0xF
-                            else:
-                                lo = (lo_b >> (4 * (qt // 2))) & 0xF
-                            q = (lo | (((hb >> (2 * qt)) & 3) << 4)) - 32
-                            k0 = kb * 256 + hn * 128 + 32 * qt + 16 * lh
-                            pj = _mma(xp, r, rmask, k0, K, MK, q.to(tl.float32).to(tl.bfloat16), zero, 16, INTERP)
-                            sc = tl.load(p2 + blk * 16 + hn * 8 + lh + 2 * qt, mask=nmask, other=0).to(tl.float32)
-                            acc = acc + (d * sc)[None, :] * pj  # ggml: y = d * sc[is] * q
-        elif FMT == 3:  # Q8_0: qs int8 [N, K], d f16 [N, K/32]
-            for kb in range(0, K // 32):
-                q = tl.load(p0 + row[:, None] * K + kb * 32 + l32[None, :], mask=nmask[:, None], other=0)
-                pj = _mma(xp, r, rmask, kb * 32, K, MK, q.to(tl.float32).to(tl.bfloat16), zero, 32, INTERP)
-                d = tl.load(p1 + row * (K // 32) + kb, mask=nmask, other=0.0).to(tl.float32)
-                acc = acc + d[None, :] * pj  # ggml: y = qs * d
-        elif FMT == 4:  # Q4_0: qs u8 [N, K/2] (16 bytes per 32-block: low nibbles 0..15, high 16..31)
-            for kb in range(0, K // 32):
-                b = tl.load(p0 + row[:, None] * (K // 2) + kb * 16 + l16[None, :], mask=nmask[:, None],
-                            other=0).to(tl.int32)
-                pj = _mma(xp, r, rmask, kb * 32, K, MK, ((b & 0xF) - 8).to(tl.float32).to(tl.bfloat16), zero, 16, INTERP)
-                pj = _mma(xp, r, rmask, kb * 32 + 16, K, MK, ((b >> 4) - 8).to(tl.float32).to(tl.bfloat16), pj, 16, INTERP)
-                d = tl.load(p1 + row * (K // 32) + kb, mask=nmask, other=0.0).to(tl.float32)
-                acc = acc + d[None, :] * pj  # ggml: y = (q - 8) * d
-        else:  # F32 / F16 / BF16: w [N, K], any K (masked tail)
-            for kb in range(0, tl.cdiv(K, 32)):
-                k = kb * 32 + l32
-                w = tl.load(p0 + row[:, None] * K + k[None, :], mask=nmask[:, None] & (k < K)[None, :], other=0.0)
-                if FMT == 2:
-                    pj = _mma(xp, r, rmask, kb * 32, K, MK, w, zero, 32, INTERP)
-                else:
-                    wf = w.to(tl.float32)  # f16 -> f32 exact
-                    wh = wf.to(tl.bfloat16)
-                    wr = wf - wh.to(tl.float32)
-                    wl = wr.to(tl.bfloat16)
-                    pj = _mma(xp, r, rmask, kb * 32, K, MK, wh, zero, 32, INTERP)
-                    pj = _mma(xp, r, rmask, kb * 32, K, MK, wl, pj, 32, INTERP)  # f16: hi + lo is exact
-                    if FMT == 0:
-                        pj = _mma(xp, r, rmask, kb * 32, K, MK, (wr - wl.to(tl.float32)).to(tl.bfloat16), pj, 32, INTERP)
-                acc = acc + pj
-        tl.store(y + r.to(tl.int64)[:, None] * sy + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+        total = tl.zeros([BLOCK_M, BN], dtype=tl.float32)
+        if SPLIT:  # one K chunk per program (axis 2); _chunk_sum adds the chunks in order
+            c0 = tl.program_id(2)
+            c1 = c0 + 1
+        else:  # every chunk in turn, each summed from zero and added in order (as _chunk_sum)
+            c0 = 0
+            c1 = tl.cdiv(K, KC)
+        for c in range(c0, c1):
+            acc = tl.zeros([BLOCK_M, BN], dtype=tl.float32)
+            if FMT == 5 or FMT == 6:  # Q4_K / Q5_K: qs [N, nb*128], d, dmin [N, nb], sc, m [N, nb*8], qh [N, nb*32]
+                nb = K // 256
+                for kb in range(c * (KC // 256), tl.minimum(nb, c * (KC // 256) + KC // 256)):
+                    blk = row * nb + kb  # [BN]
+                    d = tl.load(p1 + blk, mask=nmask, other=0.0).to(tl.float32)
+                    dmin = tl.load(p2 + blk, mask=nmask, other=0.0).to(tl.float32)
+                    if FMT == 6:
+                        qh = tl.load(p5 + blk[:, None] * 32 + l32[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+                    for g in tl.static_range(4):  # 64-element groups: low nibbles, then high nibbles
+                        b = tl.load(p0 + blk[:, None] * 128 + g * 32 + l32[None, :], mask=nmask[:, None],
+                                    other=0).to(tl.int32)  # [BN, 32]
+                        for half in tl.static_range(2):
+                            j = 2 * g + half  # sub-block (scale slot)
+                            q = (b >> (4 * half)) & 0xF
+                            if FMT == 6:
+                                q = q | (((qh >> j) & 1) << 4)  # ggml: + (qh & u ? 16 : 0)
+                            k0 = kb * 256 + 32 * j
+                            pj = _mma(xp, r, rmask, k0, K, MK, q.to(tl.float32).to(tl.bfloat16), zero, 32, INTERP)
+                            sc = tl.load(p3 + blk * 8 + j, mask=nmask, other=0).to(tl.float32)
+                            mn = tl.load(p4 + blk * 8 + j, mask=nmask, other=0).to(tl.float32)
+                            sj = tl.load(xs + r * NS + k0 // 32, mask=rmask, other=0.0)  # [BM]
+                            acc = acc + ((d * sc)[None, :] * pj - (dmin * mn)[None, :] * sj[:, None])
+            elif FMT == 7:  # Q6_K: ql [N, nb*128], qh [N, nb*64], sc int8 [N, nb*16], d f16 [N, nb]
+                nb = K // 256
+                for kb in range(c * (KC // 256), tl.minimum(nb, c * (KC // 256) + KC // 256)):
+                    blk = row * nb + kb
+                    d = tl.load(p3 + blk, mask=nmask, other=0.0).to(tl.float32)
+                    for hn in tl.static_range(2):  # 128-element halves
+                        for lh in tl.static_range(2):  # l in [16 lh, 16 lh + 16)
+                            lo_a = tl.load(p0 + blk[:, None] * 128 + hn * 64 + lh * 16 + l16[None, :],
+                                           mask=nmask[:, None], other=0).to(tl.int32)  # ql[l]
+                            lo_b = tl.load(p0 + blk[:, None] * 128 + hn * 64 + 32 + lh * 16 + l16[None, :],
+                                           mask=nmask[:, None], other=0).to(tl.int32)  # ql[l + 32]
+                            hb = tl.load(p1 + blk[:, None] * 64 + hn * 32 + lh * 16 + l16[None, :],
+                                         mask=nmask[:, None], other=0).to(tl.int32)
+                            for qt in tl.static_range(4):  # quarter: elements hn*128 + 32 qt + l
+                                if qt % 2 == 0:
+                                    lo = (lo_a >> (4 * (qt // 2))) & 0xF
+                                else:
+                                    lo = (lo_b >> (4 * (qt // 2))) & 0xF
+                                q = (lo | (((hb >> (2 * qt)) & 3) << 4)) - 32
+                                k0 = kb * 256 + hn * 128 + 32 * qt + 16 * lh
+                                pj = _mma(xp, r, rmask, k0, K, MK, q.to(tl.float32).to(tl.bfloat16), zero, 16, INTERP)
+                                sc = tl.load(p2 + blk * 16 + hn * 8 + lh + 2 * qt, mask=nmask, other=0).to(tl.float32)
+                                acc = acc + (d * sc)[None, :] * pj  # ggml: y = d * sc[is] * q
+            elif FMT == 3:  # Q8_0: qs int8 [N, K], d f16 [N, K/32]
+                for kb in range(c * (KC // 32), tl.minimum(K // 32, c * (KC // 32) + KC // 32)):
+                    q = tl.load(p0 + row[:, None] * K + kb * 32 + l32[None, :], mask=nmask[:, None], other=0)
+                    pj = _mma(xp, r, rmask, kb * 32, K, MK, q.to(tl.float32).to(tl.bfloat16), zero, 32, INTERP)
+                    d = tl.load(p1 + row * (K // 32) + kb, mask=nmask, other=0.0).to(tl.float32)
+                    acc = acc + d[None, :] * pj  # ggml: y = qs * d
+            elif FMT == 4:  # Q4_0: qs u8 [N, K/2] (16 bytes per 32-block: low nibbles 0..15, high 16..31)
+                for kb in range(c * (KC // 32), tl.minimum(K // 32, c * (KC // 32) + KC // 32)):
+                    b = tl.load(p0 + row[:, None] * (K // 2) + kb * 16 + l16[None, :], mask=nmask[:, None],
+                                other=0).to(tl.int32)
+                    pj = _mma(xp, r, rmask, kb * 32, K, MK, ((b & 0xF) - 8).to(tl.float32).to(tl.bfloat16), zero, 16, INTERP)
+                    pj = _mma(xp, r, rmask, kb * 32 + 16, K, MK, ((b >> 4) - 8).to(tl.float32).to(tl.bfloat16), pj, 16, INTERP)
+                    d = tl.load(p1 + row * (K // 32) + kb, mask=nmask, other=0.0).to(tl.float32)
+                    acc = acc + d[None, :] * pj  # ggml: y = (q - 8) * d
+            else:  # F32 / F16 / BF16: w [N, K], any K (masked tail)
+                for kb in range(c * (KC // 32), tl.minimum(tl.cdiv(K, 32), c * (KC // 32) + KC // 32)):
+                    k = kb * 32 + l32
+                    w = tl.load(p0 + row[:, None] * K + k[None, :], mask=nmask[:, None] & (k < K)[None, :], other=0.0)
+                    if FMT == 2:
+                        pj = _mma(xp, r, rmask, kb * 32, K, MK, w, zero, 32, INTERP)
+                    else:
+                        wf = w.to(tl.float32)  # f16 -> f32 exact
+                        wh = wf.to(tl.bfloat16)
+                        wr = wf - wh.to(tl.float32)
+                        wl = wr.to(tl.bfloat16)
+                        pj = _mma(xp, r, rmask, kb * 32, K, MK, wh, zero, 32, INTERP)
+                        pj = _mma(xp, r, rmask, kb * 32, K, MK, wl, pj, 32, INTERP)  # f16: hi + lo is exact
+                        if FMT == 0:
+                            pj = _mma(xp, r, rmask, kb * 32, K, MK, (wr - wl.to(tl.float32)).to(tl.bfloat16), pj, 32, INTERP)
+                    acc = acc + pj
+            total = total + acc
+        omask = rmask[:, None] & nmask[None, :]
+        if SPLIT:
+            tl.store(y + (c0.to(tl.int64) * M + r)[:, None] * N + n[None, :], total, mask=omask)
+        else:
+            tl.store(y + r.to(tl.int64)[:, None] * sy + n[None, :], total, mask=omask)
+
+
+    @triton.jit
+    def _chunk_sum(part, y, M, N, NC, sy, BLOCK: tl.constexpr):
+        """y[m, n] = ((0 + part[0]) + part[1]) + ... over the NC K chunks, in chunk order: the
+        additions the unsplit kernel makes (its `total`), so both give the same bits."""
+        m = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        nm = n < N
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(0, NC):
+            total = total + tl.load(part + (c * M + m).to(tl.int64) * N + n, mask=nm, other=0.0)
+        tl.store(y + m.to(tl.int64) * sy + n, total, mask=nm)
 
 
 def _interp() -> bool:
@@ -225,7 +253,7 @@ def config(M: int, N: int) -> tuple[int, int]:
     """(BN, num_warps) for an [M, K] x [K, N] launch. Speed only: the K order is the same for
     every choice (module doc)."""
     if M <= BM:
-        return (16 if N <= 4096 else 32), 4
+        return 64, 2
     return 64, 4
 
 
@@ -240,9 +268,11 @@ def prep(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gemm(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None, bn: int | None = None,
-         block_m: int = BM) -> torch.Tensor:
-    """x [M, n_in] f32 (rows contiguous) -> [M, n_out] f32. `bn` overrides the N tile (device
-    sweeps); `block_m` other than 16 exists only for the device script's invariance probe."""
+         num_warps: int | None = None, split: bool | None = None, block_m: int = BM) -> torch.Tensor:
+    """x [M, n_in] f32 (rows contiguous) -> [M, n_out] f32. `bn`, `num_warps` override config();
+    `split` runs the K chunks as parallel programs plus an in-order sum (default: for launches of
+    <= 16 rows with more than one chunk) instead of in turn: the same bits either way. `block_m`
+    other than 16 exists only for the device script's probe."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     if not supports(w.fmt):
@@ -255,10 +285,21 @@ def gemm(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None, bn: int |
     assert out.shape == (M, w.n_out) and out.stride(1) == 1 and out.dtype == torch.float32
     xp, xs = prep(x)
     b, nw = config(M, w.n_out)
-    b = bn or b
-    grid = (triton.cdiv(M, block_m), triton.cdiv(w.n_out, b))
-    _qgemm_kernel[grid](xp, xs, out, *_ptrs(w), M, w.n_out, K, out.stride(0),
-                        FMT=FMT_CODE[w.fmt], BLOCK_M=block_m, BN=b, INTERP=_interp(), num_warps=nw, enable_fp_fusion=False)
+    b, nw = bn or b, num_warps or nw
+    nc = -(-K // KC)
+    if split is None:
+        split = M <= BM and nc > 1
+    N = w.n_out
+    args = dict(FMT=FMT_CODE[w.fmt], BLOCK_M=block_m, BN=b, KC=KC, SPLIT=split, INTERP=_interp(), num_warps=nw,
+                enable_fp_fusion=False)
+    if not split:
+        _qgemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, b))](xp, xs, out, *_ptrs(w), M, N, K, out.stride(0),
+                                                                    **args)
+        return out
+    part = torch.empty((nc, M, N), dtype=torch.float32, device=x.device)
+    _qgemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, b), nc)](xp, xs, part, *_ptrs(w), M, N, K, N, **args)
+    _chunk_sum[(M, triton.cdiv(N, 1024))](part, out, M, N, nc, out.stride(0), BLOCK=1024, num_warps=4,
+                                           enable_fp_fusion=False)
     return out
 
 
