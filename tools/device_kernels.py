@@ -12,19 +12,20 @@
               beside another session (Engine.step), both K/V types, over a sequence that wraps
               every sliding ring (> 2 x window), on the shipped micro model
               (models/muse-glimmer-micro-q8_0.gguf).
-3. gate2    - Gate 2 on CUDA (f32 and f16 K/V) for the micro model (and --gate-dtypes fixtures).
-4. bench    - full-geometry layer shapes (tools/make_fixture.py --full: QKV|gate stack,
+3. bench    - full-geometry layer shapes (tools/make_fixture.py --full: QKV|gate stack,
               attn_output, ffn gate|up, ffn_down, lm_head), random Q4_K / Q6_K weights built
               on the GPU (no file): time of 1 vs 16 vs 512 rows per shape (CUDA events,
               weights rotated past the L2), achieved GB/s of the weight bytes; at 1 row a sweep
               of N tile x warps beside the default config.
+4. gate2    - Gate 2 on CUDA (f32 and f16 K/V) for the micro model (and --gate-dtypes fixtures).
 5. fixtures - stage 2 on a tiny fixture of every dtype (tools/make_fixture.py's writer,
               muser.model.synth; written to --workdir unless already there), blocks 2, 5, 16.
 
     python3 tools/device_kernels.py --out DIR [--budget 150] [--device cuda|cpu] [--smoke]
-                                    [--stages compare,invariance,gate2,bench,fixtures] [--gate-tokens 256]
+                                    [--stages compare,invariance,bench,gate2,fixtures] [--gate-tokens 256]
 
-Output: DIR/kernels.json (one object per stage, each with its status) and a table on stdout.
+Stages run in the order given (default: as numbered). Output: DIR/kernels.json (one object per
+stage, each with its status, rewritten after every stage) and a table on stdout.
 Every stage is in its own try/except and checks the remaining budget. --device cpu --smoke
 runs tiny shapes under the Triton interpreter (TRITON_INTERPRET=1), as tests/engine does.
 """
@@ -334,13 +335,19 @@ def stage_bench(run: Run) -> dict:
     return out
 
 
+def muser_file() -> str:
+    import muser
+
+    return muser.__file__
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget", type=float, default=150.0)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check of this script)")
-    ap.add_argument("--stages", default="compare,invariance,gate2,bench,fixtures")
+    ap.add_argument("--stages", default="compare,invariance,bench,gate2,fixtures")
     ap.add_argument("--gate-tokens", type=int, default=256)
     ap.add_argument("--gate-dtypes", default="", help="tiny fixtures gated beside the micro model (e.g. Q4_K,Q6_K)")
     ap.add_argument("--inv-dtypes", default=",".join(FIXTURE_DTYPES), help="tiny fixtures of the fixtures stage")
@@ -359,7 +366,8 @@ def main(argv=None) -> int:
     import torch
 
     res: dict = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (interpreter)",
-                 "torch": torch.__version__, "budget_s": args.budget}
+                 "torch": torch.__version__, "budget_s": args.budget,
+                 "micro_model": str(MICRO) if MICRO.is_file() else None, "muser_from": str(Path(muser_file()).parent)}
     try:
         import triton
 
