@@ -48,6 +48,7 @@ class Recorder:
     def run(self, fn: JITFunction, args, kwargs) -> None:
         names = fn.arg_names
         const_names = {p.name for p in fn.params if p.is_constexpr}
+        dns = set(getattr(fn, "do_not_specialize", None) or ())
         sig, consts, opts = {}, {}, {}
         vals = dict(zip(names, args))
         for k, v in kwargs.items():
@@ -71,6 +72,10 @@ class Recorder:
                 sig[n] = "*" + _TT[v.dtype]
             elif isinstance(v, bool):
                 sig[n] = "i1"
+            elif isinstance(v, int) and v == 1 and i not in dns and n not in dns:
+                # the JIT specializes an int equal to 1 into constexpr 1 (triton/runtime/jit.py)
+                sig[n] = "constexpr"
+                consts[(i,)] = 1
             elif isinstance(v, int):
                 sig[n] = "i32" if -(2**31) <= v < 2**31 else "i64"
             elif isinstance(v, float):

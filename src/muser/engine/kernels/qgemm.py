@@ -77,7 +77,7 @@ if HAVE_TRITON:
         lo = rem.to(tl.bfloat16)
         lo2 = (rem - lo.to(tl.float32)).to(tl.bfloat16)  # exact remainder, rounded to 8 bits
         base = r.to(tl.int64) * K + k
-        MK = M.to(tl.int64) * K
+        MK = K.to(tl.int64) * M  # M arrives as constexpr 1 for one row (Triton specializes ints == 1)
         tl.store(xp + base, hi, mask=km)
         tl.store(xp + MK + base, lo, mask=km)
         tl.store(xp + 2 * MK + base, lo2, mask=km)
@@ -127,7 +127,7 @@ if HAVE_TRITON:
         n = pn * BN + tl.arange(0, BN)
         nmask = n < N
         row = n.to(tl.int64)
-        MK = M.to(tl.int64) * K
+        MK = K.to(tl.int64) * M  # M arrives as constexpr 1 for one row (Triton specializes ints == 1)
         NS = tl.cdiv(K, 32)  # row sums per x row
         l32 = tl.arange(0, 32)
         l16 = tl.arange(0, 16)
