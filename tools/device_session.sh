@@ -194,7 +194,7 @@ for st in "${STAGES[@]}"; do
     kernels)
       if [ -f tools/device_kernels.py ]; then
         mkdir -p "$R/kernels"
-        if [ $DRY = 1 ]; then run_stage kernels 150 20 $PY tools/device_kernels.py --out "$R/kernels" --device cpu --smoke
+        if [ $DRY = 1 ]; then run_stage kernels 150 20 $PY tools/device_kernels.py --out "$R/kernels" --device cpu --smoke --budget 130
         else run_stage kernels 150 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 140; fi
       else record kernels - 0 "tools/device_kernels.py is absent"; fi ;;
     gate) ;;  # in the background from t = 0 (wide_gate_bg)
