@@ -9,19 +9,19 @@
 # Stages, in the order given (build and fixture start in the background at t = 0; the stages
 # that need their outputs wait for them inside their own time box):
 #   build    the pinned llama.cpp, CUDA sm_90, from DIR/llama.cpp-src.tgz: llama-bench, then
-#            llama-server (-j12; ~5 min)
+#            llama-server (-j10; ~5-6 min)
 #   fixture  the full geometry (tools/make_fixture.py --full: Q4_K mix, 16.75 GB) and, beside it,
 #            its NVFP4 form (--dtype nvfp4-ggml: ggml type 40, the file llama.cpp runs too)
 #   kernels  python3 tools/device_kernels.py --out ... (when the file exists), 150 s
 #   gate     Gate 2 at full width, 4 layers (tools/device_gate_wide.py), f16 K/V, Q4_K mix: the
-#            receipt the speed stage is gated by
+#            receipt the speed stage is gated by; in the background from t = 0 (CPU-bound oracle)
 #   speed    muser bench decode|prefill|verify --device cuda on the full Q4_K file at --depths
 #            (default 0,8192; verify at the first depth only), llama-bench's figures on the same
 #            file beside them (one llama-bench run, read as --llama-bench-json), a PNG of tok/s
 #            vs depth for both engines
 #   kvpack   muser bench kvpack --device cuda --model FULL, prompt lengths --kv-lengths (default
 #            2048,8192,32768), one repetition, exact lane
-#   nvfp4    the same Gate 2 for the NVFP4 mix, then the speed kinds on the NVFP4 full file,
+#   nvfp4    the same Gate 2 for the NVFP4 mix (background from t = 0), the speed kinds on the NVFP4 full file,
 #            llama-bench (type 40) on that file beside them; the Q4_K receipts of the speed stage
 #            are the K-quant side (same geometry, random valid blocks of each format)
 #   serve    muser bench serve --device cuda at 1/4/16 clients on the full Q4_K file when it is
@@ -81,10 +81,11 @@ fi
 $PY setup.py -q build_ext --inplace >"$L/build_ext.log" 2>&1 || echo "CPU kernel library not built" >&2
 echo -e "stage\trc\tseconds\tnote" >"$W/stages.tsv"
 
-bundle() {  # everything so far into $OUT (at most 4 files back)
-  tar czf "$OUT/receipts.tgz.tmp" -C "$W/out" receipts 2>/dev/null && mv "$OUT/receipts.tgz.tmp" "$OUT/receipts.tgz"
-  tar czf "$OUT/logs.tgz.tmp" -C "$W/out" logs 2>/dev/null && mv "$OUT/logs.tgz.tmp" "$OUT/logs.tgz"
-  cp "$W/stages.tsv" "$OUT/stages.tsv"
+bundle() {  # everything so far into $OUT (at most 4 files back; background jobs bundle too)
+  local x=.tmp$BASHPID
+  tar czf "$W/receipts.tgz$x" -C "$W/out" receipts 2>/dev/null && mv "$W/receipts.tgz$x" "$OUT/receipts.tgz"
+  tar czf "$W/logs.tgz$x" -C "$W/out" logs 2>/dev/null && mv "$W/logs.tgz$x" "$OUT/logs.tgz"
+  cp "$W/stages.tsv" "$W/stages.tsv$x" && mv "$W/stages.tsv$x" "$OUT/stages.tsv"
 }
 record() { echo -e "$1\t$2\t$3\t$4" >>"$W/stages.tsv"; echo "== $1 rc=$2 ${3}s $4 (t=$(el) s)"; bundle; }
 # run_stage NAME BOX_S MIN_S CMD...: CMD under a timeout of min(BOX, time left - 5); skipped when
@@ -112,9 +113,9 @@ if has build; then
       && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
            -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
            >"$L/llama-cmake.log" 2>&1 \
-      && cmake --build build -j12 --target llama-bench >"$L/llama-build.log" 2>&1
+      && cmake --build build -j10 --target llama-bench >"$L/llama-build.log" 2>&1
       echo "llama-bench rc=$? $(( $(date +%s) - t )) s" >"$W/llama-bench.done"
-      [ -x $BENCH ] && cmake --build build -j12 --target llama-server >>"$L/llama-build.log" 2>&1
+      [ -x $BENCH ] && cmake --build build -j10 --target llama-server >>"$L/llama-build.log" 2>&1
       echo "llama-server rc=$? $(( $(date +%s) - t )) s" >"$W/llama-server.done" ) &
   fi
 fi
@@ -133,6 +134,18 @@ if has fixture; then
     echo "rc=$? $(( $(date +%s) - t )) s $(stat -c %s "$NV" 2>/dev/null) B" >"$W/nv.done" ) &
   FX_PIDS="$FX_PIDS $!"
 fi
+
+# Gate 2 at full width, 4 layers, f16 K/V (the speed kinds' --gate-receipt): mostly CPU work (the
+# f32 oracle; ~240 s at full width on the last device run), so it runs beside the GPU stages from
+# t = 0, one process per mix, BLAS threads capped; GATE_DONE_<mix> marks it finished
+wide_gate_bg() {  # MIX
+  ( OMP_NUM_THREADS=4 OPENBLAS_NUM_THREADS=4 MKL_NUM_THREADS=4 \
+      run_stage "gate-$1" $(( DEADLINE - 60 )) 60 $PY tools/device_gate_wide.py "$R" --dtype "$1" --device $DEV \
+      --geometry $GEOM --kv f16 --gate-tokens 16 --budget $(( DEADLINE - 70 )) --workdir "$W"
+    touch "$W/gate-$1.done" ) &
+}
+has gate && wide_gate_bg q4_k_xl
+has nvfp4 && wide_gate_bg "$NVFP4_MIX"
 
 # --- the comparator's figures: one llama-bench run per file (read by the speed kinds) -------------
 llama_json() {  # GGUF NAME -> $W/NAME.json (pp512, pp16, tg128, tg1 at DEPTHS; 5 reps each)
@@ -157,10 +170,6 @@ speed_kinds() {
   done
 }
 
-wide_gate() {  # MIX: Gate 2 at full width, 4 layers, f16 K/V (the speed kinds' --gate-receipt)
-  run_stage "gate-$1" 200 60 $PY tools/device_gate_wide.py "$R" --dtype "$1" --device $DEV --geometry $GEOM \
-      --kv f16 --gate-tokens 32 --budget 190 --workdir "$W"
-}
 
 speed_plot() {  # LABEL: tok/s vs depth of this stage's decode and prefill receipts, both engines
   local rs
@@ -185,17 +194,18 @@ for st in "${STAGES[@]}"; do
     kernels)
       if [ -f tools/device_kernels.py ]; then
         mkdir -p "$R/kernels"
-        if [ $DRY = 1 ]; then run_stage kernels 150 20 $PY tools/device_kernels.py --out "$R/kernels" --device cpu --smoke
+        if [ $DRY = 1 ]; then run_stage kernels 150 20 $PY tools/device_kernels.py --out "$R/kernels" --device cpu --smoke --budget 130
         else run_stage kernels 150 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 140; fi
       else record kernels - 0 "tools/device_kernels.py is absent"; fi ;;
-    gate) wide_gate q4_k_xl ;;
+    gate) ;;  # in the background from t = 0 (wide_gate_bg)
     speed|nvfp4)
       if [ $st = speed ]; then model=$FULL mix=q4_k_xl done_file=$W/full.done
-      else model=$NV mix=$NVFP4_MIX done_file=$W/nv.done; wide_gate "$mix"; fi
+      else model=$NV mix=$NVFP4_MIX done_file=$W/nv.done; fi
+      { [ $st = nvfp4 ] || has gate; } && wait_for "$W/gate-$mix.done" $(( DEADLINE - 100 ))
       if ! wait_for "$done_file" $(( DEADLINE - 120 )) || [ ! -s "$model" ]; then
         record $st - 0 "no $model ($(cat "$done_file" 2>/dev/null || echo 'fixture not done'))"; continue; fi
       g=$(gate_receipt "$mix")
-      if [ -z "$g" ]; then record $st - 0 "no wide Gate 2 receipt for $mix (run the gate stage first)"; continue; fi
+      if [ -z "$g" ]; then record $st - 0 "no wide Gate 2 receipt for $mix (the speed stage needs the gate stage)"; continue; fi
       lj=""; llama_json "$model" "$st" && lj=$W/$st.json
       speed_kinds $st "$model" "$g" "$lj"
       speed_plot $st ;;
