@@ -1,8 +1,16 @@
 #!/usr/bin/env python3
-"""The micro model's corpus and tokenizer: the CPython 3.11 standard-library sources.
+"""The micro model's corpus and tokenizer: the CPython 3.11 standard library plus the Python sources of
+the pinned packages (tools/corpus_packages.json).
 
-    tools/corpus.py build [--root DIR] [--out .device/micro]   corpus + tokenizer + uint16 token streams
-    tools/corpus.py hashes [--root DIR]                         print the split hashes (no tokenizer)
+    tools/corpus.py pin NAMES.txt        resolve names to the newest sdist (version, file, SHA-256)
+    tools/corpus.py fetch                download the pinned sdists into ~/.cache/muser/corpus/sdists, verified
+    tools/corpus.py extract              apply the package rule; framed per-package files in the cache
+    tools/corpus.py tokenizer            train the BPE on a sample of the train split
+    tools/corpus.py carry                write .device/corpus (what the GPU run receives)
+    tools/corpus.py manifest             count tokens of the full corpus; write models/corpus-manifest.json
+    tools/corpus_carry.py tokenize CARRY OUT    (GPU machine) the carry -> uint16 token streams
+    tools/corpus.py build [--root DIR] [--out .device/micro]   the stdlib-only corpus of the first micro model
+    tools/corpus.py hashes [--root DIR]                         print the stdlib split hashes
 
 The corpus rule, the split and its hash framing are muser.corpus (one definition).
 
@@ -30,6 +38,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "tools"))
 DEFAULT_OUT = REPO / ".device" / "micro"
 
 # The corpus rule itself lives in the package (bench ppl reads the held-out split through it).
@@ -236,6 +245,102 @@ def build(root: Path = DEFAULT_ROOT, out: Path = DEFAULT_OUT, vocab_size: int = 
     return summary
 
 
+# ---------------------------------------------------------------------------------------------
+# the package corpus: extract, tokenizer, carry, manifest
+
+CACHE = Path.home() / ".cache" / "muser" / "corpus"
+EXTRACTED = CACHE / "extract.json"
+TOKENIZER = CACHE / "tokenizer.json"
+CARRY = REPO / ".device" / "corpus"
+MANIFEST = REPO / "tools" / "corpus_manifest.json"
+TOKENIZER_SAMPLE_BYTES = 32 << 20  # BPE training sample of the train split (minutes on two cores)
+TOKENIZER_SAMPLE_CAP = 1 << 20  # at most ~1 MiB of any one package in the sample
+CARRY_CAP = 6 << 20  # at most ~6 MiB of any one package in a carried split
+CARRY_VAL_BYTES = 5 << 20  # ~1.5M tokens
+CARRY_HELDOUT_BYTES = 7 << 20  # ~2M tokens of held-out packages (plus all stdlib held-out files)
+CARRY_CODE = ("tools/corpus_carry.py", "src/muser/__init__.py", "src/muser/errors.py", "src/muser/corpus.py")
+
+
+def _load_all(log=print):
+    from corpus_write import corpus_docs
+
+    entries = json.loads(EXTRACTED.read_text())["packages"]
+    t = time.time()
+    docs = list(corpus_docs(entries, CACHE / "docs"))
+    log(f"corpus: {len(docs)} documents, {sum(len(d) for _, d, _ in docs) / 2**20:.0f} MiB read in "
+        f"{time.time() - t:.0f}s")
+    return entries, docs
+
+
+def _split_totals(docs) -> dict:
+    from muser.corpus import frame
+
+    out = {}
+    for s in SPLITS:
+        h = hashlib.sha256()
+        n = b = 0
+        for rel, data, sp in docs:
+            if sp == s:
+                h.update(frame(rel, data))
+                n += 1
+                b += len(data)
+        out[s] = {"files": n, "bytes": b, "sha256": h.hexdigest()}
+    return out
+
+
+def _fraction_for(docs, split: str, tag: bytes, target: int, cap: int) -> float:
+    """The smallest fraction (to 1e-4) whose capped subset of `split` holds >= target bytes."""
+    from corpus_write import subset
+
+    ds = [x for x in docs if x[2] == split]
+    lo, hi = 0.0, 1.0
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        if sum(len(d) for _, d, _ in subset(ds, tag, mid, cap)) >= target:
+            hi = mid
+        else:
+            lo = mid
+    return round(hi, 4)
+
+
+def cmd_tokenizer(docs, log=print) -> None:
+    from corpus_write import subset
+
+    frac = _fraction_for(docs, "train", b"tokenizer", TOKENIZER_SAMPLE_BYTES, TOKENIZER_SAMPLE_CAP)
+    sample = subset([x for x in docs if x[2] == "train"], b"tokenizer", frac, TOKENIZER_SAMPLE_CAP)
+    t = time.time()
+    tok = train_tokenizer([d.decode("utf-8") for _, d, _ in sample])
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tok.save(str(TOKENIZER))
+    log(f"tokenizer: {tok.get_vocab_size()} tokens from {len(sample)} documents "
+        f"({sum(len(d) for _, d, _ in sample) / 2**20:.1f} MiB, fraction {frac}) in {time.time() - t:.0f}s")
+
+
+def tokenizer_info(path: Path = TOKENIZER) -> dict:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    tokens, merges = vocab_and_merges(tok)
+    return {"file": "tokenizer.json", "sha256": _sha_file(path), "vocab_size": len(tokens), "n_merges": len(merges),
+            "specials": list(SPECIALS), "pre": TOKENIZER_PRE, "regex": GPT4O_REGEX, "min_frequency": MIN_FREQUENCY,
+            "vocab_sha256": hashlib.sha256(json.dumps([tokens, merges]).encode()).hexdigest()}
+
+
+def cmd_carry(docs, train_fraction: float, out: Path = CARRY, log=print) -> dict:
+    from corpus_write import write_carry
+
+    fr = {"train": train_fraction,
+          "val": _fraction_for(docs, "val", b"carry", CARRY_VAL_BYTES, CARRY_CAP),
+          "heldout": _fraction_for([x for x in docs if not x[0].startswith("cpython-3.11/")], "heldout", b"carry",
+                                   CARRY_HELDOUT_BYTES, CARRY_CAP)}
+    full = _split_totals(docs)
+    man = write_carry(out, TOKENIZER, docs, fr, CARRY_CAP, full, tokenizer_info(),
+                      [REPO / c for c in CARRY_CODE], log=log)
+    log(f"carry: {man['carry_bytes'] / 2**20:.2f} MiB, train {man['carried']['train']['tokens']:,d} tokens, "
+        f"val {man['carried']['val']['tokens']:,d}, heldout {man['carried']['heldout']['tokens']:,d}")
+    return man
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -245,10 +350,40 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--vocab", type=int, default=VOCAB_SIZE)
     h = sub.add_parser("hashes", help="print the corpus summary (split hashes) as JSON")
     h.add_argument("--root", type=Path, default=DEFAULT_ROOT)
+    pn = sub.add_parser("pin", help="resolve package names to their newest sdist (tools/corpus_packages.json)")
+    pn.add_argument("names", type=Path, help="a text file of package names (whitespace separated)")
+    sub.add_parser("fetch", help="download the pinned sdists into the cache, SHA-256 verified")
+    sub.add_parser("extract", help="apply the package rule to the fetched sdists (framed files in the cache)")
+    sub.add_parser("tokenizer", help="train the BPE on a sample of the train split")
+    c = sub.add_parser("carry", help="write the carry folder for the GPU run")
+    c.add_argument("--train-fraction", type=float, required=True)
+    c.add_argument("--out", type=Path, default=CARRY)
     a = ap.parse_args(argv)
     try:
         if a.cmd == "build":
             build(a.root, a.out, a.vocab)
+        elif a.cmd == "pin":
+            import corpus_fetch
+
+            pinned = corpus_fetch.pin(a.names.read_text().split())
+            corpus_fetch.PINNED.write_text(json.dumps(pinned, indent=1) + "\n")
+            print(f"pinned {len(pinned['packages'])} packages, skipped {len(pinned['skipped'])}")
+        elif a.cmd == "fetch":
+            import corpus_fetch
+
+            pinned = corpus_fetch.fetch(json.loads(corpus_fetch.PINNED.read_text()))
+            corpus_fetch.PINNED.write_text(json.dumps(pinned, indent=1) + "\n")
+        elif a.cmd == "extract":
+            import corpus_fetch
+            import corpus_packages
+
+            res = corpus_packages.extract(json.loads(corpus_fetch.PINNED.read_text()), corpus_fetch.DEFAULT_CACHE,
+                                          CACHE / "docs")
+            EXTRACTED.write_text(json.dumps(res, indent=1) + "\n")
+        elif a.cmd == "tokenizer":
+            cmd_tokenizer(_load_all()[1])
+        elif a.cmd == "carry":
+            cmd_carry(_load_all()[1], a.train_fraction, a.out)
         else:
             rels, non_utf8 = list_sources(a.root)
             print(json.dumps(corpus_summary(load_docs(a.root), non_utf8, a.root), indent=1))
