@@ -326,7 +326,8 @@ def tokenizer_info(path: Path = TOKENIZER) -> dict:
             "vocab_sha256": hashlib.sha256(json.dumps([tokens, merges]).encode()).hexdigest()}
 
 
-def cmd_carry(docs, train_fraction: float, out: Path = CARRY, log=print) -> dict:
+def cmd_carry(docs, train_fraction: float, out: Path = CARRY, threads: int = 2, count_tokens: bool = True,
+              max_train_shards: int | None = None, log=print) -> dict:
     from corpus_write import write_carry
 
     fr = {"train": train_fraction,
@@ -335,9 +336,68 @@ def cmd_carry(docs, train_fraction: float, out: Path = CARRY, log=print) -> dict
                                    CARRY_HELDOUT_BYTES, CARRY_CAP)}
     full = _split_totals(docs)
     man = write_carry(out, TOKENIZER, docs, fr, CARRY_CAP, full, tokenizer_info(),
-                      [REPO / c for c in CARRY_CODE], log=log)
-    log(f"carry: {man['carry_bytes'] / 2**20:.2f} MiB, train {man['carried']['train']['tokens']:,d} tokens, "
-        f"val {man['carried']['val']['tokens']:,d}, heldout {man['carried']['heldout']['tokens']:,d}")
+                      [REPO / c for c in CARRY_CODE], threads=threads, count_tokens=count_tokens,
+                      max_train_shards=max_train_shards, log=log)
+    log(f"carry: {man['carry_bytes'] / 2**20:.2f} MiB, tokens train {man['carried']['train']['tokens']}, "
+        f"val {man['carried']['val']['tokens']}, heldout {man['carried']['heldout']['tokens']}")
+    return man
+
+
+def count_tokens(docs, log=print, batch: int = 1024) -> list[int]:
+    """Stream tokens per document ([BOS] + ids + [EOS], as the token streams hold them)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TOKENIZER))
+    out: list[int] = []
+    t = time.time()
+    for i in range(0, len(docs), batch):
+        encs = tok.encode_batch([d.decode("utf-8") for _, d, _ in docs[i:i + batch]], add_special_tokens=False)
+        out += [len(e.ids) + 2 for e in encs]
+        if (i // batch) % 20 == 0:
+            log(f"  tokens: {i + batch}/{len(docs)} documents, {sum(out):,d} tokens, {time.time() - t:.0f}s")
+    return out
+
+
+def cmd_manifest(entries, docs, log=print) -> dict:
+    """The corpus manifest: the rule, every package, the split totals and hashes, tokens by the tokenizer."""
+    from corpus_write import STDLIB_PREFIX, package_of
+
+    ntok = count_tokens(docs, log)
+    by_pkg: dict[tuple[str, str], int] = {}
+    for (rel, _, split), n in zip(docs, ntok):
+        k = (package_of(rel), split)
+        by_pkg[k] = by_pkg.get(k, 0) + n
+    totals = _split_totals(docs)
+    for s in SPLITS:
+        totals[s]["tokens"] = sum(n for (_, _, sp), n in zip(docs, ntok) if sp == s)
+    rels, non_utf8 = list_sources(DEFAULT_ROOT)
+    std = corpus_summary(load_docs(DEFAULT_ROOT), non_utf8, DEFAULT_ROOT)
+    for s in SPLITS:
+        std["splits"][s]["tokens"] = by_pkg.get((STDLIB_PREFIX.rstrip("/"), s), 0)
+    pkgs = []
+    for e in entries:
+        pkgs.append({**e, "tokens": sum(by_pkg.get((e["name"], s), 0) for s in SPLITS)})
+    carry = json.loads((CARRY / "corpus.json").read_text()) if (CARRY / "corpus.json").is_file() else None
+    man = {
+        "rule": "muser.corpus (stdlib rule, then the package rule; dedupe by content SHA-256 in corpus order)",
+        "order": f"stdlib files as {STDLIB_PREFIX}<relpath> by path, then packages by canonical name, files by path",
+        "hash_framing": "sha256 of concat(relpath + '\\n' + str(len(bytes)) + '\\n' + bytes) over a split in order",
+        "tokens": "per document [BOS] + ids + [EOS] with the tokenizer below",
+        "pinned_list": {"file": "tools/corpus_packages.json", "sha256": _sha_file(REPO / "tools" / "corpus_packages.json")},
+        "splits": totals,
+        "stdlib": {"root": std["root"], "splits": std["splits"], "excluded_non_utf8": non_utf8},
+        "heldout_packages": [e["name"] for e in entries if e["heldout"]],
+        "tokenizer": tokenizer_info(),
+        "carry": None if carry is None else {
+            "selection": carry["selection"], "cap": carry["cap"],
+            "splits": {s: {k: v for k, v in carry["carried"][s].items() if k != "shards"} for s in SPLITS},
+            "shards": {s: [{k: i[k] for k in ("file", "docs", "tokens", "xz_bytes", "xz_sha256")}
+                           for i in carry["carried"][s]["shards"]] for s in SPLITS}},
+        "packages": pkgs,
+    }
+    MANIFEST.write_text(json.dumps(man, indent=1) + "\n")
+    log(f"manifest: {MANIFEST} ({MANIFEST.stat().st_size / 1024:.0f} KiB); tokens " +
+        ", ".join(f"{s} {totals[s]['tokens']:,d}" for s in SPLITS))
     return man
 
 
@@ -355,9 +415,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("fetch", help="download the pinned sdists into the cache, SHA-256 verified")
     sub.add_parser("extract", help="apply the package rule to the fetched sdists (framed files in the cache)")
     sub.add_parser("tokenizer", help="train the BPE on a sample of the train split")
+    sub.add_parser("manifest", help="count tokens of the full corpus; write tools/corpus_manifest.json")
     c = sub.add_parser("carry", help="write the carry folder for the GPU run")
     c.add_argument("--train-fraction", type=float, required=True)
     c.add_argument("--out", type=Path, default=CARRY)
+    c.add_argument("--threads", type=int, default=2)
+    c.add_argument("--no-token-count", action="store_true", help="leave the token counts to tokenize_carry")
+    c.add_argument("--max-train-shards", type=int, default=None, help="write only the first N train shards")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "build":
@@ -382,8 +446,10 @@ def main(argv: list[str] | None = None) -> int:
             EXTRACTED.write_text(json.dumps(res, indent=1) + "\n")
         elif a.cmd == "tokenizer":
             cmd_tokenizer(_load_all()[1])
+        elif a.cmd == "manifest":
+            cmd_manifest(*_load_all())
         elif a.cmd == "carry":
-            cmd_carry(_load_all()[1], a.train_fraction, a.out)
+            cmd_carry(_load_all()[1], a.train_fraction, a.out, a.threads, not a.no_token_count, a.max_train_shards)
         else:
             rels, non_utf8 = list_sources(a.root)
             print(json.dumps(corpus_summary(load_docs(a.root), non_utf8, a.root), indent=1))

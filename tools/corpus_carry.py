@@ -84,7 +84,7 @@ def tokenize_carry(carry_dir: str | Path, out_dir: str | Path, log=print) -> dic
         with open(tmp, "wb") as f:
             for info in man["carried"][split]["shards"]:
                 ids = encode(tok, read_shard(carry, info))
-                if ids.size != info["tokens"]:
+                if info["tokens"] is not None and ids.size != info["tokens"]:
                     raise CorpusError(f"{info['file']}: {ids.size} tokens, corpus.json says {info['tokens']}")
                 b = ids.tobytes()
                 f.write(b)
@@ -93,7 +93,8 @@ def tokenize_carry(carry_dir: str | Path, out_dir: str | Path, log=print) -> dic
         os.replace(tmp, p)
         streams[split] = {"file": p.name, "tokens": n, "sha256": h.hexdigest()}
         log(f"  {split:8s} {n:>12,d} tokens -> {p}")
-    res = {"splits": man["carried"], "full": man["full"], "tokenizer": man["tokenizer"], "streams": streams,
+    carried = {s: {**man["carried"][s], "tokens": streams[s]["tokens"]} for s in SPLITS}
+    res = {"splits": carried, "full": man["full"], "tokenizer": man["tokenizer"], "streams": streams,
            "framing": "per document: [BOS] + ids(text, no specials parsed) + [EOS]; documents in carry order; <u2"}
     (out / "corpus.json").write_text(json.dumps(res, indent=1) + "\n")
     return res

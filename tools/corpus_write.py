@@ -77,16 +77,22 @@ def _shard_info(name: str, docs: list[tuple[str, bytes]], xz: bytes, blob: bytes
 
 def write_carry(out: Path, tok_path: Path, docs: list[tuple[str, bytes, str]], fractions: dict[str, float],
                 cap: int, full: dict, tokenizer_info: dict, code_files: list[Path], threads: int = 2,
-                log=print) -> dict:
+                count_tokens: bool = True, max_train_shards: int | None = None, log=print) -> dict:
     """Write the carry into `out` (replaced whole): per split, subset(docs, b"carry", fraction, cap), plus
-    every stdlib held-out file. Refuses to leave a folder over CARRY_BUDGET."""
+    every stdlib held-out file. Refuses to leave a folder over CARRY_BUDGET. A shard left in `out`.tmp by
+    an interrupted run is reused when it decompresses to exactly the shard's framed bytes.
+    `count_tokens=False` leaves the shards' token counts to tokenize_carry (tokens: null);
+    `max_train_shards` keeps only the first N train shards (corpus.json records it)."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(tok_path))
+    tok = Tokenizer.from_file(str(tok_path)) if count_tokens else None
     tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp.mkdir(parents=True, exist_ok=True)
+    for old in ("tokenizer.json", "corpus.json", "code"):
+        if (tmp / old).is_dir():
+            shutil.rmtree(tmp / old)
+        elif (tmp / old).exists():
+            (tmp / old).unlink()
     shutil.copy(tok_path, tmp / "tokenizer.json")
     for f in code_files:  # the code tokenize_carry needs, for a GPU checkout that predates it
         dst = tmp / "code" / f.relative_to(REPO)
@@ -110,16 +116,33 @@ def write_carry(out: Path, tok_path: Path, docs: list[tuple[str, bytes, str]], f
             shard, size = [], 0
     if shard:
         jobs.append(("train", f"train-{len(jobs):02d}.xz", shard))
+    n_train_shards = len(jobs)
+    if max_train_shards is not None:
+        jobs = jobs[:max_train_shards]
     jobs += [("val", "val.xz", picked["val"]), ("heldout", "heldout.xz", picked["heldout"])]
+
+    names = {name for _, name, _ in jobs}
+    for p in tmp.glob("*.xz"):
+        if p.name not in names:
+            p.unlink()
 
     def run(job):
         split, name, ds = job
         blob = b"".join(frame(r, d) for r, d in ds)
-        xz = _compress(blob)
-        (tmp / name).write_bytes(xz)
+        xz = None
+        if (tmp / name).is_file():
+            old = (tmp / name).read_bytes()
+            try:
+                if lzma.decompress(old) == blob:
+                    xz = old
+            except lzma.LZMAError:
+                pass
+        if xz is None:
+            xz = _compress(blob)
+            (tmp / name).write_bytes(xz)
         info = _shard_info(name, ds, xz, blob, tok)
         log(f"  {name:12s} {info['docs']:7d} docs {info['bytes'] / 2**20:8.1f} MiB -> {len(xz) / 2**20:6.2f} MiB xz, "
-            f"{info['tokens']:,d} tokens")
+            f"{info['tokens']} tokens")
         return split, info
 
     with ThreadPoolExecutor(threads) as ex:
@@ -128,11 +151,13 @@ def write_carry(out: Path, tok_path: Path, docs: list[tuple[str, bytes, str]], f
     for s in SPLITS:
         shards = [i for sp, i in results if sp == s]
         carried[s] = {"fraction": fractions[s], "files": sum(i["docs"] for i in shards),
-                      "bytes": sum(i["bytes"] for i in shards), "tokens": sum(i["tokens"] for i in shards),
+                      "bytes": sum(i["bytes"] for i in shards), "tokens": sum(i["tokens"] for i in shards) if count_tokens else None,
                       "xz_bytes": sum(i["xz_bytes"] for i in shards), "shards": shards}
     man = {"framing": "xz of documents back to back: relpath '\\n' decimal length '\\n' bytes (muser.corpus.frame)",
            "selection": "unit(b'carry', relpath) < min(fraction[split], cap / bytes of the package in the split), "
                         "plus every stdlib held-out file; corpus order", "cap": cap,
+           "train_shards": {"written": min(n_train_shards, max_train_shards or n_train_shards),
+                            "of": n_train_shards},
            "carried": carried, "full": full, "tokenizer": tokenizer_info}
     (tmp / "corpus.json").write_text(json.dumps(man, indent=1) + "\n")
     total = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())

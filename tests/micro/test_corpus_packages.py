@@ -131,6 +131,13 @@ def test_carry_round_trip(tmp_path, corpus_mod, corpus_write, corpus_carry):
     first = next(d for r, d, s in docs if r == want_train[0])
     n = len(tok.encode(first.decode(), add_special_tokens=False).ids)
     assert ids[0] == 0 and ids[n + 1] == 1
+    # without counts in the carry, tokenize_carry counts; the same streams come out
+    man2 = corpus_write.write_carry(tmp_path / "carry2", tok_path, docs, fr, 1 << 20, {}, info, [],
+                                    count_tokens=False, log=lambda *_: None)
+    assert man2["carried"]["train"]["tokens"] is None
+    got2 = corpus_carry.tokenize_carry(tmp_path / "carry2", tmp_path / "out3", log=lambda *_: None)
+    assert got2["streams"] == got["streams"]
+    assert got2["splits"]["train"]["tokens"] == got["streams"]["train"]["tokens"]
     # a corrupted shard is refused by hash
     shard = tmp_path / "carry" / "val.xz"
     shard.write_bytes(shard.read_bytes()[:-1] + b"\0")
