@@ -358,46 +358,71 @@ def count_tokens(docs, log=print, batch: int = 1024) -> list[int]:
     return out
 
 
-def cmd_manifest(entries, docs, log=print) -> dict:
-    """The corpus manifest: the rule, every package, the split totals and hashes, tokens by the tokenizer."""
-    from corpus_write import STDLIB_PREFIX, package_of
+COUNT_SAMPLE = 1 / 16  # the full corpus's token totals are estimated from this deterministic share
 
-    ntok = count_tokens(docs, log)
-    by_pkg: dict[tuple[str, str], int] = {}
-    for (rel, _, split), n in zip(docs, ntok):
-        k = (package_of(rel), split)
-        by_pkg[k] = by_pkg.get(k, 0) + n
+
+def cmd_manifest(entries, docs, carry_dir: Path = CARRY, log=print) -> dict:
+    """The corpus manifest: the rule, every package, the split totals and hashes; tokens by the tokenizer:
+    exact for the stdlib and for every carried document (per shard), estimated for the full corpus from
+    the documents with unit(b"count", relpath) < COUNT_SAMPLE (split bytes x the sample's tokens/byte)."""
+    from corpus_write import STDLIB_PREFIX, carry_shards, unit
+
+    if not (carry_dir / "corpus.json").is_file():
+        raise CorpusError(f"{carry_dir / 'corpus.json'} is missing: write the carry first")
+    carry = json.loads((carry_dir / "corpus.json").read_text())
+    if carry["tokenizer"]["sha256"] != _sha_file(TOKENIZER):
+        raise CorpusError("the carry's tokenizer differs from the cached tokenizer")
+    fr = {s: carry["carried"][s]["fraction"] for s in SPLITS}
+    written = {i["file"]: i for s in SPLITS for i in carry["carried"][s]["shards"]}
+    selection = carry_shards(docs, fr, carry["cap"])
+    shards = [(sp, name, ds) for sp, name, ds in selection if name in written]
+    train_shards = {"written": sum(1 for sp, _, _ in shards if sp == "train"),
+                    "of": sum(1 for sp, _, _ in selection if sp == "train")}
+    for _, name, ds in shards:
+        if written[name]["docs"] != len(ds):
+            raise CorpusError(f"{name}: the carry holds {written[name]['docs']} documents, its selection {len(ds)}")
+    carried = {r for _, _, ds in shards for r, _ in ds}
+    sampled = {r for r, _, _ in docs if unit(b"count", r) < COUNT_SAMPLE}
+    need = [x for x in docs if x[0] in carried or x[0] in sampled or x[0].startswith(STDLIB_PREFIX)]
+    log(f"counting tokens of {len(need)} documents ({sum(len(d) for _, d, _ in need) / 2**20:.0f} MiB)")
+    per_doc = {x[0]: n for x, n in zip(need, count_tokens(need, log))}
+    for _, name, ds in shards:
+        written[name]["tokens"] = sum(per_doc[r] for r, _ in ds)
+    for s in SPLITS:
+        carry["carried"][s]["tokens"] = sum(i["tokens"] for i in carry["carried"][s]["shards"])
     totals = _split_totals(docs)
     for s in SPLITS:
-        totals[s]["tokens"] = sum(n for (_, _, sp), n in zip(docs, ntok) if sp == s)
+        smp = [(r, d) for r, d, sp in docs if sp == s and r in sampled]
+        st, sb = sum(per_doc[r] for r, _ in smp), sum(len(d) for _, d in smp)
+        totals[s]["tokens_estimate"] = round(totals[s]["bytes"] * st / sb)
+        totals[s]["token_sample"] = {"files": len(smp), "bytes": sb, "tokens": st}
     rels, non_utf8 = list_sources(DEFAULT_ROOT)
     std = corpus_summary(load_docs(DEFAULT_ROOT), non_utf8, DEFAULT_ROOT)
     for s in SPLITS:
-        std["splits"][s]["tokens"] = by_pkg.get((STDLIB_PREFIX.rstrip("/"), s), 0)
-    pkgs = []
-    for e in entries:
-        pkgs.append({**e, "tokens": sum(by_pkg.get((e["name"], s), 0) for s in SPLITS)})
-    carry = json.loads((CARRY / "corpus.json").read_text()) if (CARRY / "corpus.json").is_file() else None
+        std["splits"][s]["tokens"] = sum(n for r, n in per_doc.items()
+                                         if r.startswith(STDLIB_PREFIX) and split_of(r[len(STDLIB_PREFIX):]) == s)
     man = {
         "rule": "muser.corpus (stdlib rule, then the package rule; dedupe by content SHA-256 in corpus order)",
         "order": f"stdlib files as {STDLIB_PREFIX}<relpath> by path, then packages by canonical name, files by path",
         "hash_framing": "sha256 of concat(relpath + '\\n' + str(len(bytes)) + '\\n' + bytes) over a split in order",
-        "tokens": "per document [BOS] + ids + [EOS] with the tokenizer below",
+        "tokens": "per document [BOS] + ids + [EOS] with the tokenizer below; tokens_estimate = split bytes x "
+                  f"tokens/byte of the documents with unit(b'count', relpath) < {COUNT_SAMPLE}",
         "pinned_list": {"file": "tools/corpus_packages.json", "sha256": _sha_file(REPO / "tools" / "corpus_packages.json")},
         "splits": totals,
         "stdlib": {"root": std["root"], "splits": std["splits"], "excluded_non_utf8": non_utf8},
         "heldout_packages": [e["name"] for e in entries if e["heldout"]],
         "tokenizer": tokenizer_info(),
-        "carry": None if carry is None else {
-            "selection": carry["selection"], "cap": carry["cap"],
-            "splits": {s: {k: v for k, v in carry["carried"][s].items() if k != "shards"} for s in SPLITS},
-            "shards": {s: [{k: i[k] for k in ("file", "docs", "tokens", "xz_bytes", "xz_sha256")}
-                           for i in carry["carried"][s]["shards"]] for s in SPLITS}},
-        "packages": pkgs,
+        "carry": {"selection": carry["selection"], "cap": carry["cap"], "train_shards": train_shards,
+                  "carry_bytes": sum(p.stat().st_size for p in carry_dir.rglob("*") if p.is_file()),
+                  "splits": {s: {k: v for k, v in carry["carried"][s].items() if k != "shards"} for s in SPLITS},
+                  "shards": {s: [{k: i[k] for k in ("file", "docs", "bytes", "tokens", "xz_bytes", "xz_sha256")}
+                                 for i in carry["carried"][s]["shards"]] for s in SPLITS}},
+        "packages": entries,
     }
     MANIFEST.write_text(json.dumps(man, indent=1) + "\n")
-    log(f"manifest: {MANIFEST} ({MANIFEST.stat().st_size / 1024:.0f} KiB); tokens " +
-        ", ".join(f"{s} {totals[s]['tokens']:,d}" for s in SPLITS))
+    log(f"manifest: {MANIFEST} ({MANIFEST.stat().st_size / 1024:.0f} KiB); carried tokens " +
+        ", ".join(f"{s} {carry['carried'][s]['tokens']:,d}" for s in SPLITS) + "; full corpus (estimated) " +
+        ", ".join(f"{s} {totals[s]['tokens_estimate']:,d}" for s in SPLITS))
     return man
 
 
@@ -415,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("fetch", help="download the pinned sdists into the cache, SHA-256 verified")
     sub.add_parser("extract", help="apply the package rule to the fetched sdists (framed files in the cache)")
     sub.add_parser("tokenizer", help="train the BPE on a sample of the train split")
-    sub.add_parser("manifest", help="count tokens of the full corpus; write tools/corpus_manifest.json")
+    mf = sub.add_parser("manifest", help="count tokens; write tools/corpus_manifest.json")
+    mf.add_argument("--carry", type=Path, default=CARRY, help="the carry folder written by `carry`")
     c = sub.add_parser("carry", help="write the carry folder for the GPU run")
     c.add_argument("--train-fraction", type=float, required=True)
     c.add_argument("--out", type=Path, default=CARRY)
@@ -447,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "tokenizer":
             cmd_tokenizer(_load_all()[1])
         elif a.cmd == "manifest":
-            cmd_manifest(*_load_all())
+            cmd_manifest(*_load_all(), a.carry)
         elif a.cmd == "carry":
             cmd_carry(_load_all()[1], a.train_fraction, a.out, a.threads, not a.no_token_count, a.max_train_shards)
         else:

@@ -4,7 +4,6 @@ per-package files, and read them back in corpus order (used by tools/corpus.py).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import tarfile

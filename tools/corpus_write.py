@@ -75,6 +75,31 @@ def _shard_info(name: str, docs: list[tuple[str, bytes]], xz: bytes, blob: bytes
             "tokens": int(encode(tok, docs).size) if tok is not None else None}
 
 
+def carry_shards(docs: list[tuple[str, bytes, str]], fractions: dict[str, float], cap: int
+                 ) -> list[tuple[str, str, list[tuple[str, bytes]]]]:
+    """(split, shard file, documents) of the carry: per split, subset(docs, b"carry", fraction, cap), plus
+    every stdlib held-out file; train cut into SHARD_RAW-byte shards in corpus order."""
+    picked: dict[str, list[tuple[str, bytes]]] = {}
+    for split in SPLITS:
+        ds = [x for x in docs if x[2] == split]
+        keep = {r for r, _, _ in subset(ds, b"carry", fractions[split], cap)}
+        if split == "heldout":
+            keep |= {r for r, _, _ in ds if r.startswith(STDLIB_PREFIX)}
+        picked[split] = [(r, d) for r, d, _ in ds if r in keep]
+    jobs: list[tuple[str, str, list[tuple[str, bytes]]]] = []
+    shard: list[tuple[str, bytes]] = []
+    size = 0
+    for rel, data in picked["train"]:
+        shard.append((rel, data))
+        size += len(data)
+        if size >= SHARD_RAW:
+            jobs.append(("train", f"train-{len(jobs):02d}.xz", shard))
+            shard, size = [], 0
+    if shard:
+        jobs.append(("train", f"train-{len(jobs):02d}.xz", shard))
+    return jobs + [("val", "val.xz", picked["val"]), ("heldout", "heldout.xz", picked["heldout"])]
+
+
 def write_carry(out: Path, tok_path: Path, docs: list[tuple[str, bytes, str]], fractions: dict[str, float],
                 cap: int, full: dict, tokenizer_info: dict, code_files: list[Path], threads: int = 2,
                 count_tokens: bool = True, max_train_shards: int | None = None, log=print) -> dict:
@@ -98,28 +123,10 @@ def write_carry(out: Path, tok_path: Path, docs: list[tuple[str, bytes, str]], f
         dst = tmp / "code" / f.relative_to(REPO)
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(f, dst)
-    picked: dict[str, list[tuple[str, bytes]]] = {s: [] for s in SPLITS}
-    for split in SPLITS:
-        ds = [x for x in docs if x[2] == split]
-        keep = {r for r, _, _ in subset(ds, b"carry", fractions[split], cap)}
-        if split == "heldout":
-            keep |= {r for r, _, _ in ds if r.startswith(STDLIB_PREFIX)}
-        picked[split] = [(r, d) for r, d, _ in ds if r in keep]
-    jobs: list[tuple[str, str, list[tuple[str, bytes]]]] = []
-    shard: list[tuple[str, bytes]] = []
-    size = 0
-    for rel, data in picked["train"]:
-        shard.append((rel, data))
-        size += len(data)
-        if size >= SHARD_RAW:
-            jobs.append(("train", f"train-{len(jobs):02d}.xz", shard))
-            shard, size = [], 0
-    if shard:
-        jobs.append(("train", f"train-{len(jobs):02d}.xz", shard))
-    n_train_shards = len(jobs)
+    jobs = carry_shards(docs, fractions, cap)
+    n_train_shards = sum(1 for sp, _, _ in jobs if sp == "train")
     if max_train_shards is not None:
-        jobs = jobs[:max_train_shards]
-    jobs += [("val", "val.xz", picked["val"]), ("heldout", "heldout.xz", picked["heldout"])]
+        jobs = [j for j in jobs if j[0] != "train" or int(j[1][6:8]) < max_train_shards]
 
     names = {name for _, name, _ in jobs}
     for p in tmp.glob("*.xz"):
