@@ -233,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                                     max(10.0, left() - 10.0), smoke=a.smoke,
                                     log=lambda m: print(m, flush=True))
             path = os.path.join(a.out, "drafter-weights.npz")
-            with open(path + ".tmp", "wb") as f:
-                np.savez(f, **arrs)
+            with open(path + ".tmp", "wb") as f:  # 2-D F16 (what the sidecar GGUF stores), norms F32
+                np.savez(f, **{k: v.astype("<f2") if v.ndim == 2 else v.astype("<f4") for k, v in arrs.items()})
             os.replace(path + ".tmp", path)
             run["drafter"] = drec
         except Exception as e:

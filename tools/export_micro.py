@@ -48,7 +48,9 @@ from train_micro import RUN_FORMAT  # noqa: E402
 
 NAME = "muse-glimmer-micro"
 # The README's greedy continuations: (held-out file, number of leading lines used as the prompt).
-PROMPTS = (("secrets.py", 34), ("sched.py", 53), ("test/test_print.py", 17))
+PROMPTS = (("secrets.py", 34), ("sched.py", 53), ("test/test_print.py", 17), ("html/parser.py", 86),
+           ("traceback.py", 21))
+SAMPLED_SEEDS = (1, 2, 3, 4, 5)  # one sampled continuation per prompt, at muser.SamplingParams' defaults
 CONTINUATIONS = f"{NAME}-continuations.json"
 FILE_TYPE = {"F32": 0, "F16": 1, "Q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0
 
@@ -386,14 +388,42 @@ def continuation_run(model: Path, n_new: int, root: Path, prompts, log) -> dict:
     return {"model": {"file": Path(model).name, "artifact_sha256": ident.artifact_sha256}, "continuations": rows}
 
 
+def sampled_run(model: Path, n_new: int, root: Path, prompts, log) -> dict:
+    """One sampled continuation per prompt from Muser's API (SamplingParams defaults: temperature 0.8,
+    llama.cpp's sampler chain and MT19937 stream), seed SAMPLED_SEEDS[i]."""
+    import muser
+
+    m = muser.load(model, pin=Path(model).with_suffix(".pin.json"))
+    try:
+        tok, bos = m.tokenizer, m.config.bos_id
+        rows = []
+        for (relpath, n_lines), seed in zip(prompts, SAMPLED_SEEDS):
+            text = prompt_text(relpath, n_lines, root)
+            ids = [bos] + tok.encode(text, add_special=False)
+            params = muser.SamplingParams(max_tokens=n_new, seed=seed)
+            out = [e.token for e in m.stream(ids, sampling=params)]
+            rows.append({"file": relpath, "prompt_lines": n_lines, "prompt_tokens": len(ids), "seed": seed,
+                         "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                                      "min_p": params.min_p},
+                         "ids": out, "text": tok.decode(out, render_special=False)})
+            log(f"{Path(model).name} {relpath}: sampled {len(out)} tokens (seed {seed})")
+        return {"model": {"file": Path(model).name, "artifact_sha256": m.identity.artifact_sha256}, "sampled": rows}
+    finally:
+        m.close()
+
+
 def continuations(models: list[Path], out_dir: Path, n_new: int = 64, root: Path = corpus.DEFAULT_ROOT,
                   prompts=PROMPTS, log=print, name: str = CONTINUATIONS) -> Path:
-    """Write <out_dir>/<name>: the greedy continuations of every model in `models`."""
+    """Write <out_dir>/<name>: the greedy continuations of every model in `models` (llama.cpp and the
+    oracle side by side) and one sampled continuation per prompt from the first (Muser's API)."""
     body = {"decoding": f"greedy (argmax), at most {n_new} new tokens, stop at an EOG token",
             "prompt_framing": "[BOS] + tokens of the first prompt_lines lines of a held-out file",
             "llamacpp": "llama-cpp-python==0.3.36, f16 KV, flash_attn off, prefill then one token per eval",
             "oracle": "muser.oracle arithmetic ggml-cpu, f16 KV, prefill then decode",
-            "runs": [continuation_run(Path(m), n_new, root, prompts, log) for m in models]}
+            "sampling": "muser.load(model).stream(ids, sampling=SamplingParams(max_tokens, seed)): the API's "
+                        "defaults (CPU exact lane, f16 KV), stop at an EOG token",
+            "runs": [continuation_run(Path(m), n_new, root, prompts, log) for m in models],
+            "sampled_runs": [sampled_run(Path(models[0]), n_new, root, prompts, log)]}
     out = Path(out_dir) / name
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(body, indent=1, ensure_ascii=False) + "\n")
@@ -468,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         elif a.bpb:
             print(json.dumps(gguf_bits_per_byte(a.bpb), indent=1))
         elif a.continuations:
-            models = a.model or [REPO / "models" / f"{NAME}-{d}.gguf" for d in ("f16", "q8_0")]
+            models = a.model or [REPO / "models" / f"{NAME}-q8_0.gguf"]
             continuations(models, a.out, a.new_tokens)
         else:
             export(a.weights, a.tokenizer, a.out, tuple(a.dtypes.split(",")), a.quantizer, a.name)
