@@ -1,22 +1,28 @@
 #!/usr/bin/env python3
 """Export the trained micro Muse Glimmer to GGUF: F16 master (norms F32) and Q8_0, with identity pins.
 
-    tools/export_micro.py --weights RUN_OUT [--corpus .device/micro] [--out models]
+    tools/export_micro.py --weights RUN_OUT [--tokenizer .device/corpus/tokenizer.json] [--out DIR]
                           [--dtypes F16,Q8_0] [--quantizer muser|gguf]
     tools/export_micro.py --continuations [--model GGUF ...] [--out models] [--new-tokens 64]
+    tools/export_micro.py --stdlib-list OUT.json     the stdlib held-out listing the device run carries
+    tools/export_micro.py --bpb GGUF                 a GGUF's bits per byte on the stdlib held-out files
 
-RUN_OUT holds what tools/train_micro.py wrote (micro-weights.json + micro-weights-N.npz). The weights
-are already in llama.cpp's convention (norm weights as llama.cpp multiplies them, i.e. the converter's
-`+1` already applied; Q/K rows in the interleaved RoPE layout; attn_q_norm = qk_scale_factor broadcast,
-attn_k_norm = ones), so the export is a straight copy under the real key and tensor names
-(src/models/muse-glimmer.cpp, conversion/muse_glimmer.py). Every quantized file is derived from the F16
-master values (the llama-quantize flow: F16 GGUF -> f32 -> quantize). Files are validated with
-muser.model.loader.open_model after writing, and a pin is written beside each.
+RUN_OUT holds what the training run wrote (micro-run.json + micro-weights-N.npz, tools/train_micro.py).
+The weights are already in llama.cpp's convention (norm weights as llama.cpp multiplies them, i.e. the
+converter's `+1` already applied; Q/K rows in the interleaved RoPE layout; attn_q_norm = qk_scale_factor
+broadcast, attn_k_norm = ones) and 2-D tensors are already the F16 master's values, so the export is a
+straight copy under the real key and tensor names (src/models/muse-glimmer.cpp,
+conversion/muse_glimmer.py). Every quantized file is derived from the F16 master values (the
+llama-quantize flow: F16 GGUF -> f32 -> quantize). The provenance records the training corpus's
+streams and the stdlib val / held-out splits and streams under this vocabulary (what `muser bench ppl
+--text` re-derives). Files are validated with muser.model.loader.open_model after writing, and a pin
+is written beside each.
 
---continuations writes <out>/muse-glimmer-micro-continuations.json (models/README.md quotes it): three
-greedy continuations of held-out prompts (PROMPTS: the first lines of held-out files, framed as the
-training stream frames a file: [BOS] + ids), each decoded by the pinned llama.cpp and by muser.oracle
-(arithmetic ggml-cpu, f16 KV: llama.cpp's CPU rounding points), with whether the two agree token for token.
+--continuations writes <out>/muse-glimmer-micro-continuations.json (models/README.md quotes it): greedy
+continuations of held-out prompts (PROMPTS: the first lines of held-out files, framed as the training
+stream frames a file: [BOS] + ids), each decoded by the pinned llama.cpp and by muser.oracle (arithmetic
+ggml-cpu, f16 KV: llama.cpp's CPU rounding points), with whether the two agree token for token, and one
+sampled continuation per prompt from Muser's API.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from train_micro import RUN_FORMAT  # noqa: E402
 
 NAME = "muse-glimmer-micro"
 # The README's greedy continuations: (held-out file, number of leading lines used as the prompt).
-PROMPTS = (("secrets.py", 34), ("sched.py", 53), ("test/test_print.py", 17), ("html/parser.py", 86),
+PROMPTS = (("secrets.py", 34), ("sched.py", 53), ("test/test_print.py", 17), ("chunk.py", 55),
            ("traceback.py", 21))
 SAMPLED_SEEDS = (1, 2, 3, 4, 5)  # one sampled continuation per prompt, at muser.SamplingParams' defaults
 CONTINUATIONS = f"{NAME}-continuations.json"

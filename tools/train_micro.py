@@ -6,8 +6,8 @@ pipeline (tools/device_train.py) drives.
     python3 tools/train_micro.py --data STREAMS --out /tmp/smoke --smoke      # CPU, tiny, seconds
 
 Self-contained (torch + numpy only: the GPU machine has no gguf and no muser install). STREAMS holds
-the uint16 token streams and their corpus.json (tools/corpus.py writes both: `build` for the stdlib,
-`tokenize_carry` for a carried corpus). A run trains until its wall-clock budget is spent (AdamW,
+the uint16 token streams and their corpus.json (`tools/corpus.py build` for the stdlib alone,
+`tools/corpus_carry.py tokenize` for a carried corpus). A run trains until its wall-clock budget is spent (AdamW,
 linear warm-up then cosine to min_lr_ratio, bf16 autocast on the GPU), keeps the checkpoint with the
 best val loss, measures val and held-out loss on it, and writes into OUT:
     micro-weights-N.npz   2-D tensors F16 (the GGUF master's values), 1-D tensors F32, under their
