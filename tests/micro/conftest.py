@@ -29,6 +29,21 @@ def corpus_mod():
 
 
 @pytest.fixture(scope="session")
+def corpus_pkgs():
+    return _load("corpus_packages")
+
+
+@pytest.fixture(scope="session")
+def corpus_write():
+    return _load("corpus_write")
+
+
+@pytest.fixture(scope="session")
+def corpus_carry():
+    return _load("corpus_carry")
+
+
+@pytest.fixture(scope="session")
 def train_mod():
     return _load("train_micro")
 
