@@ -132,7 +132,9 @@ def _receipt(out_dir) -> dict:
 
 def test_bench_ppl_agrees_with_llama_cpp_and_its_framing_is_reproducible(shipped, heldout_docs, llama_heldout_ids,
                                                                            tmp_path):
-    rc = muser_main(["bench", "ppl", "--model", str(shipped["Q8_0"]), "--text", "held-out", "--max-tokens", "512",
+    # 8 windows of 256: with fewer, the per-token NLL noise of Q8_0 activation rounding (std ~0.02 nats
+    # between the two sides) is no longer averaged below the 0.1% gate
+    rc = muser_main(["bench", "ppl", "--model", str(shipped["Q8_0"]), "--text", "held-out", "--max-tokens", "2048",
                      "--window", "256", "--out-dir", str(tmp_path)])
     assert rc == 0
     r = _receipt(tmp_path)
@@ -141,8 +143,8 @@ def test_bench_ppl_agrees_with_llama_cpp_and_its_framing_is_reproducible(shipped
     assert res["text"]["llamacpp_tokenization_identical_files"] == len(heldout_docs) == 108
     fr = res["framing"]
     whole = 369_706 // 256
-    assert fr["whole_windows"] == whole and fr["window_starts"] == [0, (whole // 2) * 256]
-    assert res["muser"]["scored_tokens"] == res["llamacpp"]["scored_tokens"] == 2 * 255
+    assert fr["whole_windows"] == whole and fr["window_starts"] == [(i * whole // 8) * 256 for i in range(8)]
+    assert res["muser"]["scored_tokens"] == res["llamacpp"]["scored_tokens"] == 8 * 255
     # the llama.cpp side, re-derived here from the framing rule alone: exactly the receipt's figure
     stream = np.concatenate([[0] + ids + [1] for ids in llama_heldout_ids])
     lm = llama_cpp.Llama(str(shipped["Q8_0"]), n_ctx=256, n_batch=256, n_ubatch=256, logits_all=True, type_k=1,
