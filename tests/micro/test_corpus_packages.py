@@ -165,7 +165,19 @@ def test_manifest_self_consistent(corpus_mod):
         tot = man["splits"][s]
         assert tot["files"] == std[s]["files"] + sum(p["split_files"].get(s, 0) for p in pk)
         assert tot["bytes"] == std[s]["bytes"] + sum(p["split_bytes"].get(s, 0) for p in pk)
-        assert tot["tokens"] > 0 and len(tot["sha256"]) == 64
+        assert len(tot["sha256"]) == 64
+        smp = tot["token_sample"]
+        assert 0 < smp["files"] < tot["files"] and 0 < smp["bytes"] < tot["bytes"] and smp["tokens"] > 0
+        assert tot["tokens_estimate"] == round(tot["bytes"] * smp["tokens"] / smp["bytes"])
+        assert std[s]["tokens"] > 0
+        car = man["carry"]
+        assert car["splits"][s]["tokens"] == sum(i["tokens"] for i in car["shards"][s])
+        assert car["splits"][s]["files"] == sum(i["docs"] for i in car["shards"][s]) <= tot["files"]
+        assert car["splits"][s]["bytes"] <= tot["bytes"]
+    assert sum(man["splits"][s]["tokens_estimate"] for s in C.SPLITS) >= 300_000_000
+    assert man["carry"]["carry_bytes"] <= 50 << 20
+    # every stdlib held-out file is carried
+    assert man["carry"]["splits"]["heldout"]["files"] >= std["heldout"]["files"]
     # the stdlib part is the pinned stdlib rule (tests/micro/test_corpus.py holds its hashes)
     assert std["heldout"]["sha256"] == "d9d2a9afd33c5121276e81c1fc8f0d4b04a5d1e1294926d13a34cb52cb2c0573"
     assert len(man["tokenizer"]["sha256"]) == 64 and man["tokenizer"]["vocab_size"] == 8192

@@ -9,8 +9,8 @@ Per level: p50/p99 of both, and throughput = completion tokens / wall time of th
 Levels are interleaved per server (muser 1, llama 1, muser 4, ...), after one warm-up request.
 
 Gate: every request's text under load equals the same prompt's text served alone (the level-1
-run), per server (greedy under batching is what the request gets alone). matplotlib is not a
-dependency: the PNG plot is written only where it is installed, and the receipt says which.
+run), per server (greedy under batching is what the request gets alone). --plot draws the PNG
+from the receipt (muser.bench.plot.plot_serve).
 """
 
 from __future__ import annotations
@@ -88,14 +88,16 @@ def muser_server(args: list[str]) -> ServerProcess:
     return ServerProcess([sys.executable, "-m", "muser", "serve", "--port", "0", *args], MUSER_LINE, env=env)
 
 
-def llama_server(binary: str, model: str, slots: int, ctx: int, threads: int) -> ServerProcess:
+def llama_server(binary: str, model: str, slots: int, ctx: int, threads: int, device: str) -> ServerProcess:
+    """The pinned llama-server on the device Muser serves from: every layer offloaded with
+    --device cuda (-ngl 99, as llama-bench runs on the GPU), none on the CPU."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-            "-c", str(ctx * slots), "-t", str(threads), "--no-webui", "-ngl", "0"]
+            "-c", str(ctx * slots), "-t", str(threads), "--no-webui", "-ngl", "99" if device == "cuda" else "0"]
     p = ServerProcess(argv, None, port=port)
     p.model = Path(model).name
     return p
@@ -172,6 +174,8 @@ def _pct(xs: list[float], p: float) -> float | None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ..plot import add_plot_flag
+
     p = sub.add_parser("serve", help="server load report: TTFT / inter-token latency p50/p99 and throughput",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="GGUF path (default: the embedded model)")
@@ -186,6 +190,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--llama-server", metavar="PATH", help="the pinned llama-server binary, run side by side")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server threads")
     p.add_argument("--out-dir", help="receipt folder (default bench/receipts)")
+    add_plot_flag(p)
     p.set_defaults(func=run)
 
 
@@ -194,8 +199,10 @@ def run(args: argparse.Namespace) -> int:
 
     from ...api import default_model_path
     from ...errors import LaneError
+    from ..plot import check_plot_flag, plot_for_run
     from ..receipt import device_description, write_receipt
 
+    check_plot_flag(args)
     try:
         levels = [int(x) for x in args.clients.split(",") if x.strip()]
     except ValueError:
@@ -209,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
                                       "--lane", args.lane, *(["--model", args.model] if args.model else [])])}
     try:
         if args.llama_server:
-            servers["llama-server"] = llama_server(args.llama_server, model, args.slots, args.ctx, args.threads)
+            servers["llama-server"] = llama_server(args.llama_server, model, args.slots, args.ctx, args.threads,
+                                                   args.device)
         meta = httpx.get(servers["muser"].base + "/v1/models", timeout=10).json()["data"][0]
         for name, s in servers.items():  # warm-up: load paths, first allocations
             one_request(s.base, s.model, PROMPTS[0], args.max_tokens)
@@ -221,12 +229,11 @@ def run(args: argparse.Namespace) -> int:
         for s in servers.values():
             s.stop()
     gate = _gate(results)
-    plot = _plot(results, args.out_dir)
     out = write_receipt("serve", model={"path": model, "served_as": meta["id"], "sha256": meta["meta"]["sha256"]},
                         device=device_description(args.device), lane=args.lane, gate=gate, results=results,
                         out_dir=args.out_dir,
                         extra={"slots": args.slots, "ctx_per_slot": args.ctx, "max_tokens": args.max_tokens,
-                               "rounds": args.rounds, "prompts": PROMPTS, "plot": plot,
+                               "rounds": args.rounds, "prompts": PROMPTS,
                                "comparator": "llama-server" if args.llama_server else
                                "none (no --llama-server binary given)"})
     print(f"{'server':>13} {'clients':>7} {'TTFT p50':>9} {'p99':>9} {'ITL p50':>9} {'p99':>9} {'tok/s':>8}")
@@ -234,8 +241,9 @@ def run(args: argparse.Namespace) -> int:
         for r in rs:
             print(f"{name:>13} {r['clients']:>7} {r['ttft_p50_s'] * 1e3:8.1f}ms {r['ttft_p99_s'] * 1e3:8.1f}ms "
                   f"{r['itl_p50_s'] * 1e3:8.1f}ms {r['itl_p99_s'] * 1e3:8.1f}ms {r['throughput_tok_s']:8.2f}")
-    print(f"gate (load == alone): {gate['status']}; plot: {plot}")
+    print(f"gate (load == alone): {gate['status']}")
     print(f"receipt: {out}")
+    plot_for_run(args, out)
     return 0 if gate["status"] != "fail" else 1
 
 
@@ -252,35 +260,6 @@ def _gate(results: dict[str, list[dict]]) -> dict:
     status = "fail" if "fail" in kinds else ("pass" if kinds == {"pass"} else "n/a")
     return {"status": status, "rule": "every greedy request under load has the text of the same prompt alone",
             "per_server": detail}
-
-
-def _plot(results: dict[str, list[dict]], out_dir: str | None) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "skipped: matplotlib is not installed"
-    from ..receipt import default_receipts_dir
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for name, rs in results.items():
-        cs = [r["clients"] for r in rs]
-        axes[0].plot(cs, [r["ttft_p50_s"] * 1e3 for r in rs], "o-", label=f"{name} p50")
-        axes[0].plot(cs, [r["ttft_p99_s"] * 1e3 for r in rs], "x--", label=f"{name} p99")
-        axes[1].plot(cs, [r["itl_p50_s"] * 1e3 for r in rs], "o-", label=f"{name} p50")
-        axes[1].plot(cs, [r["itl_p99_s"] * 1e3 for r in rs], "x--", label=f"{name} p99")
-        axes[2].plot(cs, [r["throughput_tok_s"] for r in rs], "o-", label=name)
-    for ax, title in zip(axes, ("TTFT (ms)", "inter-token latency (ms)", "throughput (tok/s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients")
-        ax.set_title(title)
-        ax.legend(fontsize=7)
-    path = Path(out_dir or default_receipts_dir()) / f"serve-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    return str(path)
 
 
 __all__ = ["ServerProcess", "muser_server", "llama_server", "one_request", "run_level"]
