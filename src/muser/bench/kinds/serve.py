@@ -94,14 +94,16 @@ def muser_server(args: list[str]) -> ServerProcess:
     return ServerProcess([sys.executable, "-m", "muser", "serve", "--port", "0", *args], MUSER_LINE, env=env)
 
 
-def llama_server(binary: str, model: str, slots: int, ctx: int, threads: int) -> ServerProcess:
+def llama_server(binary: str, model: str, slots: int, ctx: int, threads: int, device: str) -> ServerProcess:
+    """The pinned llama-server on the device Muser serves from: every layer offloaded with
+    --device cuda (-ngl 99, as llama-bench runs on the GPU), none on the CPU."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-            "-c", str(ctx * slots), "-t", str(threads), "--no-webui", "-ngl", "0"]
+            "-c", str(ctx * slots), "-t", str(threads), "--no-webui", "-ngl", "99" if device == "cuda" else "0"]
     p = ServerProcess(argv, None, port=port)
     p.model = Path(model).name
     return p
@@ -233,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
                                       *(["--model", args.model] if args.model else [])])}
     try:
         if args.llama_server:
-            servers["llama-server"] = llama_server(args.llama_server, model, args.slots, args.ctx, args.threads)
+            servers["llama-server"] = llama_server(args.llama_server, model, args.slots, args.ctx, args.threads,
+                                                   args.device)
         meta = httpx.get(servers["muser"].base + "/v1/models", timeout=10).json()["data"][0]
         for name, s in servers.items():  # warm-up: load paths, first allocations
             with client() as http:
