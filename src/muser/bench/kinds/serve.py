@@ -1,10 +1,12 @@
 """`muser bench serve`: a load report of `muser serve` at 1, 4 and 16 concurrent clients, side by
 side with the pinned llama-server on the same GGUF when one is given (--llama-server PATH).
 
-Each server runs as its own process on a free port of 127.0.0.1. Every client streams
-/v1/completions requests one after another (greedy, EOS/EOT banned by logit_bias so every request
-produces exactly --max-tokens tokens, stream_options.include_usage on). Per request:
-TTFT = send to the first token chunk; inter-token latency = the gaps between token chunks.
+Each server runs as its own process on a free port of 127.0.0.1, both on --threads CPU threads
+(`muser serve --threads N`, llama-server `-t N`). Every client is one HTTP client object (made
+before the level's clock starts) that streams /v1/completions requests one after another, each on
+a new connection (greedy, EOS/EOT banned by logit_bias so every request produces exactly
+--max-tokens tokens, stream_options.include_usage on). Per request: TTFT = send to the first
+token chunk; inter-token latency = the gaps between token chunks.
 Per level: p50/p99 of both, and throughput = completion tokens / wall time of the level.
 Levels are interleaved per server (muser 1, llama 1, muser 4, ...), after one warm-up request.
 
@@ -24,6 +26,10 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import httpx
 
 PROMPTS = ["def parse_args(argv):\n", "class Node:\n    def __init__(self", "import os\nimport sys\n\n\ndef main(",
            "for key, value in sorted(", "    return self._cache[", "try:\n    import json\nexcept ImportError:",
@@ -103,14 +109,22 @@ def llama_server(binary: str, model: str, slots: int, ctx: int, threads: int, de
     return p
 
 
-def one_request(base: str, model: str, prompt: str, max_tokens: int) -> dict:
+def client() -> "httpx.Client":
+    """One client's HTTP client, reused for its requests: building one loads the TLS trust store,
+    tens of ms on a loaded host, which is the client's cost, not the server's. No keep-alive:
+    llama-server's HTTP library closes a connection after a streamed response without saying so,
+    so every request opens its own connection to either server."""
     import httpx
 
+    return httpx.Client(timeout=600, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+def one_request(http: "httpx.Client", base: str, model: str, prompt: str, max_tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "logit_bias": {"1": -100, "2": -100}, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps, text, usage = [], [], None
-    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=600) as r:
+    with http.stream("POST", base + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{base}: HTTP {r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():
@@ -136,22 +150,25 @@ def run_level(base: str, model: str, clients: int, rounds: int, max_tokens: int)
     total = max(clients * rounds, len(PROMPTS))
     results: list[list[dict]] = [[] for _ in range(clients)]
     errors: list[BaseException] = []
+    https = [client() for _ in range(clients)]
 
-    def client(i: int) -> None:
+    def run_client(i: int) -> None:
         try:
             for j in range(i, total, clients):
                 p = j % len(PROMPTS)
-                results[i].append(dict(one_request(base, model, PROMPTS[p], max_tokens), prompt=p))
+                results[i].append(dict(one_request(https[i], base, model, PROMPTS[p], max_tokens), prompt=p))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    threads = [threading.Thread(target=run_client, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    for h in https:
+        h.close()
     if errors:
         raise errors[0]
     reqs = [r for rs in results for r in rs]
@@ -188,7 +205,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--lane", default="exact")
     p.add_argument("--llama-server", metavar="PATH", help="the pinned llama-server binary, run side by side")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server threads")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="CPU threads of each server: muser serve --threads, llama-server -t (default: the cores)")
     p.add_argument("--out-dir", help="receipt folder (default bench/receipts)")
     add_plot_flag(p)
     p.set_defaults(func=run)
@@ -207,20 +225,22 @@ def run(args: argparse.Namespace) -> int:
         levels = [int(x) for x in args.clients.split(",") if x.strip()]
     except ValueError:
         raise LaneError(f"--clients {args.clients!r} must be comma-separated integers") from None
-    if not levels or min(levels) < 1 or args.rounds < 1 or args.max_tokens < 1:
-        raise LaneError("--clients, --rounds and --max-tokens must be >= 1")
+    if not levels or min(levels) < 1 or args.rounds < 1 or args.max_tokens < 1 or args.threads < 1:
+        raise LaneError("--clients, --rounds, --max-tokens and --threads must be >= 1")
     if args.llama_server and not os.access(args.llama_server, os.X_OK):
         raise LaneError(f"--llama-server {args.llama_server!r} is not an executable file")
     model = args.model or str(default_model_path())
     servers = {"muser": muser_server(["--slots", str(args.slots), "--ctx", str(args.ctx), "--device", args.device,
-                                      "--lane", args.lane, *(["--model", args.model] if args.model else [])])}
+                                      "--lane", args.lane, "--threads", str(args.threads),
+                                      *(["--model", args.model] if args.model else [])])}
     try:
         if args.llama_server:
             servers["llama-server"] = llama_server(args.llama_server, model, args.slots, args.ctx, args.threads,
                                                    args.device)
         meta = httpx.get(servers["muser"].base + "/v1/models", timeout=10).json()["data"][0]
         for name, s in servers.items():  # warm-up: load paths, first allocations
-            one_request(s.base, s.model, PROMPTS[0], args.max_tokens)
+            with client() as http:
+                one_request(http, s.base, s.model, PROMPTS[0], args.max_tokens)
         results: dict[str, list[dict]] = {k: [] for k in servers}
         for c in levels:
             for name, s in servers.items():  # interleaved per level
@@ -233,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
                         device=device_description(args.device), lane=args.lane, gate=gate, results=results,
                         out_dir=args.out_dir,
                         extra={"slots": args.slots, "ctx_per_slot": args.ctx, "max_tokens": args.max_tokens,
+                               "threads": args.threads, "client": "one HTTP client per client, a new connection per request",
                                "rounds": args.rounds, "prompts": PROMPTS,
                                "comparator": "llama-server" if args.llama_server else
                                "none (no --llama-server binary given)"})
@@ -262,4 +283,4 @@ def _gate(results: dict[str, list[dict]]) -> dict:
             "per_server": detail}
 
 
-__all__ = ["ServerProcess", "muser_server", "llama_server", "one_request", "run_level"]
+__all__ = ["ServerProcess", "client", "muser_server", "llama_server", "one_request", "run_level"]
