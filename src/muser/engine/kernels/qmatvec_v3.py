@@ -1,0 +1,513 @@
+"""Fused dequant + matvec, third design: a device layout built for the decode loop (book ch. 1:
+decode streams every weight byte once; the loop must issue few instructions per weight and keep
+many bytes in flight). Q4_K, Q5_K and Q6_K, 1..16 activation rows.
+
+Why a third layout (bench/NOTES.md, "v2 in SASS"): the v2 loop spends ~28 instructions per
+weight, most of them cross-thread reductions and layout shuffles through shared memory, because
+ggml's byte order puts the two nibbles of a byte in different 32-element sub-blocks.
+
+The layout (`pack`), per 32-element unit u of a row (one K-quant scale slot; Q6_K: two):
+* `q`  int32 [N, K/8]: 4 words per unit; nibble e (0..7) of word w (0..3) is element 4e + w of
+  the unit. A thread that holds the unit's 16 bytes (one 16-byte load) decodes nibble e of its
+  4 words against x[32u + 4e : 32u + 4e + 4] (one 16-byte load of the activations).
+* Q5_K `h` int32 [N, K/32]: bit i = the 5th bit of element i of the unit (ggml qh).
+* Q6_K `h` int32 [N, K/16]: 2 words per unit; element i's two high bits at 2 (i % 16) of word
+  i // 16, so nibble e < 4 reads word 0 and e >= 4 word 1, 8 bits per e.
+* `s`  int16 [N, K/32]: Q4_K/Q5_K: sc | m << 8 (the unpacked 6-bit scale and min of book 6.2);
+  Q6_K: the two int8 scales of the unit's 16-element halves, low byte first.
+* `dd` Q4_K/Q5_K int32 [N, K/256]: d's f16 bits | dmin's f16 bits << 16; Q6_K: d f16 [N, K/256].
+Bytes per weight are unchanged (Q4_K 4.5 + 1/32 bits: the scales are bytes, as in the v1/v2
+repack); only their order moves.
+
+The decoded weight is ggml's value bit for bit (tested through `dequant_v3`, which runs the same
+decoder): Q4_K/Q5_K fma(d1, q, -m1) with d1 = d * sc and m1 = dmin * m each rounded once, where
+d1 * q is exact in f32 (11 + 6 + 5 significant bits), so the only rounding is ggml's subtraction
+(ggml-quants.c dequantize_row_q4_K: y = d1 * q - m1); Q6_K (d * sc) * (q - 32) with d * sc exact
+(dequantize_row_q6_K: y = d * sc[is] * q). Integer -> float by the 0x4B000000 trick (2^23 + q,
+minus 2^23). The dot accumulates in f32 by fma in a [ROWS, BN, J, 4] accumulator reduced once at
+the end: an order that differs from the reference at the ulp level (the exact lane's contract).
+
+Reference beside it: `qmatvec.matvec_ref(w, x)`; `unpack` inverts `pack` and `decode` decodes
+the packed form with the torch reference decoder.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ...gguf.types import GgmlType as G
+from ..weights import QK, QWeight, decode_fields, index_maps
+from .qmatvec import _rows_bucket, check_matvec_args
+
+try:  # Triton is optional on the CPU; the CUDA backend requires it.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAVE_TRITON = False
+
+FORMATS = (G.Q4_K, G.Q5_K, G.Q6_K)
+UNIT = 32
+_CODE = {G.Q4_K: 5, G.Q5_K: 6, G.Q6_K: 7}  # the FMT constexpr (same codes as weights.FMT_CODE)
+
+# (BN rows per program, J units per chunk, num_warps, PREFETCH) per row bucket; device sweeps
+# override through `config`. One chunk moves BN * J * 16 bytes of quants per program.
+CONFIGS: dict[int, tuple[int, int, int, bool]] = {
+    1: (16, 32, 4, True),
+    2: (16, 16, 4, True),
+    4: (8, 16, 4, True),
+    8: (8, 16, 4, False),
+    16: (8, 16, 4, False),
+}
+
+
+def supports(fmt: G) -> bool:
+    return fmt in FORMATS
+
+
+@dataclass
+class Packed:
+    """One weight in the v3 layout (module doc)."""
+
+    name: str
+    fmt: G
+    n_out: int
+    n_in: int
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.fields["q"].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.fields.values())
+
+    def pointers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        f = self.fields
+        return f["q"], f.get("h", f["q"]), f["s"], f["dd"]
+
+
+def _wrap32(v: torch.Tensor) -> torch.Tensor:
+    """int64 holding an unsigned 32-bit pattern -> int32 with the same bits."""
+    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+
+
+def _values(w: QWeight, f: dict[str, torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows of `f`: the 4-bit low parts [r, nb, 256] and the high parts (Q5_K 1 bit, Q6_K 2 bits)
+    of every element, as uint8 in element order (weights.index_maps)."""
+    nb = w.n_in // QK
+    dev = f["d"].device
+    mp = {k: torch.from_numpy(v).to(dev) for k, v in index_maps(w.fmt).items()}
+    if w.fmt in (G.Q4_K, G.Q5_K):
+        lo = (f["qs"].view(r, nb, 128)[:, :, mp["qs_idx"]] >> mp["qs_shift"].to(torch.uint8)) & 0xF
+        hi = None
+        if w.fmt == G.Q5_K:
+            hi = (f["qh"].view(r, nb, 32)[:, :, mp["qh_idx"]] >> mp["qh_bit"].to(torch.uint8)) & 1
+        return lo, hi
+    lo = (f["ql"].view(r, nb, 128)[:, :, mp["ql_idx"]] >> mp["ql_shift"].to(torch.uint8)) & 0xF
+    hi = (f["qh"].view(r, nb, 64)[:, :, mp["qh_idx"]] >> mp["qh_shift"].to(torch.uint8)) & 3
+    return lo, hi
+
+
+def _pack_rows(w: QWeight, f: dict[str, torch.Tensor], r: int) -> dict[str, torch.Tensor]:
+    nu = w.n_in // UNIT
+    lo, hi = _values(w, f, r)
+    lo = lo.view(r, nu, 8, 4).to(torch.int64)  # [r, unit, e, w]: element 4e + w of the unit
+    sh = (4 * torch.arange(8, device=lo.device, dtype=torch.int64)).view(1, 1, 8, 1)
+    out = {"q": _wrap32((lo << sh).sum(2)).view(r, nu * 4)}
+    if w.fmt == G.Q5_K:
+        b = hi.view(r, nu, 32).to(torch.int64)
+        out["h"] = _wrap32((b << torch.arange(32, device=b.device, dtype=torch.int64)).sum(2))
+    if w.fmt == G.Q6_K:
+        b = hi.view(r, nu, 2, 16).to(torch.int64)
+        out["h"] = _wrap32((b << (2 * torch.arange(16, device=b.device, dtype=torch.int64))).sum(3)).view(r, nu * 2)
+    if w.fmt in (G.Q4_K, G.Q5_K):
+        out["s"] = (f["sc"].to(torch.int32) | (f["m"].to(torch.int32) << 8)).to(torch.int16)
+        d = f["d"].view(torch.int16).to(torch.int64) & 0xFFFF
+        dm = f["dmin"].view(torch.int16).to(torch.int64) & 0xFFFF
+        out["dd"] = _wrap32(d | (dm << 16))
+    else:
+        sc = f["sc"].view(torch.uint8).view(r, nu, 2).to(torch.int32)
+        out["s"] = _wrap32((sc[:, :, 0] | (sc[:, :, 1] << 8)).to(torch.int64)).view(r, nu)
+        out["s"] = torch.where(out["s"] >= 2**15, out["s"] - 2**16, out["s"]).to(torch.int16)
+        out["dd"] = f["d"].clone()
+    return out
+
+
+def pack(w: QWeight, chunk_elems: int = 1 << 26) -> Packed:
+    """QWeight (weights.repack layout) -> Packed, on the weight's device, in row chunks of at most
+    `chunk_elems` elements (bounded temporaries for the 1.3 G-element LM head)."""
+    if not supports(w.fmt):
+        raise ValueError(f"matvec_v3: no v3 layout for {w.fmt.name}")
+    rows = max(1, chunk_elems // w.n_in)
+    parts: list[dict[str, torch.Tensor]] = []
+    for n0 in range(0, w.n_out, rows):
+        n1 = min(w.n_out, n0 + rows)
+        parts.append(_pack_rows(w, {k: v[n0:n1] for k, v in w.fields.items()}, n1 - n0))
+    f = {k: torch.cat([p[k] for p in parts], 0).contiguous() for k in parts[0]}
+    return Packed(w.name, w.fmt, w.n_out, w.n_in, f)
+
+
+def unpack(p: Packed) -> dict[str, torch.Tensor]:
+    """Packed -> the weights.repack fields (the inverse of `pack`; tests hold it exact)."""
+    r, nu, nb = p.n_out, p.n_in // UNIT, p.n_in // QK
+    f = p.fields
+    q = f["q"].view(r, nu, 4).to(torch.int64) & 0xFFFFFFFF
+    sh = (4 * torch.arange(8, device=q.device, dtype=torch.int64)).view(1, 1, 8, 1)
+    lo = ((q.unsqueeze(2) >> sh) & 0xF).view(r, nb, 256)  # element order
+    mp = {k: torch.from_numpy(v).to(q.device) for k, v in index_maps(p.fmt).items()}
+    if p.fmt in (G.Q4_K, G.Q5_K):
+        qs = torch.zeros(r, nb, 128, dtype=torch.int64, device=q.device)
+        qs.scatter_add_(2, mp["qs_idx"].expand(r, nb, 256), lo << mp["qs_shift"])
+        out = {"qs": qs.to(torch.uint8).view(r, nb * 128)}
+        if p.fmt == G.Q5_K:
+            hb = ((f["h"].to(torch.int64).unsqueeze(2) & 0xFFFFFFFF) >> torch.arange(32, device=q.device)) & 1
+            qh = torch.zeros(r, nb, 32, dtype=torch.int64, device=q.device)
+            qh.scatter_add_(2, mp["qh_idx"].expand(r, nb, 256), hb.view(r, nb, 256) << mp["qh_bit"])
+            out["qh"] = qh.to(torch.uint8).view(r, nb * 32)
+        s = f["s"].to(torch.int64) & 0xFFFF
+        out["sc"] = (s & 0xFF).to(torch.uint8)
+        out["m"] = (s >> 8).to(torch.uint8)
+        dd = f["dd"].to(torch.int64) & 0xFFFFFFFF
+        out["d"] = _wrap16(dd & 0xFFFF).view(torch.float16)
+        out["dmin"] = _wrap16(dd >> 16).view(torch.float16)
+        return out
+    hw = f["h"].view(r, nu, 2).to(torch.int64) & 0xFFFFFFFF
+    hi = ((hw.unsqueeze(3) >> (2 * torch.arange(16, device=q.device))) & 3).view(r, nb, 256)
+    ql = torch.zeros(r, nb, 128, dtype=torch.int64, device=q.device)
+    ql.scatter_add_(2, mp["ql_idx"].expand(r, nb, 256), lo << mp["ql_shift"])
+    qh = torch.zeros(r, nb, 64, dtype=torch.int64, device=q.device)
+    qh.scatter_add_(2, mp["qh_idx"].expand(r, nb, 256), hi << mp["qh_shift"])
+    s = f["s"].to(torch.int64) & 0xFFFF
+    sc = torch.stack([s & 0xFF, s >> 8], -1).view(r, nu * 2)
+    return {"ql": ql.to(torch.uint8).view(r, nb * 128), "qh": qh.to(torch.uint8).view(r, nb * 64),
+            "sc": sc.to(torch.uint8).view(torch.int8), "d": f["dd"].clone()}
+
+
+def _wrap16(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(v >= 2**15, v - 2**16, v).to(torch.int16)
+
+
+def decode(p: Packed) -> torch.Tensor:
+    """f32 [n_out, n_in] by the torch reference decoder (weights.decode_fields) of `unpack(p)`."""
+    return decode_fields(p.fmt, unpack(p), p.n_in)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _load_chunk(FMT: tl.constexpr, qp, hp, sp, dp, row, nmask, c, NU, zero, J: tl.constexpr):
+        """Raw fields of chunk c (units c*J .. c*J+J-1) of rows `row` [BN]: words [BN, J, 4],
+        high bits (Q5_K [BN, J]; Q6_K two [BN, J]; Q4_K zeros), s [BN, J] int32, dd [BN, J].
+
+        Layout steering (Triton's coalescing pass picks each load's thread layout from the
+        pointer's contiguity): the words are loaded as [BN, J*4] (contiguous along K, 16-byte
+        vectors, a warp along K) and reshaped, and the per-unit fields are offset by `zero` (a
+        runtime 0) so they are not vectorized across units; both then land in the same thread
+        layout and no shared-memory shuffle is needed inside the loop."""
+        u = c * J + tl.arange(0, J)  # [J]
+        um = u < NU
+        m2 = nmask[:, None] & um[None, :]  # [BN, J]
+        kw = c * (J * 4) + tl.arange(0, J * 4)  # word index along the row
+        words = tl.load(qp + row[:, None] * (NU * 4) + kw[None, :],
+                        mask=nmask[:, None] & (kw < NU * 4)[None, :], other=0)  # [BN, J*4] int32
+        words = tl.reshape(words, (row.shape[0], J, 4))  # [BN, J, 4]
+        sv = tl.load(sp + row[:, None] * NU + (u + zero)[None, :], mask=m2, other=0).to(tl.int32)  # [BN, J]
+        NB = NU // 8
+        # [J, BN] then transposed: a pointer with no contiguity gets its threads along dim 0, so
+        # the transpose puts them along the units, as for `sv` (same per 8 units)
+        dv = tl.trans(tl.load(dp + (u // 8 + zero)[:, None] + (row * NB)[None, :], mask=tl.trans(m2), other=0))
+        if FMT == 6:
+            h0 = tl.load(hp + row[:, None] * NU + (u + zero)[None, :], mask=m2, other=0)
+            h1 = h0
+        elif FMT == 7:
+            # stride-2 pointers: transposed loads, as for `dv`
+            h0 = tl.trans(tl.load(hp + (u * 2 + zero)[:, None] + (row * (NU * 2))[None, :], mask=tl.trans(m2), other=0))
+            h1 = tl.trans(tl.load(hp + (u * 2 + 1 + zero)[:, None] + (row * (NU * 2))[None, :], mask=tl.trans(m2),
+                                  other=0))
+        else:
+            h0 = sv * 0
+            h1 = h0
+        return words, h0, h1, sv, dv
+
+    @triton.jit
+    def _scales(FMT: tl.constexpr, sv, dv):
+        """Per-(row, unit) factors [BN, J]: Q4_K/Q5_K (d1, -m1); Q6_K (d * sc_lo, d * sc_hi)."""
+        if FMT == 7:
+            d = dv.to(tl.float32)  # f16 -> f32 exact
+            lo = ((sv << 24) >> 24).to(tl.float32)  # signed low byte
+            hi = ((sv << 16) >> 24).to(tl.float32)  # signed high byte
+            a = d * lo  # ggml: d * sc[is], exact (11 + 8 bits)
+            b = d * hi
+        else:
+            d = (dv & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            dmin = ((dv >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            sc = (sv & 0xFF).to(tl.float32)
+            mn = ((sv >> 8) & 0xFF).to(tl.float32)
+            a = d * sc  # ggml: d1 = d * sc
+            b = -1.0 * (dmin * mn)  # -m1 (ggml: m1 = min * m); -1.0 * keeps the sign of a zero
+        return a, b
+
+    @triton.jit
+    def _nibble(words, e: tl.constexpr, ASM: tl.constexpr):
+        """(words >> 4e) & 0xF | 0x4B000000, int32. ASM: one shift and one lop3 per word
+        (LLVM otherwise forms a bit-field extract, which ptxas emits as shift + sign-extend,
+        and a separate or: 3 instructions; the interpreter takes the plain expression)."""
+        if ASM:
+            if e == 0:
+                q = tl.inline_asm_elementwise("lop3.b32 $0, $1, 15, 1258291200, 0xEA;", "=r,r", [words],
+                                              dtype=tl.int32, is_pure=True, pack=1)
+            else:
+                q = tl.inline_asm_elementwise(
+                    "{ .reg .b32 t; shr.u32 t, $1, $2; lop3.b32 $0, t, 15, 1258291200, 0xEA; }", "=r,r,r",
+                    [words, tl.full(words.shape, 4 * e, tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            q = ((words >> (4 * e)) & 0xF) | 0x4B000000
+        return q
+
+    @triton.jit
+    def _weights_e(FMT: tl.constexpr, e: tl.constexpr, words, h0, h1, a, b, ASM: tl.constexpr):
+        """Decoded weights of nibble e: f32 [BN, J, 4] (element 4e + w of each unit)."""
+        wi = tl.arange(0, 4)
+        q = _nibble(words, e, ASM)  # 2^23 + the low 4 bits, as f32 bits
+        if FMT == 6:  # 5th bit of element i = 4e + w sits at bit i of h0; move it to bit 4
+            if e == 0:
+                q = q | ((h0[:, :, None] << (4 - wi)[None, None, :]) & 0x10)
+            else:
+                q = q | ((h0[:, :, None] >> (4 * e - 4 + wi)[None, None, :]) & 0x10)
+        if FMT == 7:  # 2 high bits of element i at 2 (i % 16) of word i // 16; move to bits 4-5
+            if e < 4:
+                t = (h0 >> (8 * e)) << 4
+            else:
+                t = (h1 >> (8 * (e - 4))) << 4
+            q = q | ((t[:, :, None] >> (2 * wi)[None, None, :]) & 0x30)
+            qf = q.to(tl.float32, bitcast=True) - 8388640.0  # exactly q - 32
+            if e < 4:
+                w = a[:, :, None] * qf  # ggml: y = d * sc[is] * q (d * sc exact)
+            else:
+                w = b[:, :, None] * qf
+        else:
+            qf = q.to(tl.float32, bitcast=True) - 8388608.0  # exactly q
+            w = tl.fma(a[:, :, None], qf, b[:, :, None])  # d1 * q exact: one rounding, ggml's
+        return w
+
+    @triton.jit
+    def _dequant_v3_kernel(out, qp, hp, sp, dp, N, K, FMT: tl.constexpr, BN: tl.constexpr, J: tl.constexpr,
+                           ASM: tl.constexpr):
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        row = n.to(tl.int64)
+        c = tl.program_id(1)
+        NU = K // 32
+        words, h0, h1, sv, dv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, c, NU, 0, J)
+        a, b = _scales(FMT, sv, dv)
+        u = c * J + tl.arange(0, J)
+        wi = tl.arange(0, 4)
+        m3 = nmask[:, None, None] & (u < NU)[None, :, None]
+        for e in tl.static_range(8):
+            w = _weights_e(FMT, e, words, h0, h1, a, b, ASM)
+            k = (u * 32 + 4 * e)[:, None] + wi[None, :]  # [J, 4]
+            tl.store(out + row[:, None, None] * K + k[None, :, :], w, mask=m3)
+
+    @triton.jit(do_not_specialize=["T", "zero"])
+    def _matvec_v3_kernel(x, y, qp, hp, sp, dp, N, K, sx, sy, T, zero, FMT: tl.constexpr, ROWS: tl.constexpr,
+                          BN: tl.constexpr, J: tl.constexpr, PREFETCH: tl.constexpr, NW: tl.constexpr,
+                          ASM: tl.constexpr):
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        row = n.to(tl.int64)
+        wi = tl.arange(0, 4)
+        NU = K // 32
+        n_chunks = (NU + J - 1) // J
+        if ROWS == 1:  # decode: a [BN/NW, NW, J, 4] accumulator in the words' own layout
+            acc = tl.zeros([BN // NW, NW, J, 4], dtype=tl.float32)
+        else:
+            r = tl.arange(0, ROWS)
+            rmask = r < T
+            acc4 = tl.zeros([ROWS, BN, J, 4], dtype=tl.float32)
+        if PREFETCH:
+            nw, nh0, nh1, nsv, ndv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, 0, NU, zero, J)
+        for c in range(0, n_chunks):
+            if PREFETCH:  # next chunk's loads go out before this chunk's arithmetic
+                words, h0, h1, sv, dv = nw, nh0, nh1, nsv, ndv
+                nw, nh0, nh1, nsv, ndv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask & (c + 1 < n_chunks),
+                                                     c + 1, NU, zero, J)
+            else:
+                words, h0, h1, sv, dv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, c, NU, zero, J)
+            a, b = _scales(FMT, sv, dv)
+            u = c * J + tl.arange(0, J)
+            if ROWS == 1:
+                # x as [NW, J*4] (one copy per warp: 16-byte loads in the words' thread layout),
+                # reshaped to [1, NW, J, 4]; the weights as [BN/NW, NW, J, 4] (row = i * NW + warp)
+                kw = c * (J * 4) + tl.arange(0, J * 4)
+                xb = x + (tl.arange(0, NW) * 0)[:, None] + ((kw // 4) * 32 + kw % 4)[None, :]  # [NW, J*4]
+                xm = (tl.arange(0, NW) < NW)[:, None] & (kw < NU * 4)[None, :]
+                for e in tl.static_range(8):
+                    w = _weights_e(FMT, e, words, h0, h1, a, b, ASM)  # [BN, J, 4]
+                    xe = tl.reshape(tl.load(xb + 4 * e, mask=xm, other=0.0), (1, NW, J, 4))
+                    acc = tl.fma(tl.reshape(w, (BN // NW, NW, J, 4)), xe, acc)  # f32
+            else:
+                xm = rmask[:, None, None] & (u < NU)[None, :, None]  # [ROWS, J, 1]
+                xb4 = x + r[:, None, None] * sx + (u * 32)[None, :, None] + wi[None, None, :]  # [ROWS, J, 4]
+                for e in tl.static_range(8):
+                    w = _weights_e(FMT, e, words, h0, h1, a, b, ASM)  # [BN, J, 4]
+                    xe4 = tl.load(xb4 + 4 * e, mask=xm, other=0.0)  # [ROWS, J, 4]
+                    acc4 = tl.fma(w[None, :, :, :], xe4[:, None, :, :], acc4)  # f32
+        if ROWS == 1:
+            res = tl.reshape(tl.sum(tl.sum(acc, axis=3), axis=2), (BN,))  # [BN]
+            tl.store(y + n, res, mask=nmask)
+        else:
+            res4 = tl.sum(tl.sum(acc4, axis=3), axis=2)  # [ROWS, BN]
+            tl.store(y + r[:, None] * sy + n[None, :], res4, mask=rmask[:, None] & nmask[None, :])
+
+
+def _asm() -> bool:
+    """Inline PTX where the kernels are compiled; the plain expression under the interpreter."""
+    return not os.environ.get("TRITON_INTERPRET")
+
+
+def dequant_v3(p: Packed, bn: int = 4, j: int = 8) -> torch.Tensor:
+    """The v3 in-kernel decoder over the whole weight: f32 [n_out, n_in] (tests hold it
+    bit-exact with the reference decoder)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    out = torch.empty((p.n_out, p.n_in), dtype=torch.float32, device=p.device)
+    grid = (triton.cdiv(p.n_out, bn), triton.cdiv(p.n_in // UNIT, j))
+    _dequant_v3_kernel[grid](out, *p.pointers(), p.n_out, p.n_in, FMT=_CODE[p.fmt], BN=bn, J=j,
+                             ASM=_asm(), enable_fp_fusion=False)
+    return out
+
+
+def decode_rows(p: Packed, rows: torch.Tensor | None = None, n0: int = 0, n1: int | None = None) -> torch.Tensor:
+    """f32 [r, n_in] of rows `rows` (int64 tensor) or of the row range [n0, n1), bit-exact:
+    the Triton decoder on CUDA, the torch reference decoder elsewhere."""
+    n1 = p.n_out if n1 is None else n1
+    if rows is not None:
+        f = {k: v.index_select(0, rows) for k, v in p.fields.items()}
+        r = int(rows.shape[0])
+    else:
+        f = {k: v[n0:n1] for k, v in p.fields.items()}
+        r = n1 - n0
+    sub = Packed(p.name, p.fmt, r, p.n_in, f)
+    if sub.device.type == "cuda" and HAVE_TRITON:
+        return dequant_v3(sub, bn=4, j=8)
+    return decode(sub)
+
+
+def pack_matrices(ws, drop_fields: bool) -> None:
+    """Attach the v3 layout to every weight of a supported format (in place); with
+    `drop_fields`, free the repacked fields so only the packed copy stays resident."""
+    for w in ws:
+        if supports(w.fmt) and w.packed is None:
+            w.packed = pack(w)
+            if drop_fields:
+                w.fields = {}
+
+
+@dataclass
+class Stack:
+    """Weights that read the same input, packed as one matrix (rows stacked in order): one
+    launch instead of several, and enough rows to fill the GPU for the 256-row K/V
+    projections. Each member's `packed` becomes a row view of the stack (no second copy).
+    Every output is the same dot product as its own matrix's (rows are independent)."""
+
+    packed: Packed
+    bounds: tuple[tuple[int, int], ...]  # [n0, n1) of each member
+
+    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
+        """y [T, sum n_out] -> the members' outputs [T, n_out_i] (column views)."""
+        return [y[:, a:b] for a, b in self.bounds]
+
+
+def stack(ws) -> Stack | None:
+    """One Stack over weights that all carry a packed layout of one format and row length;
+    None when they do not."""
+    if not ws or any(w.packed is None for w in ws):
+        return None
+    f0 = ws[0].packed
+    if any(w.packed.fmt != f0.fmt or w.packed.n_in != f0.n_in for w in ws):
+        return None
+    fields = {k: torch.cat([w.packed.fields[k] for w in ws], 0).contiguous() for k in f0.fields}
+    n, bounds = 0, []
+    for w in ws:
+        bounds.append((n, n + w.n_out))
+        n += w.n_out
+    sp = Packed("+".join(w.name for w in ws), f0.fmt, n, f0.n_in, fields)
+    for w, (a, b) in zip(ws, bounds):
+        w.packed = Packed(w.name, f0.fmt, b - a, f0.n_in, {k: v[a:b] for k, v in fields.items()})
+    return Stack(sp, tuple(bounds))
+
+
+# Measured winners of the device sweep per (format, rows bucket, n_out, n_in) (tools/device_kernels.py
+# writes v3_tuning.json; load_tuning or MUSER_V3_TUNING reads one); other shapes use CONFIGS.
+TUNED: dict[tuple[str, int, int, int], tuple[int, int, int, bool]] = {}
+
+
+def load_tuning(path: str) -> int:
+    """Merge a v3_tuning.json (list of {fmt, rows, n_out, n_in, config}) into TUNED; returns the
+    number of entries. Every config is checked for shape before it is taken."""
+    import json
+
+    from ...errors import LaneError
+
+    try:
+        entries = json.loads(open(path).read())
+        parsed = []
+        for e in entries:
+            bn, j, nw, pf = (int(v) for v in e["config"])
+            key = (str(e["fmt"]), int(e["rows"]), int(e["n_out"]), int(e["n_in"]))
+            pow2 = all(v > 0 and v & (v - 1) == 0 for v in (bn, j, nw))  # tl.arange extents
+            if not pow2 or key[1] not in (1, 2, 4, 8, 16) or (key[1] == 1 and bn % nw):
+                raise ValueError(f"config {e['config']!r} for {key}")
+            parsed.append((key, (bn, j, nw, bool(pf))))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise LaneError(f"v3 tuning file {path!r}: {err}") from None
+    TUNED.update(parsed)  # all or nothing
+    return len(parsed)
+
+
+# The shipped table: the winners of the CUDA-graph-timed sweep over the full geometry's launch
+# shapes on an H200 (tools/device_kernels.py --graph; bench/NOTES.md). Configs change speed only,
+# never values beyond f32 reordering. MUSER_V3_TUNING adds (or overrides with) another file.
+TUNING_FILE = os.path.join(os.path.dirname(__file__), "v3_tuning.json")
+if os.path.isfile(TUNING_FILE):
+    load_tuning(TUNING_FILE)
+if os.environ.get("MUSER_V3_TUNING"):
+    load_tuning(os.environ["MUSER_V3_TUNING"])
+
+
+def config_for(p: Packed, rows: int) -> tuple[int, int, int, bool]:
+    hit = TUNED.get((p.fmt.name, rows, p.n_out, p.n_in))
+    if hit is not None:
+        return hit
+    bn, j, nw, pf = CONFIGS[rows]
+    if rows == 1 and p.n_out < 2048:  # small outputs: fewer rows per program, more programs
+        bn = nw
+    return bn, j, nw, pf
+
+
+def matvec_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
+              config: tuple | None = None) -> torch.Tensor:
+    """x [T, n_in] f32 (T <= 16) -> [T, n_out] f32 over a Packed weight. `config` =
+    (BN, J, num_warps, PREFETCH) overrides CONFIGS (device sweeps)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    out = check_matvec_args(p, x, out)  # the shared contract (n_in, n_out, name: Packed has them)
+    T = x.shape[0]
+    rows = _rows_bucket(T)
+    bn, j, num_warps, prefetch = config if config is not None else config_for(p, rows)
+    assert rows > 1 or bn % num_warps == 0, f"matvec_v3: one-row tiles need BN ({bn}) a multiple of num_warps"
+    grid = (triton.cdiv(p.n_out, bn),)
+    _matvec_v3_kernel[grid](x, out, *p.pointers(), p.n_out, p.n_in, x.stride(0), out.stride(0), T, 0,
+                            FMT=_CODE[p.fmt], ROWS=rows, BN=bn, J=j, PREFETCH=bool(prefetch), NW=num_warps, ASM=_asm(),
+                            num_warps=num_warps, enable_fp_fusion=False)
+    return out
+
+
+__all__ = ["CONFIGS", "FORMATS", "HAVE_TRITON", "Packed", "decode", "decode_rows", "dequant_v3", "matvec_v3",
+           "pack", "pack_matrices", "Stack", "stack", "config_for", "load_tuning", "supports", "unpack"]

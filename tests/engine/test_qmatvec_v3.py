@@ -1,0 +1,197 @@
+"""The v3 device layout and its dequant-matvec (kernels/qmatvec_v3.py): the repack is a pure
+reordering (pack then unpack gives the weights.repack fields back, byte for byte), the in-kernel
+decoder is ggml's value bit for bit, and the matvec meets the reference within f32 reordering,
+run by the Triton interpreter on tiny shapes (compiled on the GPU machine: tools/device_kernels.py)."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+
+import pytest
+import torch
+
+from muser.engine.weights import random_bytes, repack
+from muser.gguf.types import GgmlType as G
+
+FORMATS = (G.Q4_K, G.Q5_K, G.Q6_K)
+
+
+@pytest.fixture(scope="module")
+def v3(kernels):
+    """qmatvec_v3 re-imported while the `kernels` fixture holds TRITON_INTERPRET=1."""
+    from muser.engine.kernels import qmatvec_v3
+
+    return kernels[0], importlib.reload(qmatvec_v3)
+
+
+def _w(fmt, n_out, n_in, seed=0):
+    raw = random_bytes(fmt, n_out, n_in, seed)
+    return repack("t", fmt, n_out, n_in, torch.from_numpy(raw.copy()))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_v3_pack_is_a_reordering(v3, fmt):
+    _, m = v3
+    w = _w(fmt, 6, 768, 4)
+    p = m.pack(w, chunk_elems=1024)  # several row chunks
+    assert p.nbytes <= w.nbytes + 4 * 6 * 768 // 256  # same bytes, scales regrouped
+    back = m.unpack(p)
+    assert set(back) == set(w.fields)
+    for k, v in w.fields.items():
+        assert torch.equal(back[k].view(torch.uint8), v.contiguous().view(torch.uint8)), k
+    assert torch.equal(m.decode(p).view(torch.int32), w.decode().view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_v3_decoder_bit_exact(v3, fmt):
+    _, m = v3
+    w = _w(fmt, 5, 768, 1)
+    p = m.pack(w)
+    ref = w.decode().view(torch.int32)
+    for bn, j in ((4, 8), (2, 16), (8, 4)):  # partial row tile and partial unit chunk
+        assert torch.equal(m.dequant_v3(p, bn=bn, j=j).view(torch.int32), ref), (bn, j)
+
+
+def test_v3_decoder_every_scale_and_quant_value(v3):
+    """Every 6-bit scale/min, every 4/5-bit quant, f16 d/dmin of both signs, subnormal, zero and
+    extreme (the fma decode's exactness argument, checked rather than assumed); Q6_K every int8
+    scale and 6-bit quant."""
+    _, m = v3
+    g = torch.Generator().manual_seed(3)
+    d = torch.tensor([6.0e-8, -6.0e-8, 1e-4, -3.5, 65504.0, -65504.0, 0.0, -0.0], dtype=torch.float16)
+    for fmt in FORMATS:
+        n_out, nb = 8, 8
+        w = _w(fmt, n_out, nb * 256, 7)
+        if fmt == G.Q6_K:
+            w.fields["sc"] = (torch.arange(n_out * nb * 16) % 256 - 128).to(torch.int8).view(n_out, nb * 16)
+            w.fields["d"] = d[torch.randint(0, 8, (n_out, nb), generator=g)]
+        else:
+            sc = torch.arange(n_out * nb * 8, dtype=torch.int64) % 64
+            w.fields["sc"] = sc.to(torch.uint8).view(n_out, nb * 8)
+            w.fields["m"] = sc.flip(0).to(torch.uint8).view(n_out, nb * 8)
+            w.fields["d"] = d[torch.randint(0, 8, (n_out, nb), generator=g)]
+            w.fields["dmin"] = d[torch.randint(0, 8, (n_out, nb), generator=g)]
+        ref = w.decode().view(torch.int32)
+        assert torch.equal(m.dequant_v3(m.pack(w)).view(torch.int32), ref), fmt.name
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("T", [1, 3, 16])
+def test_v3_matvec_vs_reference(v3, fmt, T):
+    qmv, m = v3
+    w = _w(fmt, 10, 768, 2)
+    p = m.pack(w)
+    x = torch.randn(T, 768, generator=torch.Generator().manual_seed(T))
+    ref = qmv.matvec_ref(w, x)
+    scale = x.abs() @ w.decode().abs().T
+    for cfg in (None, (4, 8, 4, True), (8, 4, 4, False), (4, 32, 4, True), (8, 8, 2, True)):
+        got = m.matvec_v3(p, x, config=cfg)
+        assert torch.all((got - ref).abs() <= 1e-6 * scale + 1e-30), cfg
+
+
+def test_v3_refuses(v3):
+    _, m = v3
+    with pytest.raises(ValueError):
+        m.pack(_w(G.Q8_0, 4, 64))
+    p = m.pack(_w(G.Q4_K, 4, 256))
+    with pytest.raises(AssertionError):
+        m.matvec_v3(p, torch.zeros(17, 256))
+    with pytest.raises(AssertionError):
+        m.matvec_v3(p, torch.zeros(1, 512))
+
+
+def test_v3_stack_members_are_views_and_outputs_match(v3):
+    """Stacked q|k|gate-style projections: one launch gives each member's own result, the
+    members' packed layouts become row views of the stack, and a format mismatch is refused."""
+    _, m = v3
+    ws = [_w(G.Q4_K, n, 512, 10 + i) for i, n in enumerate((8, 4, 8))]
+    for w in ws:
+        w.packed = m.pack(w)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(5))
+    alone = [m.matvec_v3(w.packed, x) for w in ws]
+    st = m.stack(ws)
+    assert st.packed.n_out == 20 and st.bounds == ((0, 8), (8, 12), (12, 20))
+    for w, (a, b) in zip(ws, st.bounds):
+        assert w.packed.fields["q"].data_ptr() == st.packed.fields["q"][a:b].data_ptr()
+        assert torch.equal(m.decode(w.packed).view(torch.int32), w.decode().view(torch.int32))
+    got = st.split(m.matvec_v3(st.packed, x))
+    scale = [x.abs() @ w.decode().abs().T for w in ws]
+    for g, r, s in zip(got, alone, scale):
+        assert torch.all((g - r).abs() <= 1e-6 * s + 1e-30)
+    q6 = _w(G.Q6_K, 4, 512, 3)
+    q6.packed = m.pack(q6)
+    assert m.stack([ws[0], q6]) is None
+    assert m.stack([ws[0], _w(G.Q4_K, 4, 512)]) is None  # not packed
+
+
+def test_v3_tuning_file(v3, tmp_path):
+    import json
+
+    _, m = v3
+    p = m.pack(_w(G.Q4_K, 8, 512))
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps([{"fmt": "Q4_K", "rows": 1, "n_out": 8, "n_in": 512, "config": [8, 4, 4, False]}]))
+    saved = dict(m.TUNED)
+    try:
+        assert m.load_tuning(str(f)) == 1
+        assert m.config_for(p, 1) == (8, 4, 4, False)
+        assert m.config_for(p, 16) == m.CONFIGS[16]
+        from muser.errors import LaneError
+
+        before = dict(m.TUNED)
+        for bad in ([{"fmt": "Q4_K", "rows": 1, "n_out": 8, "n_in": 512, "config": [6, 4, 4, False]}],
+                    [{"fmt": "Q4_K", "rows": 1, "n_out": 8, "n_in": 512, "config": [8, 4, 4, False]},
+                     {"fmt": "Q4_K", "rows": 3, "n_out": 8, "n_in": 512, "config": [8, 4, 4, False]}],
+                    [{"fmt": "Q4_K", "rows": 1}]):
+            f.write_text(json.dumps(bad))
+            with pytest.raises(LaneError, match="t.json"):
+                m.load_tuning(str(f))
+            assert m.TUNED == before  # nothing half-taken
+        f.write_text("{not json")
+        with pytest.raises(LaneError):
+            m.load_tuning(str(f))
+    finally:
+        m.TUNED.clear()
+        m.TUNED.update(saved)
+
+
+def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypatch):
+    """The CUDA forward's decode path on the CPU under the interpreter: K-quant matrices packed
+    (fields dropped, as on the GPU), q|k|v|gate and gate|up stacked, decode-shaped steps through
+    the v3 kernel, the fused element-wise tails (kernels/fused.py) in place of the torch chains;
+    logits meet the reference forward's within f32 reordering, and a prefill wider than 16 rows
+    decodes the packed layout for its GEMMs."""
+    import importlib
+
+    from muser.engine.kernels import fused
+
+    importlib.reload(fused)  # interpreted, like the kernels fixture's modules
+    from muser.engine import Engine
+    from muser.model.synth import SynthSpec
+
+    _, m = v3
+    # big tiles: few programs, so the interpreter's per-program cost stays small
+    monkeypatch.setattr(m, "config_for", lambda p, rows: (32, 16, 4, False) if rows == 1 else (16, 16, 4, False))
+    path = make_gguf(SynthSpec(dtype="q4_k_xl", source="blocks"))
+    ref = Engine.open(path, device="cpu", lane="exact", kv="f32")
+    eng = Engine.open(path, device="cpu", lane="exact", kv="f32")
+    eng.weights.pack_for_decode(drop_fields=True)
+    assert all(L.ffn_in is not None and L.attn_in is not None for L in eng.weights.layers)
+    assert all(not w.fields for w in eng.weights.matrices() if w is not eng.weights.embd and w.packed is not None)
+    eng.forward.linear.triton_rows = True  # the CUDA path: fused kernels for <= 16 rows
+    from muser.engine.kernels import fused
+
+    eng.forward.native, eng.forward.tails = False, fused  # the CUDA forward's Triton tails
+    prompt = [6 + (i * 37) % 300 for i in range(20)]
+    rs, es = ref.session(max_context=64, graphs=False), eng.session(max_context=64, graphs=False)
+    a = [rs.prefill(prompt)]
+    b = [es.prefill(prompt)]  # 20 rows: GEMM over rows decoded from the packed layout
+    for t in (7, 11):
+        a.append(rs.decode(t))
+        b.append(es.decode(t))  # one row: stacked v3 launches
+    a.append(rs.verify([5, 9, 17])[-1])
+    b.append(es.verify([5, 9, 17])[-1])  # 3 rows: the 4-D v3 path
+    for x, y in zip(a, b):
+        assert np.max(np.abs(x - y)) <= 2e-4 * max(1.0, float(np.max(np.abs(x))))

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Static instruction budget of a matvec kernel on sm_90, without a GPU: compile one launch the
+way Triton's JIT specializes it (16-byte-aligned pointers, sizes divisible by 16), disassemble the
+cubin with the bundled cuobjdump, find the innermost loop (the backward branch) and count its
+instructions by class, then divide by the weights one thread decodes per iteration.
+
+    python3 tools/sass_loop.py v2|v3 FMT T [--config ...] [--dump]
+
+Used to predict a kernel's issue-bound ceiling before spending GPU time (bench/NOTES.md).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.tools.disasm import get_sass  # noqa: E402
+
+_TT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
+       torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
+_OPTS = ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")
+
+
+def capture(call):
+    """Run a host launcher with JITFunction.run patched; return (fn, args, kwargs) of its launch."""
+    got = []
+    orig = JITFunction.run
+
+    def fake(self, *args, grid=None, warmup=False, **kw):
+        got.append((self, args, kw, grid))
+
+    JITFunction.run = fake
+    try:
+        call()
+    finally:
+        JITFunction.run = orig
+    return got[-1]
+
+
+def compile_like_jit(fn, args, kw):
+    names = fn.arg_names
+    const = {p.name for p in fn.params if p.is_constexpr}
+    vals = dict(zip(names, args))
+    opts = {}
+    for k, v in kw.items():
+        (opts if k in _OPTS else vals)[k] = v
+    sig, consts, attrs = {}, {}, {}
+    for i, n in enumerate(names):
+        v = vals[n] if n in vals else fn.params[i].default
+        if n in const:
+            sig[n] = "constexpr"
+            consts[(i,)] = v
+        elif isinstance(v, torch.Tensor):
+            sig[n] = "*" + _TT[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            sig[n] = "i1"
+        elif isinstance(v, int):
+            do_not = n in getattr(fn, "do_not_specialize", ()) or i in getattr(fn, "do_not_specialize", ())
+            if v == 1 and not do_not:
+                sig[n] = "constexpr"
+                consts[(i,)] = 1
+            else:
+                sig[n] = "i32"
+                if v % 16 == 0 and not do_not:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[n] = "fp32"
+    k = triton.compile(ASTSource(fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=opts)
+    return k, opts
+
+
+def _regs(cubin: bytes) -> str:
+    import subprocess
+    import tempfile
+
+    from triton.tools.disasm import path_to_cuobjdump
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([path_to_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+)", out)
+    return m.group(1) if m else "?"
+
+
+def loop_body(sass: str) -> list[str]:
+    """Instructions of the innermost loop: from a label to the last backward branch to it
+    (Triton's disassembly names branch targets LBBn)."""
+    lines = sass.splitlines()
+    best = None
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA\s+(LBB\d+)", ln)
+        if not m:
+            continue
+        for j in range(i):
+            if lines[j].strip().startswith(m.group(1) + ":"):
+                if i - j > 2 and (best is None or (i - j) < (best[1] - best[0])):
+                    best = (j, i)
+    if best is None:
+        return []
+    return [ln for ln in lines[best[0] + 1:best[1] + 1] if ";" in ln]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("kernel", choices=["v2", "v3"])
+    ap.add_argument("fmt")
+    ap.add_argument("T", type=int)
+    ap.add_argument("--n-out", type=int, default=4096)
+    ap.add_argument("--n-in", type=int, default=6656)
+    ap.add_argument("--config", default=None, help="comma list passed as the launcher's config")
+    ap.add_argument("--dump", action="store_true")
+    a = ap.parse_args(argv)
+    from muser.engine.weights import repack, random_bytes
+    from muser.gguf.types import GgmlType as G
+
+    fmt = G[a.fmt]
+    w = repack("t", fmt, a.n_out, a.n_in, torch.from_numpy(random_bytes(fmt, a.n_out, a.n_in, 1)))
+    x = torch.zeros(a.T, a.n_in)
+    cfg = tuple(int(v) for v in a.config.split(",")) if a.config else None
+    if a.kernel == "v2":
+        from muser.engine.kernels import qmatvec_v2 as mod
+        if cfg is not None:
+            cfg = cfg[:3] + (bool(cfg[3]),)
+        fn, args, kw, grid = capture(lambda: mod.matvec_v2(w, x, torch.empty(a.T, a.n_out), config=cfg))
+    else:
+        from muser.engine.kernels import qmatvec_v3 as mod
+        w3 = mod.pack(w)
+        fn, args, kw, grid = capture(lambda: mod.matvec_v3(w3, x, torch.empty(a.T, a.n_out), config=cfg))
+    k, opts = compile_like_jit(fn, args, kw)
+    sass = get_sass(k.asm["cubin"])
+    body = loop_body(sass)
+    ops = Counter(re.search(r"\t(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", ln).group(1).split(".")[0] for ln in body)
+    print(f"{a.kernel} {a.fmt} T={a.T} regs={_regs(k.asm['cubin'])} "
+          f"shared={k.metadata.shared} opts={opts} loop={len(body)} instr")
+    print("  " + ", ".join(f"{o}:{c}" for o, c in ops.most_common()))
+    if a.dump:
+        print("\n".join(body))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
