@@ -32,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     p.add_argument("--lane", default="exact", help="exact | fast (default exact)")
     p.add_argument("--kv", default="f16", help="KV cache type: f16 | f32 (default f16)")
+    p.add_argument("--threads", type=int, help="CPU threads for the forward (default: torch's, the usable cores)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: no key)")
     p.add_argument("--model-id", help="the model name clients send (default: the file name without .gguf)")
     p.add_argument("--queue", type=int, default=64, help="requests waiting for a slot before 503 (default 64)")
@@ -88,10 +89,16 @@ def run(args: argparse.Namespace) -> int:
         raise LaneError(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.api_key is not None and not args.api_key:
         raise LaneError("--api-key must not be empty")
+    if args.threads is not None and args.threads < 1:
+        raise LaneError(f"--threads must be >= 1, got {args.threads}")
     remote = _remote(args)
     if remote is not None and args.kvpack is not None:
         raise LaneError(f"--kvpack {args.kvpack} with --prefill-node {args.prefill_node} is not served: a prompt "
                         "is either restored from the store or prefilled by the node")
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model = muser.load(args.model, device=args.device, lane=args.lane, kv=args.kv)
     try:
         Server(model, slots=args.slots, context=args.ctx, host=args.host, port=args.port, model_id=args.model_id,
