@@ -11,18 +11,25 @@ Every prompt is also a text that tokenizes back to exactly its ids (BOS added, s
 llama-speculative-simple tokenizes -p); the pinned llama.cpp tokenizer (llama-cpp-python, vocab only)
 must agree before any run.
 
-Cells, interleaved per prompt and mode: Muser plain decode, Muser speculative decode and (with
---against) llama-speculative-simple, of --max-tokens tokens, greedy and sampled (T=0.7, top-k 40,
-top-p 0.95, min-p 0.05, fixed seed), --threads CPU threads on every side. The gate passes when every
-Muser speculative run emits exactly the plain run's tokens. Acceptance = accepted / proposed; mean
-accepted length = accepted proposals per verify round (the bonus token not counted); tok/s =
-generated tokens / (prompt + generation wall time), model load excluded; speedup = plain wall time /
-speculative wall time for the same tokens. llama.cpp's figures are parsed from its own output
-(muser.bench.llamabin); it drafts --verify-len tokens from the block [last, mask x verify-len]
-(common/speculative.cpp) where Muser reads the first --verify-len of [last, mask x (block - 1)], and
-it has no acceptance gate (Muser's closes below 25% and re-opens after a cooldown): both are in the
-receipt. llama.cpp stops once it has generated more than -n tokens, so its runs may end up to one
-round longer; its tokens are counted as it reports them.
+Cells, interleaved per prompt and mode after one untimed warm-up: Muser plain decode, Muser
+speculative decode (its acceptance gate as shipped), Muser speculative decode with the gate held open
+(AcceptanceGate(close_below=0): every round drafts) and (with --against) llama-speculative-simple,
+of --max-tokens tokens, greedy and sampled (T=0.7, top-k 40, top-p 0.95, min-p 0.05, fixed seed),
+--threads CPU threads on every side. The gate passes when every Muser speculative run emits exactly
+the plain run's tokens. Acceptance = accepted / proposed; mean accepted length = accepted proposals
+per verify round (the bonus token not counted); tok/s = generated tokens / (prompt + generation wall
+time), model load excluded; speedup = plain wall time / speculative wall time for the same tokens.
+
+llama.cpp's figures are parsed from its own output (muser.bench.llamabin). The comparison
+"Muser >= llama.cpp" per class takes acceptance like for like (Muser's gate held open: llama.cpp's
+driver has no gate and drafts every round) and tok/s product against product (Muser gated). Known
+differences, all in the receipt: llama.cpp drafts --verify-len tokens from the block
+[last, mask x verify-len] (common/speculative.cpp) where Muser reads the first --verify-len of the
+trained block [last, mask x (block - 1)]; llama.cpp's first round drafts from the prompt's last
+token (its prefill stops one token short), Muser's first token comes from the prefill; llama.cpp
+stops once it has generated more than -n tokens, so a run may be up to one round longer (its tokens
+are counted as it reports them); and where the two targets' logits split a near-tie the greedy
+continuations differ (`same_continuation` per run).
 """
 
 from __future__ import annotations
@@ -140,17 +147,19 @@ def class_figures(rows: list[dict], side: str) -> dict:
 
 
 def compare(rows: list[dict], modes=tuple(MODES)) -> dict:
-    """Per class/mode: both sides' pooled figures and whether Muser >= llama.cpp on each."""
+    """Per class/mode: the sides' pooled figures and whether Muser >= llama.cpp on each. Acceptance
+    is like for like: Muser with its gate held open (every round drafts, as llama.cpp's driver,
+    which has no gate); tok/s is product against product: Muser with its gate."""
     out = {}
     for cls in CLASSES:
         for mode in modes:
             sel = [r for r in rows if r["class"] == cls and r["mode"] == mode]
             if not sel:
                 continue
-            m, ll = class_figures(sel, "muser"), class_figures(sel, "llama.cpp")
-            ge = {k: (m[k] is not None and ll[k] is not None and m[k] >= ll[k])
-                  for k in ("acceptance_rate", "mean_accepted_length", "tok_s")}
-            out[f"{cls}/{mode}"] = {"muser": m, "llama.cpp": ll, "muser_ge_llama_cpp": ge}
+            m, mo, ll = (class_figures(sel, side) for side in ("muser", "muser_gate_open", "llama.cpp"))
+            ge = {k: (a[k] is not None and ll[k] is not None and a[k] >= ll[k])
+                  for k, a in (("acceptance_rate", mo), ("mean_accepted_length", mo), ("tok_s", m))}
+            out[f"{cls}/{mode}"] = {"muser": m, "muser_gate_open": mo, "llama.cpp": ll, "muser_ge_llama_cpp": ge}
     return out
 
 
@@ -162,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     from ...api import default_model_path, shipped_drafter
     from ...errors import ComparatorError, LaneError, MuserError
     from ...sample import SamplingParams
+    from ...spec.gate import AcceptanceGate
     from ..llamabin import SpecSampling, binary_identity, executable, run_speculative, speculative_argv
     from ..receipt import device_description, write_receipt
 
@@ -202,6 +212,11 @@ def run(args: argparse.Namespace) -> int:
             comparator = {"name": "llama.cpp draft-dflash (llama-speculative-simple)", **binary_identity(binary),
                           "n_ctx": n_ctx, "draft_n_max": args.verify_len, "threads": args.threads,
                           "tokenizer_ids_compared": check_llama_tokens(path, texts)}
+        warm = texts[0][3]
+        for gate in (None, AcceptanceGate(close_below=0.0)):  # untimed: first allocations, kernel set-up
+            [e.token for e in model.stream(warm, 8, sampling=SamplingParams(temperature=0.0))]
+            [e.token for e in model.stream(warm, 8, sampling=SamplingParams(temperature=0.0), draft=draft,
+                                           verify_len=args.verify_len, gate=gate)]
         rows, all_same = [], True
         for cls, name, text, ids in texts:
             for mode, knobs in MODES.items():
@@ -209,9 +224,11 @@ def run(args: argparse.Namespace) -> int:
                 row = {"class": cls, "prompt": name, "mode": mode, "prompt_tokens": len(ids)}
                 t_plain: list[float] = []
                 t_spec: list[float] = []
+                t_open: list[float] = []
                 llama: list[dict] = []
                 stats: dict = {}
                 counts = {"proposals": 0, "accepted": 0, "rounds": 0, "tokens": 0}
+                counts_open = dict(counts)
                 same = True
                 ref: list[int] = []
                 for _ in range(args.reps):
@@ -226,7 +243,16 @@ def run(args: argparse.Namespace) -> int:
                     for k in ("proposals", "accepted", "rounds"):
                         counts[k] += stats[k]
                     counts["tokens"] += len(got)
-                    same = same and got == plain and (not ref or ref == plain)
+                    t0 = time.perf_counter()
+                    g = model.stream(ids, args.max_tokens, sampling=sp, draft=draft, verify_len=args.verify_len,
+                                     gate=AcceptanceGate(close_below=0.0))
+                    got_open = [e.token for e in g]
+                    t_open.append(time.perf_counter() - t0)
+                    for k, v in g.spec.stats().items():
+                        if k in counts_open:
+                            counts_open[k] += v
+                    counts_open["tokens"] += len(got_open)
+                    same = same and got == plain and got_open == plain and (not ref or ref == plain)
                     ref = plain
                     if binary is not None:
                         argv = speculative_argv(binary, path, draft, text, args.max_tokens, args.verify_len,
@@ -236,9 +262,13 @@ def run(args: argparse.Namespace) -> int:
                 row.update(tokens=len(ref), identical=same, plain_s=t_plain, spec_s=t_spec,
                            speedup=(sum(t_plain) / sum(t_spec)) if sum(t_spec) else None, **stats)
                 row["muser"] = dict(counts, wall_s=sum(t_spec))
+                row["muser_gate_open"] = dict(counts_open, wall_s=sum(t_open))
+                mo = row["muser_gate_open"]
                 line = (f"{cls:9} {mode:6} {name[:28]:28} muser accept {stats['acceptance_rate'] or 0:.3f} "
-                        f"len {stats['mean_accepted_length'] or 0:.2f} speedup {row['speedup']:.2f} "
-                        f"{'identical' if same else 'DIFFERENT'}")
+                        f"len {stats['mean_accepted_length'] or 0:.2f} (gate open: "
+                        f"{mo['accepted'] / mo['proposals'] if mo['proposals'] else 0:.3f} "
+                        f"len {mo['accepted'] / mo['rounds'] if mo['rounds'] else 0:.2f}) "
+                        f"speedup {row['speedup']:.2f} {'identical' if same else 'DIFFERENT'}")
                 if llama:
                     _check_drafter(llama[0]["drafter"], drafter.cfg, args.verify_len)
                     text_m = tok.decode([t for t in ref if not tok.is_eog(t)])  # llama.cpp prints no EOG
@@ -258,7 +288,8 @@ def run(args: argparse.Namespace) -> int:
             for mode in MODES:
                 sel = [r for r in rows if r["class"] == cls and r["mode"] == mode]
                 summary[f"{cls}/{mode}"] = dict(class_figures(sel, "muser"), speedup=sum(
-                    sum(r["plain_s"]) for r in sel) / sum(sum(r["spec_s"]) for r in sel))
+                    sum(r["plain_s"]) for r in sel) / sum(sum(r["spec_s"]) for r in sel),
+                    gate_open=class_figures(sel, "muser_gate_open"))
         ident = model.identity
         results = {"target_sha256": ident.artifact_sha256, "drafter_sha256": drafter.sha256,
                    "drafter_path": draft, "qualified": all_same, "verify_len": args.verify_len,
@@ -273,7 +304,8 @@ def run(args: argparse.Namespace) -> int:
                 for v in results["comparison"].values())
         path_r = write_receipt("spec", model=ident.to_json(), device=device_description(args.device), lane=args.lane,
                                gate={"status": "pass" if all_same else "fail",
-                                     "rule": "speculative tokens identical to plain decode for every prompt/mode",
+                                     "rule": "speculative tokens (gated and gate held open) identical to plain "
+                                             "decode for every prompt/mode",
                                      "cases": len(rows), "identical_cases": sum(r["identical"] for r in rows),
                                      "tokens_compared": sum(r["tokens"] for r in rows)},
                                results=results, out_dir=args.out_dir)
@@ -306,7 +338,9 @@ def _print_summary(summary: dict, comparison: dict | None) -> None:
                 f"{v['mean_accepted_length'] or 0:.2f}  {v['tok_s'] or 0:.1f} tok/s  speedup {v['speedup']:.2f}x")
         if comparison and k in comparison:
             ll, ge = comparison[k]["llama.cpp"], comparison[k]["muser_ge_llama_cpp"]
-            line += (f" | llama.cpp acceptance {ll['acceptance_rate'] or 0:.3f}  mean accepted "
+            mo = comparison[k]["muser_gate_open"]
+            line += (f" | gate open {mo['acceptance_rate'] or 0:.3f} / {mo['mean_accepted_length'] or 0:.2f}"
+                     f" | llama.cpp acceptance {ll['acceptance_rate'] or 0:.3f}  mean accepted "
                      f"{ll['mean_accepted_length'] or 0:.2f}  {ll['tok_s'] or 0:.1f} tok/s | muser >= llama.cpp: "
                      + ", ".join(f"{m} {'yes' if ok else 'NO'}" for m, ok in ge.items()))
         print(line)
