@@ -142,13 +142,15 @@ def parse_speculative(stdout: str, stderr: str, prompt: str) -> dict:
 
 
 def generated_text(stdout: str, prompt: str) -> str:
-    """The continuation printed after the echoed prompt ("\\n\\n" + BOS piece + prompt, then the
-    pieces, then "\\n\\n")."""
+    """The continuation printed after the echoed prompt: "\\n\\n" + BOS piece + prompt, then the
+    generated pieces, then "\\n\\n" twice (after the loop and at exit)."""
     i = stdout.find(prompt)
     if i < 0:
         raise ComparatorError("llama.cpp's stdout does not echo the prompt it was given")
     text = stdout[i + len(prompt):]
-    return text[:-2] if text.endswith("\n\n") else text
+    if not text.endswith("\n" * 4):
+        raise ComparatorError("llama.cpp's stdout does not end as llama-speculative-simple ends it (\\n\\n twice)")
+    return text[:-4]
 
 
 def run_speculative(argv: Sequence[str], prompt: str, timeout_s: float = 600.0) -> dict:

@@ -202,10 +202,18 @@ def run_level(base: str, model: str, clients: int, rounds: int, max_tokens: int,
     wall = time.perf_counter() - t0
     if errors:
         raise errors[0]
-    reqs = [r for rs in results for r in rs]
+    return level_stats(clients, wall, [r for rs in results for r in rs], max_tokens)
+
+
+def level_stats(clients: int, wall: float, reqs: list[dict], max_tokens: int) -> dict:
+    """One level's figures from its requests (read_stream results with their prompt index)."""
+    short = [r["completion_tokens"] for r in reqs if r["completion_tokens"] != max_tokens]
+    if short:
+        raise RuntimeError(f"requests reported completion_tokens {short[:4]}, not the {max_tokens} every request "
+                           "must produce (no usage, or an end-of-generation token was not banned)")
     ttft = [r["ttft_s"] for r in reqs]
     itl = [x for r in reqs for x in r["itl_s"]]
-    tokens = sum(r["completion_tokens"] or (len(r["itl_s"]) + 1) for r in reqs)
+    tokens = sum(r["completion_tokens"] for r in reqs)
     return {"clients": clients, "requests": len(reqs), "wall_s": wall, "completion_tokens": tokens,
             "throughput_tok_s": tokens / wall, "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
             "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99), "ttft_samples_s": ttft, "itl_samples_s": itl,
@@ -368,5 +376,5 @@ def _plot(results: dict[str, list[dict]], out_dir: str | None) -> str:
     return str(path)
 
 
-__all__ = ["ServerProcess", "check_llama_slots", "llama_server", "llama_server_argv", "muser_server", "one_request",
-           "read_stream", "request_body", "run_level", "side_by_side"]
+__all__ = ["ServerProcess", "check_llama_slots", "level_stats", "llama_server", "llama_server_argv", "muser_server",
+           "one_request", "read_stream", "request_body", "run_level", "side_by_side"]
