@@ -250,6 +250,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="CPU threads of both servers (default: the cores this process may use)")
     p.add_argument("--out-dir", help="receipt directory (default: the per-user cache, muser.api.cache_dir()/receipts; "
                                      "give bench/receipts for the project's evidence)")
+    p.add_argument("--plot-dir", help="folder of the PNG plot (default: the per-user cache's receipts; the "
+                                      "project's plots go to bench/reports: bench/receipts holds receipts only)")
     p.set_defaults(func=run)
 
 
@@ -303,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         for s in servers.values():
             s.stop()
     gate = _gate(results)
-    plot = _plot(results, args.out_dir)
+    plot = _plot(results, args.plot_dir)
     out = write_receipt("serve", model={"path": model, "served_as": meta["id"], "sha256": meta["meta"]["sha256"]},
                         device=device_description(args.device), lane=args.lane, gate=gate, results=results,
                         out_dir=args.out_dir,
@@ -347,7 +349,7 @@ def _gate(results: dict[str, list[dict]]) -> dict:
             "per_server": detail}
 
 
-def _plot(results: dict[str, list[dict]], out_dir: str | None) -> str:
+def _plot(results: dict[str, list[dict]], plot_dir: str | None) -> str:
     try:
         import matplotlib
 
@@ -370,7 +372,9 @@ def _plot(results: dict[str, list[dict]], out_dir: str | None) -> str:
         ax.set_xlabel("concurrent clients")
         ax.set_title(title)
         ax.legend(fontsize=7)
-    path = Path(out_dir or default_receipts_dir()) / f"serve-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.png"
+    folder = Path(plot_dir) if plot_dir else default_receipts_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"serve-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.png"
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     return str(path)
