@@ -77,7 +77,7 @@ def test_speculative_argv_spells_out_the_run():
     assert greedy[i + 1] == prompt and "--no-escape" in greedy
     want = {"--spec-type": "draft-dflash", "-md": "d.gguf", "-m": "t.gguf", "--spec-draft-n-max": "7",
             "--spec-draft-p-min": "0", "-n": "128", "-c": "512", "-t": "1", "-tb": "1", "-lv": "4", "-fa": "off",
-            "--temp": "0"}
+            "--temp": "0", "-ctk": "f16", "-ctv": "f16"}
     assert {k: value(greedy, k) for k in want} == want and "--top-k" not in greedy
     sampled = LB.speculative_argv(Path("/b/x"), "t", "d", prompt, 8, 3, 256, 2,
                                   LB.SpecSampling(**{k: v for k, v in K.MODES["t0.7"].items()}))

@@ -86,15 +86,17 @@ class SpecSampling:
 
 
 def speculative_argv(binary: Path, target: str, draft: str, prompt: str, n_predict: int, n_draft: int,
-                     ctx: int, threads: int, sampling: SpecSampling) -> list[str]:
+                     ctx: int, threads: int, sampling: SpecSampling, kv: str = "f16") -> list[str]:
     """llama-speculative-simple on the CPU with the DFlash drafter; every setting spelled out.
     --no-escape: the prompt is Python source whose backslashes are text (arg.cpp processes
     escapes in -p by default); -fa off: the non-flash attention path, the one the logits
-    comparator (bench.llamacpp) and Muser's exact lane mirror; -lv 4: the drafter statistics line."""
+    comparator (bench.llamacpp) and Muser's exact lane mirror; -ctk/-ctv: the target's KV type, as
+    Muser's --kv; -lv 4: the drafter statistics line."""
     return [str(binary), "-m", target, "-md", draft, "--spec-type", "draft-dflash",
             "--spec-draft-n-max", str(n_draft), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
             "-p", prompt, "--no-escape", "-n", str(n_predict), "-c", str(ctx),
-            "-t", str(threads), "-tb", str(threads), "-fa", "off", "-lv", "4", *sampling.argv()]
+            "-t", str(threads), "-tb", str(threads), "-ctk", kv, "-ctv", kv, "-fa", "off", "-lv", "4",
+            *sampling.argv()]
 
 
 def parse_speculative(stdout: str, stderr: str, prompt: str) -> dict:

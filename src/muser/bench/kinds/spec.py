@@ -182,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
             raise LaneError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     binary = None
     if args.against:
+        if args.kv not in ("f16", "f32"):
+            raise ComparatorError(f"--kv {args.kv!r}: llama.cpp is given f16 or f32 K/V")
         if args.device != "cpu":
             raise ComparatorError(f"--against llama.cpp runs the CPU build of llama-speculative-simple, "
                                   f"not --device {args.device}")
@@ -256,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
                     ref = plain
                     if binary is not None:
                         argv = speculative_argv(binary, path, draft, text, args.max_tokens, args.verify_len,
-                                                comparator["n_ctx"], args.threads, SpecSampling(**knobs))
+                                                comparator["n_ctx"], args.threads, SpecSampling(**knobs), args.kv)
                         llama.append(run_speculative(argv, text))
                 all_same = all_same and same
                 row.update(tokens=len(ref), identical=same, plain_s=t_plain, spec_s=t_spec,
@@ -271,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
                         f"speedup {row['speedup']:.2f} {'identical' if same else 'DIFFERENT'}")
                 if llama:
                     _check_drafter(llama[0]["drafter"], drafter.cfg, args.verify_len)
+                    comparator["drafter_as_read"] = llama[0]["drafter"]
                     text_m = tok.decode([t for t in ref if not tok.is_eog(t)])  # llama.cpp prints no EOG
                     row["llama.cpp"] = {
                         "proposals": sum(x["proposals"] for x in llama), "accepted": sum(x["accepted"] for x in llama),
