@@ -190,3 +190,8 @@ def test_comparator_flags_are_refused_before_any_work(argv, says, capsys, tmp_pa
     assert main([*argv, "--out-dir", str(tmp_path)]) != 0
     assert says in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_serve_threads_are_refused_below_one(capsys):
+    assert main(["serve", "--threads", "0"]) == 2
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err
