@@ -139,3 +139,8 @@ class HandoffRefused(MuserError):
 
 class ReceiptError(MuserError):
     """A receipt the writer refuses (or a file it could not have written)."""
+
+
+class PlotError(MuserError):
+    """A plot that cannot be drawn: a file that is not a receipt of a plotted kind, a missing
+    figure, receipts of different kinds, a bad output path, or matplotlib not installed."""

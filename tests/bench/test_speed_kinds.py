@@ -47,9 +47,12 @@ def check_common(r: dict, kind: str, model: Path, lane: str) -> None:
 
 @pytest.mark.parametrize("kind,lane", [("decode", "exact"), ("prefill", "fast"), ("verify", "exact")])
 def test_kind_writes_receipt(kind, lane, tiny_gguf, tmp_path):
-    assert run_kind(kind, tiny_gguf, tmp_path, "--lane", lane) == 0
+    plot = ["--plot", str(tmp_path / "speed.png")] if kind == "prefill" else []  # verify has no plot
+    assert run_kind(kind, tiny_gguf, tmp_path, "--lane", lane, *plot) == 0
     (r,) = receipts(tmp_path)
     check_common(r, kind, tiny_gguf, lane)
+    if plot:
+        assert (tmp_path / "speed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     n = int(SMALL[kind])
     for d in ("0", "40"):
         res = r["results"]["per_depth"][d]

@@ -102,6 +102,10 @@ def register_kind(sub: argparse._SubParsersAction, kind: str, help: str, doc: st
     p.add_argument("--llama-bench-script", default=None,
                    help=f"CUDA: the script that builds and runs llama-bench on that tarball ({DEVICE_SCRIPT})")
     p.add_argument("--out-dir", default=None, help="receipt directory (default: the per-user cache, muser.api.cache_dir()/receipts; give bench/receipts for the project's evidence)")
+    if kind in ("decode", "prefill"):  # tok/s against depth (muser.bench.plot.plot_speed)
+        from .plot import add_plot_flag
+
+        add_plot_flag(p)
     p.set_defaults(func=lambda a, _k=kind: run(a, _k))
 
 
@@ -582,6 +586,10 @@ def run(args: argparse.Namespace, kind: str) -> int:
     from .receipt import device_description, write_receipt
 
     flags = check_flags(args, kind)
+    if kind in ("decode", "prefill"):
+        from .plot import check_plot_flag
+
+        check_plot_flag(args)
     depths, threads = flags["depths"], flags["threads"]
     n = args.tokens
     path = Path(args.model) if args.model else api.default_model_path()
@@ -690,6 +698,10 @@ def run(args: argparse.Namespace, kind: str) -> int:
         m.close()
     verdict = "" if ok else "  [NOT A RESULT: gate failed]"
     print(f"{kind}: gate {gate['status']}{verdict}; receipt: {receipt}")
+    if kind in ("decode", "prefill"):
+        from .plot import plot_for_run
+
+        plot_for_run(args, receipt)
     return 0 if ok else 1
 
 

@@ -7,7 +7,9 @@ sessions, health, Prometheus metrics).
     muser serve --kvpack DIR                 # prompts restore their longest stored prefix (docs/kvpack.md)
     OPENAI_BASE_URL=http://127.0.0.1:8080/v1 python -c "import openai; ..."
 
-One engine-loop thread owns the model; N slots (each its own KV) share every step. --port 0
+One engine-loop thread owns the model; N slots (each its own KV) share every step, and the
+sequences that become ready within --batch-window-us of the first join the same step (the decode
+batcher; /metrics: muser_engine_steps_total, muser_step_sequences). --port 0
 takes a free port (the startup line names it). With --prefill-node, a slot's prompt is prefilled
 by that node over mutual TLS (Handoff V2, docs/handoff.md) with this server's certificate DIR/decode
 from `muser certs issue DIR decode`; a refusal or a dead node prefills locally and logs why
@@ -45,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                   "this server's certificate is DIR/decode)")
     p.add_argument("--prefill-peer", metavar="NAME",
                    help="the prefill node's certificate name in DIR (default prefill; needs --prefill-node)")
+    p.add_argument("--batch-window-us", type=int, default=250, metavar="US",  # muser.server.loop.BATCH_WINDOW_US
+                   help="decode batcher window: sequences ready within US microseconds of the first share one "
+                        "engine step while a slot is free (default 250; 0 = no wait)")
     p.add_argument("--kvpack", metavar="DIR", help="kvpack store: restore stored prompt prefixes, persist new "
                                                    "chunks (created if absent)")
     p.set_defaults(func=run)
@@ -81,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("slots", "queue", "max_sessions", "max_body"):
         if getattr(args, name) < 1:
             raise LaneError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.batch_window_us < 0:
+        raise LaneError(f"--batch-window-us must be >= 0, got {args.batch_window_us}")
     if not 0 <= args.port <= 65535:
         raise LaneError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_prompt is not None and args.max_prompt < 1:
@@ -102,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     model = muser.load(args.model, device=args.device, lane=args.lane, kv=args.kv)
     try:
         Server(model, slots=args.slots, context=args.ctx, host=args.host, port=args.port, model_id=args.model_id,
-               remote=remote, kvpack=args.kvpack,
+               remote=remote, kvpack=args.kvpack, batch_window_us=args.batch_window_us,
                queue_limit=args.queue, max_sessions=args.max_sessions, api_key=args.api_key,
                max_body_bytes=args.max_body, max_prompt_tokens=args.max_prompt,
                timeout_s=args.timeout).serve()

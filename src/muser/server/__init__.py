@@ -14,14 +14,14 @@ import socket
 import sys
 
 from .app import ServerConfig, build_app
-from .loop import EngineLoop
+from .loop import BATCH_WINDOW_US, EngineLoop
 from .metrics import Metrics
 
 
 class Server:
     def __init__(self, model, slots: int = 4, context: int | None = None, host: str = "127.0.0.1",
                  port: int = 8080, model_id: str | None = None, queue_limit: int = 64, max_sessions: int = 16,
-                 remote=None, kvpack=None, **cfg):
+                 remote=None, kvpack=None, batch_window_us: int = BATCH_WINDOW_US, **cfg):
         from ..errors import ContextOverflow
 
         limit = model.config.context_length
@@ -34,7 +34,7 @@ class Server:
         self.metrics = Metrics(slots)
         self.loop = EngineLoop(model, slots=slots, context=context, queue_limit=queue_limit,
                                max_sessions=max_sessions, metrics=self.metrics, remote=remote,
-                               kvpack=kvpack)
+                               kvpack=kvpack, batch_window_us=batch_window_us)
         self.config = ServerConfig(model_id=model_id or model.path.name.removesuffix(".gguf"), **cfg)
         self.app = build_app(self.loop, self.config, self.metrics)
         self.host, self.port = host, port

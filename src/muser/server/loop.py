@@ -10,12 +10,20 @@ Scheduling (book 10.2-10.5, 10.10; the scheduler sees ids and counts, the backen
 * Every iteration is one step: each decoding slot contributes its one next-token row, and the
   prefilling slots, oldest first, share a budget of prompt rows (512, 64 while decoders wait),
   so a long prompt never starves the decoders and decoders never starve a prompt.
+* The decode batcher (book 10.2: the server's 250 us DecodeBatcher coalesce window feeds one
+  grouped forward): the rows of the sequences that become ready within the window of the first
+  one share one Engine.step. A sequence becomes ready when its request is submitted and when
+  the step that produced its last row ends; while a slot is free the step is held open until the
+  window after the first ready row has passed (a request arriving meanwhile joins it), and with
+  every slot busy it goes at once. Window 0: every step goes as soon as it has a row.
+* Decode outranks prefill (book 10.2): besides the 64-row budget above, a whole-prompt prefill
+  (below) runs after the iteration's step, so the decoders' rows are never behind it.
 * A job that is cancelled (client gone) or past its deadline leaves its slot before the next
   step is built. A failing step fails only the jobs in it; the loop goes on.
 * Named sessions keep a conversation's KV across requests: a request whose prompt extends the
   tokens already in the named session's cache prefills only the new suffix.
-* Whole-prompt prefills, on the loop thread when a slot starts (decoders wait, as for a local
-  prefill of the prompt in one piece):
+* Whole-prompt prefills, on the loop thread when a slot starts, after the step of that iteration
+  (decoders then wait for it, as for a local prefill of the prompt in one piece):
   - with a prefill node (muser.handoff.RemotePrefill) the prompt (or a named session's new
     suffix, the held prefix as history) is prefilled remotely; a refused or dead link prefills
     locally inside RemotePrefill, which logs why; each is counted by path (remote / local);
@@ -35,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import MuserError
+from ..errors import LaneError, MuserError
 from ..generation import Emitter, GenEvent
 from .protocol import ApiError
 
@@ -43,6 +51,25 @@ log = logging.getLogger("muser.server")
 
 PREFILL_CHUNK = 512  # PREFILL_BATCH_TOKENS (book 10.10)
 WAITING_CHUNK = 64  # MAX_TEACHER_FORCED_TOKENS while decoders wait (book 10.10)
+BATCH_WINDOW_US = 250  # the DecodeBatcher coalesce window (book 10.2)
+
+
+class Batcher:
+    """The coalesce window of the decode batcher (see the module doc): how long a step is still
+    held open for sequences that may join it."""
+
+    def __init__(self, window_us: int = BATCH_WINDOW_US):
+        if isinstance(window_us, bool) or not isinstance(window_us, int) or window_us < 0:
+            raise LaneError(f"the batch window must be an integer >= 0 microseconds, got {window_us!r}")
+        self.window_us = window_us
+        self.window_s = window_us * 1e-6
+
+    def wait_s(self, now: float, first_ready: float, free_slots: int) -> float:
+        """Seconds to hold the step open at `now` (time.monotonic()), its first row ready at
+        `first_ready`: none once the window has passed or when no slot is free to join."""
+        if free_slots <= 0:
+            return 0.0
+        return max(0.0, first_ready + self.window_s - now)
 
 
 @dataclass(frozen=True)
@@ -210,6 +237,7 @@ class Slot:
         self.emitter: Emitter | None = None
         self.history: list[int] = []  # tokens whose K/V the session holds
         self.cached = 0
+        self.ready_at = 0.0  # time.monotonic() its next row became ready (submitted, or its last step ended)
 
     @property
     def decoding(self) -> bool:
@@ -222,7 +250,9 @@ class Slot:
 
 class EngineLoop:
     def __init__(self, model, slots: int = 4, context: int = 1024, queue_limit: int = 64,
-                 max_sessions: int = 16, backend=None, metrics=None, remote=None, kvpack=None):
+                 max_sessions: int = 16, backend=None, metrics=None, remote=None, kvpack=None,
+                 batch_window_us: int = BATCH_WINDOW_US):
+        self.batcher = Batcher(batch_window_us)
         self.model = model
         self.tokenizer = model.tokenizer
         self.context = context
@@ -295,22 +325,40 @@ class EngineLoop:
             if s.job is not None:
                 self._fail(s, ApiError(503, "the server is shutting down", None, "server_error"))
 
-    def _iteration(self) -> None:
-        now = time.monotonic()
-        for s in self.slots:  # leave before the step: gone clients, deadlines
+    def _leave(self, now: float) -> None:
+        for s in self.slots:  # before the step: gone clients, deadlines
             if s.job is not None:
                 if s.job.cancelled:
                     self._release(s, keep=False)
                 elif now > s.job.deadline:
                     self._fail(s, ApiError(504, "the request ran past its timeout", None, "timeout"))
-        self._admit(now)
-        self._gauge()
-        for s in self.slots:
-            # started, nothing prefilled in a step yet
-            if s.prefilling and not s.history[s.cached:] and self.backend.whole_prefill(s.history):
-                self._prefill_whole(s)
+
+    def _gather(self) -> None:
+        """Leave, admit, and hold the step open for the batcher's window while a slot is free."""
+        while True:
+            now = time.monotonic()
+            self._leave(now)
+            self._admit(now)
+            self._gauge()
+            ready = [s.ready_at for s in self.slots if s.job is not None]
+            if not ready:
+                return
+            wait = self.batcher.wait_s(time.monotonic(), min(ready), sum(s.job is None for s in self.slots))
+            if wait <= 0:
+                return
+            with self._cv:
+                if self._stop:
+                    return
+                if not self.queue:
+                    self._cv.wait(wait)  # a submit or a cancel wakes it early
+
+    def _iteration(self) -> None:
+        self._gather()
+        # started, nothing prefilled in a step yet: prefilled in one call, after this step
+        whole = [s for s in self.slots if s.prefilling and not s.history[s.cached:]
+                 and self.backend.whole_prefill(s.history)]
         decoders = [s for s in self.slots if s.decoding]
-        prefillers = sorted((s for s in self.slots if s.prefilling), key=lambda s: s.job.t_submit)
+        prefillers = sorted((s for s in self.slots if s.prefilling and s not in whole), key=lambda s: s.job.t_submit)
         items: list[tuple[Slot, list[int]]] = [(s, [int(s.next_token)]) for s in decoders]  # decoding: set
         budget = WAITING_CHUNK if decoders else PREFILL_CHUNK  # prompt rows this step, oldest first
         for p in prefillers:
@@ -318,11 +366,22 @@ class EngineLoop:
                 break
             items.append((p, p.todo[:budget]))
             budget -= len(items[-1][1])
-        if not items:
-            return
+        if items:
+            self._step(items)
+        for s in whole:  # decode outranks prefill: the decoders' rows went first
+            if s.prefilling:
+                self._prefill_whole(s)
+
+    def _step(self, items: list[tuple[Slot, list[int]]]) -> None:
         results = self.backend.step([(s.session, toks) for s, toks in items])
         self.steps += 1
+        done = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.steps.inc()
+            self.metrics.step_sequences.observe(len(items))
+            self.metrics.step_rows.observe(sum(len(toks) for _, toks in items))
         for (s, toks), res in zip(items, results):
+            s.ready_at = done
             if isinstance(res, BaseException):
                 msg = str(res) if isinstance(res, MuserError) else f"{type(res).__name__}: {res}"
                 self._fail(s, ApiError(500, f"the engine step failed: {msg}", None, "server_error"))
@@ -358,6 +417,7 @@ class EngineLoop:
                         self.backend.remote.last.reason)
         s.history.extend(todo)
         s.todo = []
+        s.ready_at = time.monotonic()
         try:
             self._advance(s, logits)
         except Exception as e:  # noqa: BLE001 - this job fails, the others go on
@@ -412,6 +472,7 @@ class EngineLoop:
             s.own = self.backend.new_session() if s.own is None else self.backend.reset(s.own)
             s.session = s.own
         s.todo = list(job.prompt[s.cached:])
+        s.ready_at = job.t_submit
 
     def _advance(self, s: Slot, logits: np.ndarray) -> None:
         job = s.job

@@ -30,6 +30,11 @@ class Metrics:
                                         registry=r)
         self.restored_tokens = Counter("muser_restored_tokens", "prompt tokens restored from the kvpack store",
                                        registry=r)
+        self.steps = Counter("muser_engine_steps", "Engine.step calls of the engine loop (one forward each)", registry=r)
+        self.step_sequences = Histogram("muser_step_sequences", "sequences (slots) whose rows one step carried",
+                                        buckets=(1, 2, 3, 4, 6, 8, 12, 16), registry=r)
+        self.step_rows = Histogram("muser_step_rows", "token rows one step carried (decode rows + prompt rows)",
+                                   buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=r)
         self.requests = Counter("muser_requests", "finished HTTP requests", ["endpoint", "status"], registry=r)
 
     def render(self) -> bytes:

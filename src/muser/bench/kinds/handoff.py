@@ -27,6 +27,8 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ..plot import add_plot_flag
+
     p = sub.add_parser("handoff", help="remote vs local prefill TTFT over loopback mutual TLS (receipt)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF (default: the shipped micro model, F16)")
@@ -40,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="torch CPU threads on both sides (default 1: two processes share the host)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=None, help="receipt directory (default bench/receipts)")
+    add_plot_flag(p)
     p.set_defaults(func=run)
 
 
@@ -84,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
     from ...handoff import RemotePrefill, certs, tiles
     from ...handoff import manifest as mf
     from ...handoff.spawn import NodeProcess
+    from ..plot import check_plot_flag, plot_for_run
 
+    check_plot_flag(args)
     if args.threads < 1:
         raise LaneError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
@@ -156,4 +161,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"hidden under prefill {results['hidden_fraction']:.1%}, exposed {results['exposed_after_compute_s'] * 1e3:.1f} ms; "
           f"K/V bytes {results['kv_bytes']} (formula {formula}), on the link {results['wire_bytes']}")
     print(f"receipt: {out}")
+    plot_for_run(args, out)
     return 0 if gate["status"] == "pass" else 1

@@ -14,8 +14,8 @@ muser 4, ...), after one warm-up request. llama-server's own per-request timings
 object of its last chunk: prompt_ms, predicted_per_second, ...) are kept beside them.
 
 Gate: every request's text under load equals the same prompt's text served alone (the level-1
-run), per server (greedy under batching is what the request gets alone). matplotlib is not a
-dependency: the PNG plot is written only where it is installed, and the receipt says which.
+run), per server (greedy under batching is what the request gets alone). --plot draws the PNG
+from the receipt (muser.bench.plot.plot_serve).
 """
 
 from __future__ import annotations
@@ -231,6 +231,7 @@ def _pct(xs: list[float], p: float) -> float | None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ..plot import add_plot_flag
     from ..speed import default_threads
 
     p = sub.add_parser("serve", help="server load report: TTFT / inter-token latency p50/p99 and throughput",
@@ -250,8 +251,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="CPU threads of both servers (default: the cores this process may use)")
     p.add_argument("--out-dir", help="receipt directory (default: the per-user cache, muser.api.cache_dir()/receipts; "
                                      "give bench/receipts for the project's evidence)")
-    p.add_argument("--plot-dir", help="folder of the PNG plot (default: the per-user cache's receipts; the "
-                                      "project's plots go to bench/reports: bench/receipts holds receipts only)")
+    add_plot_flag(p)
     p.set_defaults(func=run)
 
 
@@ -263,8 +263,10 @@ def run(args: argparse.Namespace) -> int:
     from ...gguf.reader import read_gguf
     from ...text import Tokenizer
     from ..llamabin import binary_identity, executable
+    from ..plot import check_plot_flag, plot_for_run
     from ..receipt import device_description, write_receipt
 
+    check_plot_flag(args)
     try:
         levels = [int(x) for x in args.clients.split(",") if x.strip()]
     except ValueError:
@@ -305,13 +307,12 @@ def run(args: argparse.Namespace) -> int:
         for s in servers.values():
             s.stop()
     gate = _gate(results)
-    plot = _plot(results, args.plot_dir)
     out = write_receipt("serve", model={"path": model, "served_as": meta["id"], "sha256": meta["meta"]["sha256"]},
                         device=device_description(args.device), lane=args.lane, gate=gate, results=results,
                         out_dir=args.out_dir,
                         extra={"slots": args.slots, "ctx_per_slot": args.ctx, "max_tokens": args.max_tokens,
                                "rounds": args.rounds, "threads": args.threads, "banned_tokens": banned,
-                               "prompts": PROMPTS, "plot": plot,
+                               "prompts": PROMPTS,
                                "comparator": {"name": "llama-server", **identity,
                                               **servers["llama-server"].info} if binary is not None else
                                {"name": "none (no --against)"},
@@ -321,8 +322,9 @@ def run(args: argparse.Namespace) -> int:
         for r in rs:
             print(f"{name:>13} {r['clients']:>7} {r['ttft_p50_s'] * 1e3:8.1f}ms {r['ttft_p99_s'] * 1e3:8.1f}ms "
                   f"{r['itl_p50_s'] * 1e3:8.1f}ms {r['itl_p99_s'] * 1e3:8.1f}ms {r['throughput_tok_s']:8.2f}")
-    print(f"gate (load == alone): {gate['status']}; plot: {plot}")
+    print(f"gate (load == alone): {gate['status']}")
     print(f"receipt: {out}")
+    plot_for_run(args, out)
     return 0 if gate["status"] != "fail" else 1
 
 
@@ -347,37 +349,6 @@ def _gate(results: dict[str, list[dict]]) -> dict:
     status = "fail" if "fail" in kinds else ("pass" if kinds == {"pass"} else "n/a")
     return {"status": status, "rule": "every greedy request under load has the text of the same prompt alone",
             "per_server": detail}
-
-
-def _plot(results: dict[str, list[dict]], plot_dir: str | None) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "skipped: matplotlib is not installed"
-    from ..receipt import default_receipts_dir
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for name, rs in results.items():
-        cs = [r["clients"] for r in rs]
-        axes[0].plot(cs, [r["ttft_p50_s"] * 1e3 for r in rs], "o-", label=f"{name} p50")
-        axes[0].plot(cs, [r["ttft_p99_s"] * 1e3 for r in rs], "x--", label=f"{name} p99")
-        axes[1].plot(cs, [r["itl_p50_s"] * 1e3 for r in rs], "o-", label=f"{name} p50")
-        axes[1].plot(cs, [r["itl_p99_s"] * 1e3 for r in rs], "x--", label=f"{name} p99")
-        axes[2].plot(cs, [r["throughput_tok_s"] for r in rs], "o-", label=name)
-    for ax, title in zip(axes, ("TTFT (ms)", "inter-token latency (ms)", "throughput (tok/s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients")
-        ax.set_title(title)
-        ax.legend(fontsize=7)
-    folder = Path(plot_dir) if plot_dir else default_receipts_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"serve-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    return str(path)
 
 
 __all__ = ["ServerProcess", "check_llama_slots", "level_stats", "llama_server", "llama_server_argv", "muser_server",
