@@ -258,12 +258,12 @@ def test_cli_generate_device_cuda(tiny_gguf, capsys):
     """--device cuda is accepted; without a usable CUDA device it is one typed error line."""
     import torch
 
-    from muser.engine.lanes import qmatvec
+    from muser.engine.lanes import qgemm
 
     rc = main(["generate", "--model", str(tiny_gguf), "--device", "cuda", "--prompt", "x", "--max-tokens", "2",
                "--temperature", "0"])
     out, err = capsys.readouterr()
-    if torch.cuda.is_available() and qmatvec.HAVE_TRITON:
+    if torch.cuda.is_available() and qgemm.HAVE_TRITON:
         assert rc == 0 and "TTFT" in err
     else:
         assert rc == 2 and err.strip().count("\n") == 0

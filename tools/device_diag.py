@@ -35,7 +35,7 @@ from muser.engine import lanes as L  # noqa: E402
 from muser.engine import session as S  # noqa: E402
 from muser.gates import default_prompt, gate2  # noqa: E402
 
-MICRO = REPO / "models" / "muse-glimmer-micro-f16.gguf"
+MICRO = REPO / "models" / "muse-glimmer-micro-q8_0.gguf"
 KEYS = ("max_dlsm", "median_dlsm", "worst_row", "noise_floor", "status", "tokens_identical")
 
 
@@ -65,7 +65,7 @@ def variants(out: Path) -> None:
     tiny = out / "tiny-Q4_K.gguf"
     write_fixture(tiny, SynthSpec(dtype="Q4_K"))
     try:
-        for name, path in (("micro_f16", MICRO), ("tiny_q4k", tiny)):
+        for name, path in (("micro_q8_0", MICRO), ("tiny_q4k", tiny)):
             orc = oracle.load(path, arithmetic="f32", kv="f32")
             for vname, chunk, ref in (("default", None, False), ("chunk16", 16, False),
                                       ("ref_attn", None, True), ("chunk16_ref_attn", 16, True)):

@@ -10,7 +10,7 @@ skipped when the time budget left is below its estimate):
 
   env          torch / triton / GPU, device-to-device copy bandwidth (GB/s, read + write)
   kernels      Triton tile decoder bit-exact vs the torch decoder and muser.quant (every format),
-               fused dequant-matvec (1 and 16 rows) and attention vs their torch references
+               the GEMM (kernels/qgemm.py, 1 and 16 rows) and attention vs their torch references
   gate2        tiny fixtures of every dtype: exact lane vs oracle f32, f32 and f16 K/V, prefill +
                256 greedy tokens, with the noise floor; graph shapes captured; the shipped micro
                model (models/*.gguf) reported beside it
@@ -159,12 +159,13 @@ def stage_kernels(run: Run) -> dict:
     import torch
 
     from muser.engine.kernels import attention as att
+    from muser.engine.kernels import qgemm
     from muser.engine.kernels import qmatvec as qmv
     from muser.engine.weights import BASE_FORMATS, random_bytes, repack
     from muser.quant import dequantize
 
     dev = "cuda"
-    out: dict = {"dequant": {}, "matvec": {}, "attention": []}
+    out: dict = {"dequant": {}, "gemm": {}, "attention": []}
     ok = True
     for fmt in BASE_FORMATS:
         n_out, n_in = 300, 768 + (32 if fmt.name in ("F32", "F16", "BF16", "Q8_0", "Q4_0") else 0)
@@ -181,11 +182,11 @@ def stage_kernels(run: Run) -> dict:
         rel = {}
         for T in (1, 16):
             x = torch.randn(T, n_in, device=dev, generator=torch.Generator(dev).manual_seed(T))
-            y = qmv.matvec_triton(w, x)
+            y = qgemm.gemm(w, x)
             y64 = x.double() @ dq_torch.double().T
             scale = x.abs().double() @ dq_torch.abs().double().T
             rel[T] = float(((y.double() - y64).abs() / (scale + 1e-30)).max())
-        out["matvec"][fmt.name] = rel
+        out["gemm"][fmt.name] = rel
         ok &= max(rel.values()) < 1e-5
     g = torch.Generator(dev).manual_seed(0)
     cases = [(1, 2048, 2048, 1000, 1000 % 2048, 3048, 2048, False, torch.float16),
@@ -207,12 +208,14 @@ def stage_kernels(run: Run) -> dict:
         pos = torch.tensor([p0], dtype=torch.int64, device=dev)
         sc = att.AttnScratch(T, H, D, att.pick_splits(cap), dev)
         got = att.attend_triton(q, kn, vn, kp, vp, hm, meta, pos, win, 0.0883883, sc)
+        rows = att.attend_triton(q, kn, vn, kp, vp, hm, meta, pos, win, 0.0883883, None)  # prefill form
         err = float((got - ref).abs().max())
+        same = bool(torch.equal(got, rows))
         out["attention"].append({"T": T, "cap": cap, "len": ln, "head_major": hm, "dtype": str(dt),
-                                 "max_abs_err": err})
-        ok &= err < 1e-4
+                                 "max_abs_err": err, "split_programs_equal_row_programs": same})
+        ok &= err < 1e-4 and same
     out["status"] = "pass" if ok else "fail"
-    run.rows.append(("kernels", "dequant bit-exact / matvec / attention", out["status"]))
+    run.rows.append(("kernels", "dequant bit-exact / gemm / attention", out["status"]))
     return out
 
 
@@ -350,10 +353,6 @@ def _timed(fn, reps=5, warmup=1):
     return run_interleaved(fn, reps=reps, warmup=warmup)
 
 
-def _has_v2() -> bool:
-    return (REPO / "src" / "muser" / "engine" / "kernels" / "qmatvec_v2.py").is_file()
-
-
 def _mem() -> int:
     import torch
 
@@ -361,8 +360,7 @@ def _mem() -> int:
 
 
 def stage_full(run: Run, workdir: Path, full: str | None, llama_json: str | None, gate_status: str,
-               C: int = 131072, depths: tuple[int, ...] = (0, 8192, 32768),
-               matvec_variants: tuple[str, ...] = ("v1",)) -> dict:
+               C: int = 131072, depths: tuple[int, ...] = (0, 8192, 32768)) -> dict:
     import torch
 
     from muser.engine import Engine
@@ -387,19 +385,7 @@ def stage_full(run: Run, workdir: Path, full: str | None, llama_json: str | None
         torch.cuda.reset_peak_memory_stats()
     m0 = _mem()
     t = time.time()
-    # v3 (the default) packs the K-quant matrices at load; older kernels timed beside it need
-    # the repacked fields kept as well
-    compare = any(v != "v3" for v in matvec_variants)
-    if compare:
-        os.environ["MUSER_MATVEC_COMPARE"] = "1"
     eng = Engine.open(path, device=run.device, lane="exact", kv="f16")
-    os.environ.pop("MUSER_MATVEC_COMPARE", None)
-    out["fields_kept_for_comparison"] = compare
-    from muser.engine.kernels import qmatvec_v3
-
-    out["v3_tuning"] = {"file": os.environ.get("MUSER_V3_TUNING"),
-                        "entries": {"/".join(map(str, k)): list(v) for k, v in qmatvec_v3.TUNED.items()},
-                        "default_configs": {str(k): list(v) for k, v in qmatvec_v3.CONFIGS.items()}}
     _sync()
     out["load_s"] = round(time.time() - t, 1)
     out["weights_resident_bytes"] = eng.weight_bytes
@@ -427,74 +413,69 @@ def stage_full(run: Run, workdir: Path, full: str | None, llama_json: str | None
     if cuda:
         torch.cuda.empty_cache()
 
-    # decode tok/s at each depth (warm-up + 5 reps of N steps, interleaved cells), for each matvec
-    # variant (MUSER_MATVEC, read when a step is captured: each variant gets a fresh session)
+    # decode tok/s at each depth (warm-up + 5 reps of N steps, interleaved cells)
     N = 32
     vocab = eng.cfg.vocab
     rng = np.random.default_rng(0)
     dec: dict = {}
-    variants = [v for v in matvec_variants if v in ("v1", "v3") or _has_v2()]
-    for variant in variants:
-        os.environ["MUSER_MATVEC"] = variant
-        s = eng.session(max_context=C)
-        s.prefill([eng.cfg.bos_id])
-        filled = 1
-        for depth in depths:
-            key = str(depth) if variant == "v1" else f"{depth}/{variant}"
-            if run.left() < 45:
-                dec[key] = {"skipped": "budget"}
-                continue
-            if depth > filled:
-                # fill the planes to `depth` by a detached install (timing only: the work per
-                # token depends on the depth, not on the cached values)
-                inst = s.begin_install(depth)
-                for il, p in enumerate(inst.planes):
-                    a, b = inst.expected(il)
-                    z = torch.zeros((b - a, p.geometry.kv_dim), dtype=torch.float16, device=eng.device)
-                    inst.put(il, a, z, z)
-                s.commit(inst)
-                filled = depth
-            toks = rng.integers(6, min(vocab, 8000), size=16 * N)  # 2 cells x (1 + 5) reps x N, spare
-            it = iter(toks.tolist())
+    s = eng.session(max_context=C)
+    s.prefill([eng.cfg.bos_id])
+    filled = 1
+    for depth in depths:
+        key = str(depth)
+        if run.left() < 45:
+            dec[key] = {"skipped": "budget"}
+            continue
+        if depth > filled:
+            # fill the planes to `depth` by a detached install (timing only: the work per
+            # token depends on the depth, not on the cached values)
+            inst = s.begin_install(depth)
+            for il, p in enumerate(inst.planes):
+                a, b = inst.expected(il)
+                z = torch.zeros((b - a, p.geometry.kv_dim), dtype=torch.float16, device=eng.device)
+                inst.put(il, a, z, z)
+            s.commit(inst)
+            filled = depth
+        toks = rng.integers(6, min(vocab, 8000), size=16 * N)  # 2 cells x (1 + 5) reps x N, spare
+        it = iter(toks.tolist())
 
-            def steps_logits():
-                for _ in range(N):
-                    s.decode(next(it))
+        def steps_logits():
+            for _ in range(N):
+                s.decode(next(it))
 
-            def steps_argmax():
-                for _ in range(N):
-                    s.decode_greedy(next(it))
+        def steps_argmax():
+            for _ in range(N):
+                s.decode_greedy(next(it))
 
-            cells = _timed({"decode_logits": steps_logits, "decode_argmax": steps_argmax})
-            filled += 12 * N
-            vt = []
-            for _ in range(4):
-                cp = s.checkpoint(16)
-                blk = rng.integers(6, min(vocab, 8000), size=16).tolist()
-                _sync()
-                t = time.perf_counter()
-                s.verify(blk)
-                _sync()
-                vt.append(time.perf_counter() - t)
-                s.rollback(cp)
-            one = cells["decode_logits"].mean / N
-            d = {"matvec": variant, "steps_per_rep": N, "tok_s": N / cells["decode_logits"].mean,
-                 "cv": cells["decode_logits"].cv,
-                 "tok_s_argmax_readback": N / cells["decode_argmax"].mean, "cv_argmax": cells["decode_argmax"].cv,
-                 "samples_s": cells["decode_logits"].samples, "samples_argmax_s": cells["decode_argmax"].samples,
-                 "verify16_s": float(np.mean(vt[1:])), "verify16_over_decode": float(np.mean(vt[1:]) / one),
-                 "achieved_GBps": out["stream_bytes_per_token"] * N / cells["decode_logits"].mean / 1e9,
-                 "graphs": {f"{k[0]}x{k[1]}": g.captures for k, g in s._graphs.items()}}
-            dec[key] = d
-            run.rows.append(("full decode", f"depth {depth} {variant}", f"{d['tok_s']:.1f} tok/s (cv {d['cv']:.3f}), "
-                             f"argmax-readback {d['tok_s_argmax_readback']:.1f}, {d['achieved_GBps']:.0f} GB/s, "
-                             f"verify16/decode {d['verify16_over_decode']:.2f}"))
-            run.results["full"] = {**out, "decode": dec}
-            run.flush()
-        del s
-        if cuda:
-            torch.cuda.empty_cache()
-    os.environ.pop("MUSER_MATVEC", None)
+        cells = _timed({"decode_logits": steps_logits, "decode_argmax": steps_argmax})
+        filled += 12 * N
+        vt = []
+        for _ in range(4):
+            cp = s.checkpoint(16)
+            blk = rng.integers(6, min(vocab, 8000), size=16).tolist()
+            _sync()
+            t = time.perf_counter()
+            s.verify(blk)
+            _sync()
+            vt.append(time.perf_counter() - t)
+            s.rollback(cp)
+        one = cells["decode_logits"].mean / N
+        d = {"steps_per_rep": N, "tok_s": N / cells["decode_logits"].mean,
+             "cv": cells["decode_logits"].cv,
+             "tok_s_argmax_readback": N / cells["decode_argmax"].mean, "cv_argmax": cells["decode_argmax"].cv,
+             "samples_s": cells["decode_logits"].samples, "samples_argmax_s": cells["decode_argmax"].samples,
+             "verify16_s": float(np.mean(vt[1:])), "verify16_over_decode": float(np.mean(vt[1:]) / one),
+             "achieved_GBps": out["stream_bytes_per_token"] * N / cells["decode_logits"].mean / 1e9,
+             "graphs": {f"{k[0]}x{k[1]}": g.captures for k, g in s._graphs.items()}}
+        dec[key] = d
+        run.rows.append(("full decode", f"depth {depth}", f"{d['tok_s']:.1f} tok/s (cv {d['cv']:.3f}), "
+                         f"argmax-readback {d['tok_s_argmax_readback']:.1f}, {d['achieved_GBps']:.0f} GB/s, "
+                         f"verify16/decode {d['verify16_over_decode']:.2f}"))
+        run.results["full"] = {**out, "decode": dec}
+        run.flush()
+    del s
+    if cuda:
+        torch.cuda.empty_cache()
     out["decode"] = dec
     out["decode_note"] = ("exact lane, f16 K/V, CUDA graphs, logits row read back each token; depth > 0 "
                           "filled by a detached install of zero rows (work per token depends on depth only)")
@@ -583,7 +564,6 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-context", type=int, default=131072, help="slot context for the KV figures")
     ap.add_argument("--depths", default="0,8192,32768", help="decode depths for the tok/s cells")
     ap.add_argument("--stages", default="env,kernels,gate2,invariance,full")
-    ap.add_argument("--matvec", default="v1,v2", help="matvec variants timed in the full stage")
     ap.add_argument("--gate-receipt", default=None,
                     help="without the gate2 stage: the Gate 2 receipt of this tree on this machine")
     a = ap.parse_args(argv)
@@ -611,7 +591,7 @@ def main(argv=None) -> int:
     if "full" in stages and not a.no_full and (a.device == "cuda" or a.full):
         need = 150 if a.full else 300
         run.stage("full", need, stage_full, run, work, a.full, a.llama_bench_json, g.get("status", "n/a"),
-                  a.kv_context, depths, tuple(a.matvec.split(",")))
+                  a.kv_context, depths)
     if "invariance" in stages:
         run.stage("invariance", 40, stage_invariance, run, work)
 

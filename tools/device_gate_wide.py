@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """Gate 2 at full width on the GPU: a reduced-depth fixture with the full geometry's widths
-(hidden 6656, 32 query / 2 KV heads of 128, FFN 19968, vocabulary 202,048, Figure 6.6 Q4_K mix,
-random valid blocks), 4 layers, sliding window 512 so the 600-token gate prompt crosses it. The
-engine's exact lane with its default CUDA kernels (packed-layout matvec, stacks, fused tails)
-against the numpy oracle's f32 arithmetic, per KV type.
+(hidden 6656, 32 query / 2 KV heads of 128, FFN 19968, vocabulary 202,048; the Figure 6.6 Q4_K
+mix or an NVFP4 mix, random valid blocks), 4 layers, sliding window 512 so the 600-token gate
+prompt crosses it. The engine's exact lane with its default kernels against the numpy oracle's
+f32 arithmetic, per KV type.
 
-    python3 tools/device_gate_wide.py OUT [--kv f32,f16] [--gate-tokens 32] [--budget 300]
+    python3 tools/device_gate_wide.py OUT [--dtype q4_k_xl|nvfp4|nvfp4-ggml] [--kv f32,f16]
+                                          [--gate-tokens 32] [--budget 300] [--device cuda|cpu]
+                                          [--geometry full|tiny]
 
-Writes a receipt (kind engine-gate2-wide-cuda) into OUT.
+Writes a receipt (kind engine-gate2-wide-<device>) into OUT whose model field holds the widths
+and dtype mix that `muser bench decode|prefill|verify --gate-receipt` checks against the model it
+times. --geometry tiny (the default synthetic widths) with --device cpu is the dry run.
 """
 
 from __future__ import annotations
@@ -29,23 +33,32 @@ def main() -> int:
     ap.add_argument("--gate-tokens", type=int, default=32)
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--workdir", default="/tmp/muser-dev")
+    ap.add_argument("--dtype", default="q4_k_xl", help="the fixture's mix (q4_k_xl, nvfp4, nvfp4-ggml)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--geometry", default="full", choices=["full", "tiny"],
+                    help="the widths: the full geometry's, or the default synthetic ones (dry run)")
     a = ap.parse_args()
     t0 = time.time()
     import muser.oracle as oracle
     from muser.bench.receipt import device_description, write_receipt
+    from muser.bench.speed import model_widths
     from muser.engine import Engine
     from muser.gates import default_prompt, gate2
-    from muser.model.synth import FULL_GEOMETRY, write_fixture
+    from muser.model.loader import open_model
+    from muser.model.synth import FULL_GEOMETRY, SynthSpec, write_fixture
 
-    spec = dataclasses.replace(FULL_GEOMETRY, n_layers=4, sliding_window=512, context_length=4096)
-    path = Path(a.workdir) / "wide-4l-q4_k_xl.gguf"
+    base = FULL_GEOMETRY if a.geometry == "full" else SynthSpec(source="blocks")
+    spec = dataclasses.replace(base, n_layers=4, sliding_window=512 if a.geometry == "full" else base.sliding_window,
+                               context_length=4096, dtype=a.dtype)
+    path = Path(a.workdir) / f"wide-4l-{a.geometry}-{a.dtype}.gguf"
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.is_file():
         write_fixture(path, spec)
+    mf = open_model(path)
+    widths, dtypes = model_widths(mf.config), sorted(set(mf.contract.dtypes.values()))
+    mf.close()
     res: dict = {"fixture": {"path": str(path), "bytes": path.stat().st_size, "n_layers": spec.n_layers,
-                             "hidden": spec.hidden, "ffn": spec.ffn, "heads": [spec.n_heads, spec.n_kv_heads,
-                                                                               spec.head_dim],
-                             "vocab": spec.vocab_pad_to, "window": spec.sliding_window, "dtype": spec.dtype},
+                             **widths, "window": spec.sliding_window, "dtype": spec.dtype, "dtypes": dtypes},
                  "write_s": round(time.time() - t0, 1), "rows": []}
     print(f"fixture {path.stat().st_size / 1e9:.2f} GB at {time.time() - t0:.0f} s", flush=True)
     status = "pass"
@@ -54,7 +67,7 @@ def main() -> int:
             res["rows"].append({"kv": kv, "skipped": "budget"})
             continue
         t = time.time()
-        eng = Engine.open(path, device="cuda", lane="exact", kv=kv)
+        eng = Engine.open(path, device=a.device, lane="exact", kv=kv)
         orc = oracle.load(path, arithmetic="f32", kv=kv)
         try:
             r = gate2(path, eng, orc, kv, n_gen=a.gate_tokens, prompt=default_prompt(eng.cfg), noise="if_needed")
@@ -73,9 +86,9 @@ def main() -> int:
         status = "n/a"
     elif skipped and status == "pass":
         status = "partial"  # a gate with rows left out for budget is not a pass
-    p = write_receipt("engine-gate2-wide-cuda", model=res["fixture"], device=device_description("cuda"),
-                      lane="exact", gate={"status": status, "what": "Gate 2 at full width, 4 layers, "
-                                          f"{a.gate_tokens} greedy tokens, default CUDA kernels",
+    p = write_receipt(f"engine-gate2-wide-{a.device}", model=res["fixture"], device=device_description(a.device),
+                      lane="exact", gate={"status": status, "what": f"Gate 2 at {a.geometry} width, 4 layers, "
+                                          f"{a.dtype}, {a.gate_tokens} greedy tokens, default {a.device} kernels",
                                           "skipped": skipped,
                                           "rows": [r for r in res["rows"] if "skipped" not in r]},
                       results=res, out_dir=a.out)

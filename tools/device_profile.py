@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Where a decode step's time goes on the GPU: the full-geometry engine (default kernels), a
 session filled to each depth, eager decode steps under the torch profiler (GPU time per kernel
-name, per step), and graph-replayed decode tok/s beside them, for each attention split cap.
+name, per step), and graph-replayed decode tok/s beside them, for each attention split size.
 
-    python3 tools/device_profile.py FULL.gguf OUT [--depths 0,32768] [--splits 64,256]
+    python3 tools/device_profile.py FULL.gguf OUT [--depths 0,32768] [--split-positions 512,1024]
 
 Writes OUT/device_profile.json and prints the per-step breakdown.
 """
@@ -48,7 +48,7 @@ def main() -> int:
     ap.add_argument("full")
     ap.add_argument("out")
     ap.add_argument("--depths", default="0,32768")
-    ap.add_argument("--splits", default="64,256")
+    ap.add_argument("--split-positions", default="512", help="positions per attention split (kernels/attention.SPLIT)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--gate-receipt", default=None, help="Gate 2 receipt of this tree on this machine")
     a = ap.parse_args()
@@ -63,9 +63,9 @@ def main() -> int:
     res["load_s"] = round(time.time() - t, 1)
     rng = np.random.default_rng(0)
     for depth in [int(d) for d in a.depths.split(",")]:
-        for cap in [int(v) for v in a.splits.split(",")]:
-            attention.MAX_SPLITS = cap
-            cell: dict = {"depth": depth, "max_splits": cap}
+        for cap in [int(v) for v in a.split_positions.split(",")]:
+            attention.SPLIT = cap
+            cell: dict = {"depth": depth, "split_positions": cap}
             res["cells"].append(cell)
             try:
                 s = eng.session(max_context=C, graphs=False)
@@ -115,7 +115,7 @@ def main() -> int:
                 cell["error"] = repr(e)[:300]
                 cell["traceback"] = traceback.format_exc()[-2000:]
             torch.cuda.empty_cache()
-            print(f"depth {depth} splits<= {cap}: graph {cell.get('graph_tok_s', 0):.1f} tok/s, eager GPU "
+            print(f"depth {depth} split {cap} positions: graph {cell.get('graph_tok_s', 0):.1f} tok/s, eager GPU "
                   f"{cell.get('gpu_ms_per_step', 0)} ms/step", flush=True)
             for k, ms in list(cell.get("per_step_ms", {}).items())[:14]:
                 print(f"   {ms:8.3f} ms  x{cell['launches_per_step'][k]:6.1f}  {k}", flush=True)

@@ -1,182 +1,265 @@
 #!/usr/bin/env bash
-# One GPU-machine session in two back-to-back calls (the machine keeps /tmp while it stays warm).
+# One GPU-machine call: named stages, each time-boxed, each stage's receipts and log bundled into
+# $OUT as soon as it finishes; a failed or skipped stage is recorded and the run goes on.
 #
-#   bash tools/device_session.sh A   # bg: build the pinned llama.cpp (CUDA, sm_90) and write the
-#                                    # 16.75 GB full-geometry GGUF; fg: engine env, kernels, Gate 2
-#                                    # on CUDA (default and v2 matvec), invariance, graphs; then
-#                                    # llama-bench pp512/tg128 at depth 0 -> $OUT
-#   bash tools/device_session.sh B   # llama-bench at depth 32768, the kernel table
-#                                    # (tools/device_kernels.py), then the engine's full-geometry
-#                                    # stage with llama.cpp's figures beside it -> $OUT
+#   bash tools/device_session.sh [--cpu-dry] [--carry DIR] [--deadline S] [--depths 0,8192]
+#                                [--kv-lengths 2048,8192,32768] [--nvfp4-mix nvfp4-ggml]
+#                                [--llama-server PATH] STAGE...
 #
-#   bash tools/device_session.sh K   # this round's pair: K (Gate 2 + kernels + v3 sweep + llama
-#   bash tools/device_session.sh F   # d0), then F (llama d32768 + full-geometry stage, v3 vs v2)
+# Stages, in the order given (build and fixture start in the background at t = 0; the stages
+# that need their outputs wait for them inside their own time box):
+#   build    the pinned llama.cpp, CUDA sm_90, from DIR/llama.cpp-src.tgz: llama-bench, then
+#            llama-server (-j10; ~5-6 min)
+#   fixture  the full geometry (tools/make_fixture.py --full: Q4_K mix, 16.75 GB) and, beside it,
+#            its NVFP4 form (--dtype nvfp4-ggml: ggml type 40, the file llama.cpp runs too)
+#   kernels  python3 tools/device_kernels.py --out ... (when the file exists), 150 s
+#   gate     Gate 2 at full width, 4 layers (tools/device_gate_wide.py), f16 K/V, Q4_K mix: the
+#            receipt the speed stage is gated by; in the background from t = 0 (CPU-bound oracle)
+#   speed    muser bench decode|prefill|verify --device cuda on the full Q4_K file at --depths
+#            (default 0,8192; verify at the first depth only), llama-bench's figures on the same
+#            file beside them (one llama-bench run, read as --llama-bench-json), a PNG of tok/s
+#            vs depth for both engines
+#   kvpack   muser bench kvpack --device cuda --model FULL, prompt lengths --kv-lengths (default
+#            2048,8192,32768), one repetition, exact lane
+#   nvfp4    the same Gate 2 for the NVFP4 mix (background from t = 0), the speed kinds on the NVFP4 full file,
+#            llama-bench (type 40) on that file beside them; the Q4_K receipts of the speed stage
+#            are the K-quant side (same geometry, random valid blocks of each format)
+#   serve    muser bench serve --device cuda at 1/4/16 clients on the full Q4_K file when it is
+#            written (else, or when that run fails, the shipped micro model), the CUDA
+#            llama-server beside it when built (or the one --llama-server names)
 #
-# Carry: .device (llama.cpp-src.tgz from ../shared/tools/pack-llama-src.sh) and .whl (gguf wheel).
+# --cpu-dry: the same stages on the CPU with tiny fixtures (8 layers of the default synthetic
+# widths): no llama.cpp build (the venv's llama-cpp-python is the comparator), device_kernels in
+# its --smoke form, Gate 2 at the tiny widths. Interpreter: $PY (default python3).
+# Carry DIR (default .device/gpubench): llama.cpp-src.tgz and whl/ (gguf, starlette, uvicorn,
+# pydantic and their wheels for python 3.12). Files back in $OUT: stages.tsv (stage, rc,
+# seconds, note), receipts.tgz (receipts, PNGs, kernel JSON), logs.tgz, summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"
-phase=${1:?phase K, F, A, B or C}
-W=/tmp/muser-dev
-FULL=$W/full-q4_k_xl.gguf
-LB=/tmp/llama-cuda
-BENCH=$LB/llama.cpp/build/bin/llama-bench
-mkdir -p "$W" "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:/tmp/site"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >/dev/null 2>&1 || true
-# the CPU kernel library (a CPU engine without it refuses with a LaneError naming the fix)
-python3 setup.py -q build_ext --inplace >/dev/null 2>&1 || echo "CPU kernel library not built: CPU engines will refuse" >&2
+DRY=0 CARRY=.device/gpubench DEADLINE=585 LLAMA_SERVER="" DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
+STAGES=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu-dry) DRY=1 ;;
+    --carry) CARRY=${2:?--carry DIR}; shift ;;
+    --deadline) DEADLINE=${2:?--deadline SECONDS}; shift ;;
+    --depths) DEPTHS=${2:?--depths LIST}; shift ;;
+    --nvfp4-mix) NVFP4_MIX=${2:?--nvfp4-mix nvfp4|nvfp4-ggml}; shift ;;
+    --kv-lengths) KV_LENGTHS=${2:?--kv-lengths LIST}; shift ;;
+    --llama-server) LLAMA_SERVER=${2:?--llama-server PATH}; shift ;;
+    build|fixture|kernels|gate|speed|kvpack|nvfp4|serve) STAGES+=("$1") ;;
+    *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+[ ${#STAGES[@]} -gt 0 ] || { echo "name at least one stage" >&2; exit 2; }
+PY=${PY:-python3}
 T0=$(date +%s)
 el() { echo $(( $(date +%s) - T0 )); }
+left() { echo $(( DEADLINE - $(el) )); }
+has() { local s; for s in "${STAGES[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
-build_llama() {
-  [ -x $BENCH ] && return 0
-  mkdir -p $LB && tar xzf .device/llama.cpp-src.tgz -C $LB
-  ( cd $LB/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
-      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >$W/cmake.log 2>&1 \
-    && cmake --build build -j12 --target llama-bench >$W/build.log 2>&1 )
+W=${MUSER_DEVICE_WORK:-/tmp/muser-dev}
+R=$W/out/receipts L=$W/out/logs
+rm -rf "$W/out" && mkdir -p "$R" "$L" "$OUT"
+LB=/tmp/llama-cuda
+BENCH=$LB/llama.cpp/build/bin/llama-bench SERVER=$LB/llama.cpp/build/bin/llama-server
+if [ $DRY = 1 ]; then
+  DEV=cpu FULL=$W/dry-q4_k_xl.gguf NV=$W/dry-$NVFP4_MIX.gguf
+  DEPTHS=0,40 KV_LENGTHS=600,1100 SPEED_TOKENS="--tokens 4" REPS=2 GEOM=tiny
+else
+  DEV=cuda FULL=$W/full-q4_k_xl.gguf NV=$W/full-$NVFP4_MIX.gguf
+  SPEED_TOKENS="" REPS=5 GEOM=full
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+if [ $DRY = 0 ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$CARRY"/whl/*.whl >"$L/pip.log" 2>&1 || echo "wheels from $CARRY/whl not installed (see logs/pip.log)"
+fi
+# the CPU kernel library (CPU engines refuse without it; the oracle and the micro fallback use it)
+$PY setup.py -q build_ext --inplace >"$L/build_ext.log" 2>&1 || echo "CPU kernel library not built" >&2
+echo -e "stage\trc\tseconds\tnote" >"$W/stages.tsv"
+
+bundle() {  # everything so far into $OUT (at most 4 files back; background jobs bundle too)
+  local x=.tmp$BASHPID
+  tar czf "$W/receipts.tgz$x" -C "$W/out" receipts 2>/dev/null && mv "$W/receipts.tgz$x" "$OUT/receipts.tgz"
+  tar czf "$W/logs.tgz$x" -C "$W/out" logs 2>/dev/null && mv "$W/logs.tgz$x" "$OUT/logs.tgz"
+  cp "$W/stages.tsv" "$W/stages.tsv$x" && mv "$W/stages.tsv$x" "$OUT/stages.tsv"
+}
+record() { echo -e "$1\t$2\t$3\t$4" >>"$W/stages.tsv"; echo "== $1 rc=$2 ${3}s $4 (t=$(el) s)"; bundle; }
+# run_stage NAME BOX_S MIN_S CMD...: CMD under a timeout of min(BOX, time left - 5); skipped when
+# less than MIN is left; its output in logs/NAME.log (last lines echoed)
+run_stage() {
+  local name=$1 box=$2 min=$3; shift 3
+  local lim=$(( $(left) - 5 )); [ $lim -gt $box ] && lim=$box
+  if [ $lim -lt $min ]; then record "$name" - 0 "skipped: ${lim} s left, needs ${min}"; return 1; fi
+  local t=$(date +%s)
+  timeout -k 10 -s TERM $lim "$@" >>"$L/$name.log" 2>&1
+  local rc=$?
+  tail -6 "$L/$name.log" | sed "s/^/  [$name] /"
+  record "$name" $rc $(( $(date +%s) - t )) "box ${lim} s$([ $rc = 124 ] && echo ', timed out')"
+  return $rc
+}
+# wait_for FILE LIMIT_S: until FILE exists or LIMIT seconds of the session have passed
+wait_for() { while [ ! -e "$1" ] && [ "$(el)" -lt "$2" ]; do sleep 2; done; [ -e "$1" ]; }
+
+# --- background: the llama.cpp build and the fixture writes --------------------------------------
+if has build; then
+  if [ $DRY = 1 ]; then
+    record build - 0 "dry run: no llama.cpp build here (llama-cpp-python is the CPU comparator)"
+  else
+    ( t=$(date +%s); mkdir -p $LB && tar xzf "$CARRY/llama.cpp-src.tgz" -C $LB && cd $LB/llama.cpp \
+      && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+           -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+           >"$L/llama-cmake.log" 2>&1 \
+      && cmake --build build -j10 --target llama-bench >"$L/llama-build.log" 2>&1
+      echo "llama-bench rc=$? $(( $(date +%s) - t )) s" >"$W/llama-bench.done"
+      [ -x $BENCH ] && cmake --build build -j10 --target llama-server >>"$L/llama-build.log" 2>&1
+      echo "llama-server rc=$? $(( $(date +%s) - t )) s" >"$W/llama-server.done" ) &
+  fi
+fi
+if has fixture; then
+  if [ $DRY = 1 ]; then
+    FX_Q4=(tools/make_fixture.py "$FULL" --dtype q4_k_xl --source blocks --layers 8)
+    FX_NV=(tools/make_fixture.py "$NV" --dtype "$NVFP4_MIX" --source blocks --layers 8)
+  else
+    FX_Q4=(tools/make_fixture.py "$FULL" --full)
+    FX_NV=(tools/make_fixture.py "$NV" --full --dtype "$NVFP4_MIX")
+  fi
+  ( t=$(date +%s); [ -s "$FULL" ] || $PY "${FX_Q4[@]}" >"$L/fixture-q4_k_xl.log" 2>&1
+    echo "rc=$? $(( $(date +%s) - t )) s $(stat -c %s "$FULL" 2>/dev/null) B" >"$W/full.done" ) &
+  FX_PIDS="$!"
+  ( t=$(date +%s); [ -s "$NV" ] || $PY "${FX_NV[@]}" >"$L/fixture-$NVFP4_MIX.log" 2>&1
+    echo "rc=$? $(( $(date +%s) - t )) s $(stat -c %s "$NV" 2>/dev/null) B" >"$W/nv.done" ) &
+  FX_PIDS="$FX_PIDS $!"
+fi
+
+# Gate 2 at full width, 4 layers, f16 K/V (the speed kinds' --gate-receipt): mostly CPU work (the
+# f32 oracle; ~240 s at full width on the last device run), so it runs beside the GPU stages from
+# t = 0, one process per mix, BLAS threads capped; GATE_DONE_<mix> marks it finished
+wide_gate_bg() {  # MIX
+  ( OMP_NUM_THREADS=4 OPENBLAS_NUM_THREADS=4 MKL_NUM_THREADS=4 \
+      run_stage "gate-$1" $(( DEADLINE - 60 )) 60 $PY tools/device_gate_wide.py "$R" --dtype "$1" --device $DEV \
+      --geometry $GEOM --kv f16 --gate-tokens 16 --budget $(( DEADLINE - 70 )) --workdir "$W"
+    touch "$W/gate-$1.done" ) &
+}
+has gate && wide_gate_bg q4_k_xl
+has nvfp4 && wide_gate_bg "$NVFP4_MIX"
+
+# --- the comparator's figures: one llama-bench run per file (read by the speed kinds) -------------
+llama_json() {  # GGUF NAME -> $W/NAME.json (pp512, pp16, tg128, tg1 at DEPTHS; 5 reps each)
+  [ $DRY = 1 ] && return 1
+  has build && wait_for "$W/llama-bench.done" $(( DEADLINE - 60 ))  # a warm machine may hold a build
+  [ -x $BENCH ] || { record "llama-bench-$2" - 0 "no llama-bench build ($(cat "$W/llama-bench.done" 2>/dev/null))"; return 1; }
+  run_stage "llama-bench-$2" 150 30 bash -c "$BENCH -m '$1' -ngl 99 -fa 1 -p 512,16 -n 128,1 -d $DEPTHS -r 5 \
+      -o json >'$W/$2.json' 2>'$L/llama-bench-$2.err'" && cp "$W/$2.json" "$R/llama-bench-$2.json"
+  [ -s "$W/$2.json" ]
 }
 
-# llama-bench as the pinned comparator runs it on the GPU (all layers offloaded, flash attention),
-# pp512 and tg128, 5 reps, JSON; the copy kept in $W survives into phase B
-llama_bench() {  # depth, limit_s, name
-  [ -x $BENCH ] && [ -s $FULL ] || { echo "llama-bench: no build or no full file"; return 1; }
-  timeout "$2" $BENCH -m $FULL -ngl 99 -fa 1 -p 512 -n 128 -d "$1" -r 5 -o json >$W/$3 2>$W/$3.err
-  echo "llama-bench d=$1 rc=$? at $(el) s"; tail -2 $W/$3.err; cp $W/$3 "$OUT/$3"
+# speed_kinds LABEL GGUF GATE_RECEIPT LLAMA_JSON|"": decode, prefill, verify; a PNG of tok/s vs depth
+speed_kinds() {
+  local label=$1 model=$2 gate=$3 lj=$4 kind against=()
+  if [ $DRY = 1 ]; then against=(--against llama.cpp); elif [ -n "$lj" ]; then
+    against=(--against llama.cpp --llama-bench-json "$lj"); fi
+  for kind in decode prefill verify; do
+    local plot=(); plot_flag $kind && plot=(--plot)
+    local d=$DEPTHS; [ $kind = verify ] && d=${DEPTHS%%,*}
+    run_stage "$label-$kind" 150 40 $PY -m muser bench $kind --model "$model" --device $DEV --depths "$d" \
+        --reps $REPS --warmup 1 $SPEED_TOKENS --gate-receipt "$gate" --out-dir "$R" "${against[@]}" "${plot[@]}"
+  done
 }
 
-# the 16.75 GB full-geometry file: written in the background (then waited for), or in the
-# foreground when a warm machine's copy is gone
-full_bg() {
-  ( [ -s $FULL ] || python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1; \
-    echo "full file rc=$? at $(el) s" >$W/full.done ) &
-}
-wait_full() {  # limit_s
-  while [ ! -f $W/full.done ]; do [ "$(el)" -gt "$1" ] && break; sleep 2; done; cat $W/full.done
-}
-ensure_full() {
-  if [ ! -s $FULL ]; then
-    echo "machine was not warm: no full file; writing it"
-    python3 tools/make_fixture.py $FULL --full >$W/full.log 2>&1
+
+speed_plot() {  # LABEL: tok/s vs depth of this stage's decode and prefill receipts, both engines
+  local rs
+  rs=$(cat "$L/$1-decode.log" "$L/$1-prefill.log" 2>/dev/null | sed -n 's/.*; receipt: \(\S*\.json\)$/\1/p')
+  [ -n "$rs" ] || return 0
+  if $PY -m muser bench plot --help >/dev/null 2>&1; then
+    run_stage "$1-plot" 60 10 $PY -m muser bench plot $rs --out "$R/$1-tok-s-vs-depth.png"
+  else
+    record "$1-plot" - 0 "muser bench plot is absent from this tree"
   fi
 }
-# this machine's llama-bench rows (depth 0 and 32768) as one JSON list -> $W/llama-bench.json
-merge_llama_json() {
-  python3 - "$W" >$W/llama-bench.json <<'EOF'
-import json, sys, pathlib
-rows = []
-for n in ("llama-bench-d0.json", "llama-bench-d32768.json"):
-    p = pathlib.Path(sys.argv[1]) / n
+
+plot_flag() { $PY -m muser bench "$1" --help 2>/dev/null | grep -q -- "--plot"; }  # KIND writes its PNG
+
+gate_receipt() {  # MIX -> path of this call's passing-or-not wide Gate 2 receipt for MIX
+  grep -l "\"dtype\": \"$1\"" "$R"/*-engine-gate2-wide-$DEV.json 2>/dev/null | head -1
+}
+
+for st in "${STAGES[@]}"; do
+  case $st in
+    build|fixture) ;;
+    kernels)
+      if [ -f tools/device_kernels.py ]; then
+        mkdir -p "$R/kernels"
+        if [ $DRY = 1 ]; then run_stage kernels 150 20 $PY tools/device_kernels.py --out "$R/kernels" --device cpu --smoke --budget 130
+        else run_stage kernels 150 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 140; fi
+      else record kernels - 0 "tools/device_kernels.py is absent"; fi ;;
+    gate) ;;  # in the background from t = 0 (wide_gate_bg)
+    speed|nvfp4)
+      if [ $st = speed ]; then model=$FULL mix=q4_k_xl done_file=$W/full.done
+      else model=$NV mix=$NVFP4_MIX done_file=$W/nv.done; fi
+      { [ $st = nvfp4 ] || has gate; } && wait_for "$W/gate-$mix.done" $(( DEADLINE - 100 ))
+      if ! wait_for "$done_file" $(( DEADLINE - 120 )) || [ ! -s "$model" ]; then
+        record $st - 0 "no $model ($(cat "$done_file" 2>/dev/null || echo 'fixture not done'))"; continue; fi
+      g=$(gate_receipt "$mix")
+      if [ -z "$g" ]; then record $st - 0 "no wide Gate 2 receipt for $mix (the speed stage needs the gate stage)"; continue; fi
+      lj=""; llama_json "$model" "$st" && lj=$W/$st.json
+      speed_kinds $st "$model" "$g" "$lj"
+      speed_plot $st ;;
+    kvpack)
+      if ! wait_for "$W/full.done" $(( DEADLINE - 120 )) || [ ! -s "$FULL" ]; then
+        record kvpack - 0 "no $FULL"; continue; fi
+      plot=(); plot_flag kvpack && plot=(--plot)
+      run_stage kvpack 300 60 $PY -m muser bench kvpack --model "$FULL" --device $DEV --lengths $KV_LENGTHS \
+          --reps 1 --warmup 0 --gate-tokens 16 --dir "$W/kvpack-store" --out-dir "$R" "${plot[@]}" ;;
+    serve)
+      model=(); [ -s "$FULL" ] && model=(--model "$FULL")
+      ls_=(); [ -x $SERVER ] && ls_=(--llama-server $SERVER)
+      [ -n "$LLAMA_SERVER" ] && ls_=(--llama-server "$LLAMA_SERVER")
+      plot=(); plot_flag serve && plot=(--plot)
+      run_stage serve 200 60 $PY -m muser bench serve --device $DEV "${model[@]}" "${ls_[@]}" --clients 1,4,16 \
+          --max-tokens 16 --slots 16 --ctx 1024 --out-dir "$R" "${plot[@]}"
+      rc=$?  # 1: a receipt with a failed load == alone gate; anything else with the full file: the micro model
+      if [ $rc -gt 1 ] && [ ${#model[@]} -gt 0 ] && [ $DRY = 0 ]; then
+        run_stage serve-micro 120 60 $PY -m muser bench serve --device $DEV "${ls_[@]}" --clients 1,4,16 \
+            --max-tokens 16 --slots 16 --ctx 1024 --out-dir "$R" "${plot[@]}"
+      fi ;;
+  esac
+done
+
+# the fixture writers finish (a later call on a warm machine reuses the files) while time is left
+for pid in ${FX_PIDS:-}; do
+  while kill -0 "$pid" 2>/dev/null && [ "$(left)" -gt 5 ]; do sleep 2; done
+done
+cat "$W"/*.done 2>/dev/null | sed 's/^/background: /'
+speed_table() {  # one line per speed cell of this call's receipts: model, kind, depth, both engines
+  $PY - "$R" <<'EOF'
+import json, pathlib, sys
+for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     try:
-        rows += json.loads(p.read_text())
-    except Exception:
-        pass
-print(json.dumps(rows))
+        r = json.loads(p.read_text())
+    except ValueError:
+        continue
+    if r.get("kind") not in ("decode", "prefill", "verify"):
+        continue
+    name, res = pathlib.Path(r["model"]["path"]).name, r["results"]
+    for d, c in res["per_depth"].items():
+        if r["kind"] == "verify":
+            mu = c.get("muser", {})
+            print(f"{name:28} verify  d{d:>6}  verify/decode1 {mu.get('ratio_verify_over_decode1', 0):.3f}  {res['status']}")
+            continue
+        mu, ll = c["muser"]["tok_s"], c.get("llama.cpp", {}).get("tok_s", {})
+        gb = mu.get("achieved_gbps", {}).get("mean")
+        print(f"{name:28} {r['kind']:7} d{d:>6}  muser {mu['mean']:9.2f} tok/s" + (f" {gb:8.1f} GB/s" if gb else "")
+              + (f" | llama.cpp {ll['mean']:9.2f} | ratio {c['ratio_muser_over_llamacpp']:.3f}" if ll else "")
+              + f"  {res['status']}")
 EOF
 }
-
-if [ "$phase" = K ]; then
-  # call 1 of 2 (back to back): bg llama.cpp build + full file; fg Gate 2 and invariance with the
-  # default kernels (v3 packed layout + stacks), the v1/v2/v3 kernel table and the v3 sweep (its
-  # winners -> $W/v3_tuning.json for call 2), then llama-bench at depth 0
-  ( build_llama; echo "llama build rc=$? at $(el) s" >$W/build.done ) &
-  full_bg
-  timeout -s TERM 230 python3 tools/device_engine.py --out "$OUT" --no-full \
-      --stages env,kernels,gate2,invariance --budget 215 2>&1 | tail -40
-  echo "--- kernels at $(el) s"
-  timeout -s TERM $(( 520 - $(el) )) python3 tools/device_kernels.py --out "$OUT" --jobs 12 \
-      --budget $(( 505 - $(el) )) 2>&1 | grep -v "^v3 sweep" | tail -40
-  cp "$OUT/v3_tuning.json" $W/v3_tuning.json 2>/dev/null
-  while [ ! -f $W/build.done ] || [ ! -f $W/full.done ]; do
-    [ "$(el)" -gt 540 ] && { echo "build/file not done at $(el) s"; break; }; sleep 3
-  done
-  cat $W/build.done $W/full.done 2>/dev/null; tail -2 $W/build.log 2>/dev/null
-  [ "$(el)" -lt 545 ] && llama_bench 0 $(( 590 - $(el) )) llama-bench-d0.json
-elif [ "$phase" = F ]; then
-  # call 2 of 2: llama-bench at depth 32768 (if call 1's build is still here), then the engine's
-  # full-geometry stage: v3 (tuned by call 1's sweep) beside v2, depths 0 and 32768, verify,
-  # pp512 exact and fast, with llama.cpp's figures of this session beside them
-  ensure_full
-  [ -x $BENCH ] && llama_bench 32768 150 llama-bench-d32768.json
-  merge_llama_json
-  if [ -s $W/v3_tuning.json ]; then export MUSER_V3_TUNING=$W/v3_tuning.json; cp $W/v3_tuning.json "$OUT/"; fi
-  echo "--- engine full geometry at $(el) s (MUSER_V3_TUNING=${MUSER_V3_TUNING:-none})"
-  timeout -s TERM $(( 590 - $(el) )) python3 tools/device_engine.py --out "$OUT" --full $FULL --stages env,full \
-      --depths 0,32768 --matvec v3,v2 --budget $(( 575 - $(el) )) --llama-bench-json $W/llama-bench.json 2>&1 | tail -30
-elif [ "$phase" = P ]; then
-  # profile call: the kernel table timed inside CUDA graphs (no host launch cost) with the v3
-  # sweep over the engine's stacked shapes, then where a decode step's GPU time goes
-  # (tools/device_profile.py) at depths 0 and 32768 with two attention split caps
-  full_bg
-  timeout -s TERM 300 python3 tools/device_kernels.py --out "$OUT" --graph --kinds v2,v3 --jobs 12 \
-      --budget 285 2>&1 | grep -v "^v3 sweep" | tail -32
-  wait_full 400
-  echo "--- profile at $(el) s"
-  timeout -s TERM $(( 590 - $(el) )) python3 tools/device_profile.py $FULL "$OUT" --depths 0,32768 \
-      --splits 64,256 2>&1 | tail -70
-elif [ "$phase" = Z ]; then
-  # closing call: Gate 2 + invariance + graphs with the default kernels (v3 + stacks + fused
-  # tails), the step profile at depths 0 and 32768, then the full-geometry stage (v3 only:
-  # realistic residency) with this session's llama.cpp rows (carried in .device/)
-  full_bg
-  timeout -s TERM 230 python3 tools/device_engine.py --out "$OUT" --no-full \
-      --stages env,kernels,gate2,invariance --budget 215 2>&1 | tail -36
-  wait_full 300
-  echo "--- profile at $(el) s"
-  timeout -s TERM 120 python3 tools/device_profile.py $FULL "$OUT" --depths 0,32768 --splits 64 \
-      --gate-receipt "$(ls "$OUT"/*-engine-gate2-cuda.json | head -1)" 2>&1 | tail -34
-  echo "--- engine full geometry at $(el) s"
-  timeout -s TERM $(( 590 - $(el) )) python3 tools/device_engine.py --out "$OUT" --full $FULL --stages env,full \
-      --depths 0,32768 --matvec v3 --budget $(( 575 - $(el) )) \
-      --gate-receipt "$(ls "$OUT"/*-engine-gate2-cuda.json | head -1)" \
-      --llama-bench-json .device/llama-bench-session3.json 2>&1 | tail -24
-elif [ "$phase" = A ]; then
-  ( build_llama; echo "llama build rc=$? at $(el) s" >$W/build.done ) &
-  full_bg
-  timeout -s TERM 330 python3 tools/device_engine.py --out "$OUT" --no-full \
-      --stages env,kernels,gate2,invariance --budget 310 2>&1 | tail -45
-  if [ -f src/muser/engine/kernels/qmatvec_v2.py ]; then
-    echo "--- Gate 2 again with MUSER_MATVEC=v2 at $(el) s"
-    MUSER_MATVEC=v2 timeout -s TERM 110 python3 tools/device_engine.py --out "$OUT/v2" --no-full \
-        --stages gate2 --gate-dtypes F16,Q8_0,Q4_K,Q5_K,Q6_K,q4_k_xl --gate-tokens 128 --budget 100 2>&1 | tail -16
-  fi
-  while [ ! -f $W/build.done ] || [ ! -f $W/full.done ]; do
-    [ "$(el)" -gt 500 ] && { echo "build/file not done at $(el) s"; break; }; sleep 3
-  done
-  cat $W/build.done $W/full.done 2>/dev/null; tail -3 $W/build.log 2>/dev/null; ls -la $FULL 2>/dev/null
-  [ "$(el)" -lt 520 ] && llama_bench 0 $(( 575 - $(el) )) llama-bench-d0.json
-elif [ "$phase" = C ]; then
-  # one call on a cold machine, no llama.cpp build: engine correctness, then the full geometry
-  # (llama.cpp's figures from an earlier call of this session, carried in .device/), then the
-  # kernel table, then Gate 2 with the v2 matvec
-  full_bg
-  timeout -s TERM 250 python3 tools/device_engine.py --out "$OUT" --no-full \
-      --stages env,kernels,gate2,invariance --budget 235 2>&1 | tail -45
-  wait_full 330
-  echo "--- engine full geometry at $(el) s"
-  mkdir -p "$OUT/full"
-  timeout -s TERM $(( 470 - $(el) )) python3 tools/device_engine.py --out "$OUT/full" --full $FULL \
-      --stages full --depths 0,32768 --matvec v1,v2 --budget $(( 455 - $(el) )) \
-      --gate-receipt "$(ls "$OUT"/*-engine-gate2-cuda.json | head -1)" \
-      --llama-bench-json .device/llama-bench-d0.json 2>&1 | tail -16
-  echo "--- kernel table at $(el) s"
-  [ "$(el)" -lt 520 ] && timeout -s TERM $(( 560 - $(el) )) python3 tools/device_kernels.py --out "$OUT" \
-      --no-sweep --budget $(( 545 - $(el) )) 2>&1 | tail -25
-  if [ "$(el)" -lt 540 ]; then
-    echo "--- Gate 2 with MUSER_MATVEC=v2 at $(el) s"
-    MUSER_MATVEC=v2 timeout -s TERM $(( 585 - $(el) )) python3 tools/device_engine.py --out "$OUT/v2" --no-full \
-        --stages gate2 --gate-dtypes Q4_K,Q6_K,q4_k_xl,Q8_0 --gate-tokens 128 --budget $(( 575 - $(el) )) 2>&1 | tail -10
-  fi
-else
-  ensure_full
-  llama_bench 32768 190 llama-bench-d32768.json
-  merge_llama_json
-  if [ -f tools/device_kernels.py ]; then
-    timeout -s TERM 100 python3 tools/device_kernels.py --out "$OUT" --budget 85 2>&1 | tail -30
-  fi
-  echo "--- engine full geometry at $(el) s"
-  timeout -s TERM $(( 585 - $(el) )) python3 tools/device_engine.py --out "$OUT" --full $FULL --stages env,full \
-      --depths 0,32768 --budget $(( 570 - $(el) )) --llama-bench-json $W/llama-bench.json 2>&1 | tail -30
-fi
-echo "phase $phase done at $(el) s"
-ls -la "$OUT"
+{ echo "session $(el) s, stages: ${STAGES[*]} (dry=$DRY)"; column -t -s $'\t' "$W/stages.tsv"
+  cat "$W"/*.done 2>/dev/null | sed 's/^/background: /'; speed_table; ls -la "$R"; df -h "$W" | tail -1
+} >"$OUT/summary.txt"
+bundle
+cat "$OUT/summary.txt"

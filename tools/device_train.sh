@@ -1,28 +1,36 @@
 #!/usr/bin/env bash
-# Train the micro Muse Glimmer on the GPU machine (one H200), from the repository root:
+# The micro model's training on the GPU machine (one H200, one call of at most 600 s), from the
+# repository root, with two folders carried:
+#   .device/corpus    the corpus carry (tools/corpus.py writes it: tokenizer.json, *.xz shards, corpus.json)
+#   .device/trainer   tools/{device_train,train_micro,micro_net,train_drafter,corpus_carry}.py, the
+#                     muser modules they import (src/muser/{__init__,errors,corpus}.py, spec/{__init__,net}.py),
+#                     whl/ (the pinned tokenizers wheel for the machine's python 3.12) and
+#                     stdlib-heldout.json (tools/export_micro.py --stdlib-list)
 #
-#   bash tools/device_train.sh          # with .device/micro carried (tools/corpus.py build wrote it)
+#   bash .device/trainer/tools/device_train.sh
 #
-# Writes into $OUT: micro-weights-{0..3}.npz (f32, <= 16 MiB each), micro-weights.json,
-# micro-train-log.json, micro-train-stdout.txt (7 files at most). Training stops itself at
-# MICRO_BUDGET_S seconds (default 460) after start and saves; `timeout` sends SIGTERM at 575 s as a
-# backstop (the script saves on SIGTERM) and SIGKILL 20 s later, inside the 600 s command limit.
+# Writes into $OUT: micro-weights-N.npz, drafter-weights.npz, micro-run.json, device-stdout.txt
+# (8 files at most). tools/device_train.py keeps its own deadline (DEADLINE_S, default 545 s); `timeout`
+# sends SIGTERM at 570 s as a backstop (the script saves on SIGTERM) and SIGKILL 12 s later.
 # Then, here: tools/export_micro.py --weights <fetched OUT> (see models/README.md).
 set -uo pipefail
-cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"
-DATA="${MICRO_DATA:-.device/micro}"
-for f in corpus.json train.u16 val.u16 heldout.u16; do
-    if [ ! -s "$DATA/$f" ]; then
-        echo "device_train: $DATA/$f is missing: carry .device/micro (tools/corpus.py build)" >&2
+T=.device/trainer
+C=${CARRY:-.device/corpus}
+for f in "$C/corpus.json" "$C/tokenizer.json" "$T/stdlib-heldout.json" "$T/tools/device_train.py"; do
+    if [ ! -s "$f" ]; then
+        echo "device_train: $f is missing: carry .device/corpus and .device/trainer" >&2
         exit 2
     fi
 done
 mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$T"/whl/*.whl || exit 3
+export PYTHONPATH="/tmp/site:$T/tools:$T/src" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python3 -c "import sys, torch, numpy; print('python', sys.version.split()[0], 'torch', torch.__version__, 'numpy', numpy.__version__, 'cuda', torch.cuda.is_available())"
-timeout -s TERM -k 20 575 python3 -u tools/train_micro.py --data "$DATA" --out "$OUT" \
-    --budget-s "${MICRO_BUDGET_S:-460}" "$@" 2>&1 | tee "$OUT/micro-train-stdout.txt"
+timeout -s TERM -k 12 "${KILL_S:-570}" python3 -u "$T/tools/device_train.py" --carry "$C" --streams /tmp/streams \
+    --stdlib-heldout "$T/stdlib-heldout.json" --out "$OUT" --deadline-s "${DEADLINE_S:-545}" "$@" 2>&1 \
+    | tee "$OUT/device-stdout.txt"
 rc=${PIPESTATUS[0]}
 ls -l "$OUT"
 exit "$rc"

@@ -1,22 +1,28 @@
 #!/usr/bin/env python3
 """Export the trained micro Muse Glimmer to GGUF: F16 master (norms F32) and Q8_0, with identity pins.
 
-    tools/export_micro.py --weights RUN_OUT [--corpus .device/micro] [--out models]
+    tools/export_micro.py --weights RUN_OUT [--tokenizer .device/corpus/tokenizer.json] [--out DIR]
                           [--dtypes F16,Q8_0] [--quantizer muser|gguf]
     tools/export_micro.py --continuations [--model GGUF ...] [--out models] [--new-tokens 64]
+    tools/export_micro.py --stdlib-list OUT.json     the stdlib held-out listing the device run carries
+    tools/export_micro.py --bpb GGUF                 a GGUF's bits per byte on the stdlib held-out files
 
-RUN_OUT holds what tools/train_micro.py wrote (micro-weights.json + micro-weights-N.npz). The weights
-are already in llama.cpp's convention (norm weights as llama.cpp multiplies them, i.e. the converter's
-`+1` already applied; Q/K rows in the interleaved RoPE layout; attn_q_norm = qk_scale_factor broadcast,
-attn_k_norm = ones), so the export is a straight copy under the real key and tensor names
-(src/models/muse-glimmer.cpp, conversion/muse_glimmer.py). Every quantized file is derived from the F16
-master values (the llama-quantize flow: F16 GGUF -> f32 -> quantize). Files are validated with
-muser.model.loader.open_model after writing, and a pin is written beside each.
+RUN_OUT holds what the training run wrote (micro-run.json + micro-weights-N.npz, tools/train_micro.py).
+The weights are already in llama.cpp's convention (norm weights as llama.cpp multiplies them, i.e. the
+converter's `+1` already applied; Q/K rows in the interleaved RoPE layout; attn_q_norm = qk_scale_factor
+broadcast, attn_k_norm = ones) and 2-D tensors are already the F16 master's values, so the export is a
+straight copy under the real key and tensor names (src/models/muse-glimmer.cpp,
+conversion/muse_glimmer.py). Every quantized file is derived from the F16 master values (the
+llama-quantize flow: F16 GGUF -> f32 -> quantize). The provenance records the training corpus's
+streams and the stdlib val / held-out splits and streams under this vocabulary (what `muser bench ppl
+--text` re-derives). Files are validated with muser.model.loader.open_model after writing, and a pin
+is written beside each.
 
---continuations writes <out>/muse-glimmer-micro-continuations.json (models/README.md quotes it): three
-greedy continuations of held-out prompts (PROMPTS: the first lines of held-out files, framed as the
-training stream frames a file: [BOS] + ids), each decoded by the pinned llama.cpp and by muser.oracle
-(arithmetic ggml-cpu, f16 KV: llama.cpp's CPU rounding points), with whether the two agree token for token.
+--continuations writes <out>/muse-glimmer-micro-continuations.json (models/README.md quotes it): greedy
+continuations of held-out prompts (PROMPTS: the first lines of held-out files, framed as the training
+stream frames a file: [BOS] + ids), each decoded by the pinned llama.cpp and by muser.oracle (arithmetic
+ggml-cpu, f16 KV: llama.cpp's CPU rounding points), with whether the two agree token for token, and one
+sampled continuation per prompt from Muser's API.
 """
 
 from __future__ import annotations
@@ -44,10 +50,13 @@ from muser.model.config import ARCH, COLLAR  # noqa: E402
 from muser.model.contract import TensorClass, expected_tensors  # noqa: E402
 from muser.model.loader import open_model  # noqa: E402
 from muser.model.synth import CHAT_TEMPLATE  # noqa: E402
+from train_micro import RUN_FORMAT  # noqa: E402
 
 NAME = "muse-glimmer-micro"
 # The README's greedy continuations: (held-out file, number of leading lines used as the prompt).
-PROMPTS = (("secrets.py", 34), ("sched.py", 53), ("test/test_print.py", 17))
+PROMPTS = (("secrets.py", 34), ("sched.py", 53), ("test/test_print.py", 17), ("chunk.py", 55),
+           ("traceback.py", 21))
+SAMPLED_SEEDS = (1, 2, 3, 4, 5)  # one sampled continuation per prompt, at muser.SamplingParams' defaults
 CONTINUATIONS = f"{NAME}-continuations.json"
 FILE_TYPE = {"F32": 0, "F16": 1, "Q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0
 
@@ -77,14 +86,17 @@ def geo_of(g: dict) -> _Geo:
 
 
 def load_weights(run_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """(manifest, name -> f32 array in numpy order), every shard checked against its SHA-256."""
+    """(the run record, name -> f32 array in numpy order), every shard checked against its SHA-256."""
     run_dir = Path(run_dir)
-    man_path = run_dir / "micro-weights.json"
-    if not man_path.is_file():
-        raise ExportError(f"{str(man_path)!r} not found (the training run's output)")
-    man = json.loads(man_path.read_text())
-    if man.get("format") != "muse-glimmer-micro/1":
-        raise ExportError(f"{str(man_path)!r}: unknown format {man.get('format')!r}")
+    run_path = run_dir / "micro-run.json"
+    if not run_path.is_file():
+        raise ExportError(f"{str(run_path)!r} not found (the training run's output)")
+    run = json.loads(run_path.read_text())
+    if run.get("format") != RUN_FORMAT:
+        raise ExportError(f"{str(run_path)!r}: unknown format {run.get('format')!r} (want {RUN_FORMAT!r})")
+    if "weights" not in run:
+        raise ExportError(f"{str(run_path)!r} records no saved weights (status {run.get('status')!r})")
+    man = run["weights"]
     arrays: dict[str, np.ndarray] = {}
     for fn, digest in man["shards"].items():
         p = run_dir / fn
@@ -93,7 +105,7 @@ def load_weights(run_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
             raise ExportError(f"shard {str(p)!r}: sha256 {got} != manifest {digest}")
         with np.load(p, allow_pickle=False) as z:
             for k in z.files:
-                arrays[k] = np.ascontiguousarray(z[k], dtype=np.float32)
+                arrays[k] = np.ascontiguousarray(z[k], dtype=np.float32)  # F16 -> F32 is exact
     for name, info in man["tensors"].items():
         if name not in arrays:
             raise ExportError(f"tensor {name!r} missing from shard {info['shard']!r}")
@@ -101,21 +113,43 @@ def load_weights(run_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
             raise ExportError(f"tensor {name!r} has shape {list(arrays[name].shape)}, manifest {info['shape']}")
         if not np.all(np.isfinite(arrays[name])):
             raise ExportError(f"tensor {name!r} holds non-finite values")
-    return man, arrays
+    return run, arrays
 
 
-def load_tokenizer(corpus_dir: Path, want_sha: str) -> tuple[list[str], list[str], dict]:
+def load_tokenizer(path: Path, trained: dict):
+    """(tokenizer, tokens, merges) from a tokenizer.json, checked against the identity the training
+    run recorded (the file's SHA-256 and/or the vocabulary's)."""
     from tokenizers import Tokenizer
 
-    corpus_dir = Path(corpus_dir)
-    cman = json.loads((corpus_dir / "corpus.json").read_text())
-    tok = Tokenizer.from_file(str(corpus_dir / "tokenizer.json"))
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ExportError(f"tokenizer {str(path)!r} not found")
+    tok = Tokenizer.from_file(str(path))
     tokens, merges = corpus.vocab_and_merges(tok)
-    have = hashlib.sha256(json.dumps([tokens, merges]).encode()).hexdigest()
-    if have != want_sha or cman["tokenizer"]["vocab_sha256"] != want_sha:
-        raise ExportError(f"tokenizer in {str(corpus_dir)!r} has vocab sha256 {have}, the weights were trained "
-                          f"with {want_sha} (rebuild with tools/corpus.py build)")
-    return tokens, merges, cman
+    have = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "vocab_sha256": hashlib.sha256(json.dumps([tokens, merges]).encode()).hexdigest()}
+    checked = [k for k in have if k in trained]
+    if not checked:
+        raise ExportError(f"the training run records no tokenizer identity ({sorted(trained)})")
+    for k in checked:
+        if have[k] != trained[k]:
+            raise ExportError(f"tokenizer {str(path)!r} has {k} {have[k]}, the weights were trained with {trained[k]}")
+    return tok, tokens, merges
+
+
+def stdlib_streams(tok, root: Path) -> tuple[dict, dict]:
+    """The stdlib val and held-out splits (muser.corpus rule) and their streams under `tok`: what
+    `muser bench ppl --text` re-derives and checks."""
+    docs = corpus.load_docs(root)
+    splits, streams = {}, {}
+    for s in ("val", "heldout"):
+        sd = corpus.split_docs(docs, s)
+        ids = corpus.encode_docs(tok, sd)
+        splits[s] = {"files": len(sd), "bytes": sum(len(d.data) for d in sd), "sha256": corpus.split_sha256(sd)}
+        streams[s] = {"tokens": int(ids.size), "sha256": hashlib.sha256(ids.tobytes()).hexdigest()}
+    return splits, streams
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,16 +232,13 @@ def tensor_plan(g: dict, dtype: str) -> list[tuple[TensorSpec, TensorClass]]:
     return out
 
 
-def export(run_dir: Path, corpus_dir: Path, out_dir: Path, dtypes=("F16", "Q8_0"), quant: str = "muser",
-           name: str = NAME, log=print) -> dict[str, Path]:
-    man, arrays = load_weights(run_dir)
-    g = man["geometry"]
-    tokens, merges, cman = load_tokenizer(corpus_dir, man["tokenizer_vocab_sha256"])
+def export(run_dir: Path, tokenizer: Path, out_dir: Path, dtypes=("F16", "Q8_0"), quant: str = "muser",
+           name: str = NAME, root: Path = corpus.DEFAULT_ROOT, log=print) -> dict[str, Path]:
+    run, arrays = load_weights(run_dir)
+    g = run["geometry"]
+    tok, tokens, merges = load_tokenizer(tokenizer, run["corpus"]["tokenizer"])
     if len(tokens) != g["vocab"]:
         raise ExportError(f"tokenizer has {len(tokens)} tokens, the weights {g['vocab']}")
-    for s, digest in man["streams"].items():
-        if cman["streams"][s]["sha256"] != digest:
-            raise ExportError(f"{s} stream sha256 {cman['streams'][s]['sha256']} != training run's {digest}")
     plan = tensor_plan(g, "F32")
     want = {s.name for s, _ in plan}
     if set(arrays) != want:
@@ -215,15 +246,20 @@ def export(run_dir: Path, corpus_dir: Path, out_dir: Path, dtypes=("F16", "Q8_0"
     for s, _ in plan:
         if tuple(arrays[s.name].shape) != tuple(reversed(s.shape)):
             raise ExportError(f"tensor {s.name!r} shape {arrays[s.name].shape} != contract {tuple(reversed(s.shape))}")
+    splits, streams = stdlib_streams(tok, Path(root))
+    best = run["main"]["best"]
     provenance = {
-        "corpus": {k: {"files": v["files"], "bytes": v["bytes"], "sha256": v["sha256"]}
-                   for k, v in cman["splits"].items()},
-        "corpus_root": cman["root"],
+        "corpus": splits,  # the stdlib evaluation splits: muser bench ppl --text reads them
+        "corpus_root": str(root),
         "eval_framing": "non-overlapping windows of context_length tokens over the split stream "
                         "([BOS] ids [EOS] per file, corpus order); NLL of tokens 1..L-1 of each window",
-        "streams": {k: {"tokens": v["tokens"], "sha256": v["sha256"]} for k, v in cman["streams"].items()},
-        "tokenizer_vocab_sha256": man["tokenizer_vocab_sha256"],
-        "training": {"step": man["step"], "val_loss": man["val_loss"], "selected": man["selected"]},
+        "streams": streams,
+        "training_corpus": {"streams": {k: {"tokens": v["tokens"], "sha256": v["sha256"]}
+                                        for k, v in run["corpus"]["streams"].items()},
+                            "tokenizer": run["corpus"]["tokenizer"]},
+        "training": {"step": best["step"], "val_loss": best.get("val_loss"), "heldout_loss": best.get("heldout_loss"),
+                     "selected": run["selected"]["rule"], "steps": run["main"]["steps"],
+                     "tokens": run["main"]["tokens"]},
         "q_scale": g["q_scale"],
     }
     out_dir = Path(out_dir)
@@ -358,14 +394,42 @@ def continuation_run(model: Path, n_new: int, root: Path, prompts, log) -> dict:
     return {"model": {"file": Path(model).name, "artifact_sha256": ident.artifact_sha256}, "continuations": rows}
 
 
+def sampled_run(model: Path, n_new: int, root: Path, prompts, log) -> dict:
+    """One sampled continuation per prompt from Muser's API (SamplingParams defaults: temperature 0.8,
+    llama.cpp's sampler chain and MT19937 stream), seed SAMPLED_SEEDS[i]."""
+    import muser
+
+    m = muser.load(model, pin=Path(model).with_suffix(".pin.json"))
+    try:
+        tok, bos = m.tokenizer, m.config.bos_id
+        rows = []
+        for (relpath, n_lines), seed in zip(prompts, SAMPLED_SEEDS):
+            text = prompt_text(relpath, n_lines, root)
+            ids = [bos] + tok.encode(text, add_special=False)
+            params = muser.SamplingParams(max_tokens=n_new, seed=seed)
+            out = [e.token for e in m.stream(ids, sampling=params)]
+            rows.append({"file": relpath, "prompt_lines": n_lines, "prompt_tokens": len(ids), "seed": seed,
+                         "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                                      "min_p": params.min_p},
+                         "ids": out, "text": tok.decode(out, render_special=False)})
+            log(f"{Path(model).name} {relpath}: sampled {len(out)} tokens (seed {seed})")
+        return {"model": {"file": Path(model).name, "artifact_sha256": m.identity.artifact_sha256}, "sampled": rows}
+    finally:
+        m.close()
+
+
 def continuations(models: list[Path], out_dir: Path, n_new: int = 64, root: Path = corpus.DEFAULT_ROOT,
                   prompts=PROMPTS, log=print, name: str = CONTINUATIONS) -> Path:
-    """Write <out_dir>/<name>: the greedy continuations of every model in `models`."""
+    """Write <out_dir>/<name>: the greedy continuations of every model in `models` (llama.cpp and the
+    oracle side by side) and one sampled continuation per prompt from the first (Muser's API)."""
     body = {"decoding": f"greedy (argmax), at most {n_new} new tokens, stop at an EOG token",
             "prompt_framing": "[BOS] + tokens of the first prompt_lines lines of a held-out file",
             "llamacpp": "llama-cpp-python==0.3.36, f16 KV, flash_attn off, prefill then one token per eval",
             "oracle": "muser.oracle arithmetic ggml-cpu, f16 KV, prefill then decode",
-            "runs": [continuation_run(Path(m), n_new, root, prompts, log) for m in models]}
+            "sampling": "muser.load(model).stream(ids, sampling=SamplingParams(max_tokens, seed)): the API's "
+                        "defaults (CPU exact lane, f16 KV), stop at an EOG token",
+            "runs": [continuation_run(Path(m), n_new, root, prompts, log) for m in models],
+            "sampled_runs": [sampled_run(Path(models[0]), n_new, root, prompts, log)]}
     out = Path(out_dir) / name
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(body, indent=1, ensure_ascii=False) + "\n")
@@ -373,26 +437,77 @@ def continuations(models: list[Path], out_dir: Path, n_new: int = 64, root: Path
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# the stdlib held-out files: their list for the device run, and a GGUF's bits per byte on them
+
+
+def stdlib_listing(out: Path, root: Path = corpus.DEFAULT_ROOT) -> Path:
+    """<out>: the stdlib held-out files (muser.corpus rule) as relpath + SHA-256 + bytes, in corpus order."""
+    docs = corpus.split_docs(corpus.load_docs(root), "heldout")
+    body = {"rule": "muser.corpus stdlib held-out split", "root": str(root),
+            "split_sha256": corpus.split_sha256(docs),
+            "files": [{"relpath": d.relpath, "sha256": hashlib.sha256(d.data).hexdigest(), "bytes": len(d.data)}
+                      for d in docs]}
+    Path(out).write_text(json.dumps(body, indent=1) + "\n")
+    return Path(out)
+
+
+def gguf_bits_per_byte(model: Path, root: Path = corpus.DEFAULT_ROOT) -> dict:
+    """A micro GGUF's bits per byte on the stdlib held-out files: its weights (dequantized to f32) in
+    tools/micro_net.py's f32 forward, scored by train_micro.bits_per_byte (the device run's framing)."""
+    import torch
+
+    import micro_net
+    import train_micro
+    from muser.gguf.reader import read_gguf
+
+    f = read_gguf(model)
+    try:
+        k = lambda s: f.get(f"{ARCH}.{s}")  # noqa: E731
+        tokens = list(f.get("tokenizer.ggml.tokens"))
+        g = micro_net.Geometry(vocab=len(tokens), hidden=k("embedding_length"), n_layers=k("block_count"),
+                               n_heads=k("attention.head_count"), n_kv_heads=k("attention.head_count_kv"),
+                               head_dim=k("attention.key_length"), ffn=k("feed_forward_length"),
+                               window=k("attention.sliding_window"), seq_len=k("context_length"))
+        state = {t.name: torch.from_numpy(np.array(f.array(t.name), dtype=np.float32)) for t in f}
+        tok = corpus.tokenizer_from_vocab(tokens, list(f.get("tokenizer.ggml.merges")))
+        bos, eos = int(f.get("tokenizer.ggml.bos_token_id")), int(f.get("tokenizer.ggml.eos_token_id"))
+    finally:
+        f.close()
+    m = micro_net.MicroGlimmer(g)
+    micro_net.load_gguf_state(m, state)
+    docs = [(d.relpath, d.data) for d in corpus.split_docs(corpus.load_docs(root), "heldout")]
+    res = train_micro.bits_per_byte(m, docs, tok, bos, eos, g.seq_len, "cpu")
+    return dict(res, model=Path(model).name, artifact_sha256=hashlib.sha256(Path(model).read_bytes()).hexdigest())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--weights", type=Path, help="the training run's output folder")
     what.add_argument("--continuations", action="store_true", help="write the README's greedy continuations")
+    what.add_argument("--stdlib-list", type=Path, help="write the stdlib held-out listing the device run reads")
+    what.add_argument("--bpb", type=Path, help="print a GGUF's bits per byte on the stdlib held-out files (JSON)")
     ap.add_argument("--model", type=Path, action="append", default=None,
                     help="--continuations: a GGUF to decode (repeatable; default: the shipped F16 and Q8_0)")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--corpus", type=Path, default=corpus.DEFAULT_OUT)
+    ap.add_argument("--tokenizer", type=Path, default=REPO / ".device" / "corpus" / "tokenizer.json",
+                    help="--weights: the tokenizer.json the run trained with (a folder: its tokenizer.json)")
     ap.add_argument("--out", type=Path, default=REPO / "models")
     ap.add_argument("--dtypes", default="F16,Q8_0")
     ap.add_argument("--quantizer", default="muser", choices=["muser", "gguf"])
     ap.add_argument("--name", default=NAME)
     a = ap.parse_args(argv)
     try:
-        if a.continuations:
-            models = a.model or [REPO / "models" / f"{NAME}-{d}.gguf" for d in ("f16", "q8_0")]
+        if a.stdlib_list:
+            print(stdlib_listing(a.stdlib_list))
+        elif a.bpb:
+            print(json.dumps(gguf_bits_per_byte(a.bpb), indent=1))
+        elif a.continuations:
+            models = a.model or [REPO / "models" / f"{NAME}-q8_0.gguf"]
             continuations(models, a.out, a.new_tokens)
         else:
-            export(a.weights, a.corpus, a.out, tuple(a.dtypes.split(",")), a.quantizer, a.name)
+            export(a.weights, a.tokenizer, a.out, tuple(a.dtypes.split(",")), a.quantizer, a.name)
     except ExportError as e:
         print(f"export: {e}", file=sys.stderr)
         return 2

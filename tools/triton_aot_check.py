@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compile every Triton kernel of the engine for an NVIDIA target (default sm_90, the H200)
-without a GPU: the launches are driven through the real host code (matvec v1/v2 for every
-format and row bucket, dequant, attention for both plane kinds and KV dtypes) with CPU tensors,
+without a GPU: the launches are driven through the real host code (the GEMM for every format
+at decode, verify and prefill shapes, dequant, NVFP4 matvec, attention for both plane kinds and KV dtypes) with CPU tensors,
 each launch is recorded instead of run, and each distinct (kernel, signature, constexprs,
 options) is compiled by Triton down to a cubin with the bundled ptxas.
 
@@ -48,6 +48,7 @@ class Recorder:
     def run(self, fn: JITFunction, args, kwargs) -> None:
         names = fn.arg_names
         const_names = {p.name for p in fn.params if p.is_constexpr}
+        dns = set(getattr(fn, "do_not_specialize", None) or ())
         sig, consts, opts = {}, {}, {}
         vals = dict(zip(names, args))
         for k, v in kwargs.items():
@@ -71,6 +72,10 @@ class Recorder:
                 sig[n] = "*" + _TT[v.dtype]
             elif isinstance(v, bool):
                 sig[n] = "i1"
+            elif isinstance(v, int) and v == 1 and i not in dns and n not in dns:
+                # the JIT specializes an int equal to 1 into constexpr 1 (triton/runtime/jit.py)
+                sig[n] = "constexpr"
+                consts[(i,)] = 1
             elif isinstance(v, int):
                 sig[n] = "i32" if -(2**31) <= v < 2**31 else "i64"
             elif isinstance(v, float):
@@ -84,33 +89,19 @@ class Recorder:
 def drive(rec: Recorder) -> None:
     """Run the host side of every kernel launch the engine makes, on CPU tensors."""
     from muser.engine.kernels import attention as att
+    from muser.engine.kernels import qgemm
     from muser.engine.kernels import qmatvec as q1
     from muser.engine.weights import BASE_FORMATS, random_bytes, repack
 
-    try:
-        from muser.engine.kernels import qmatvec_v2 as q2
-    except ImportError:
-        q2 = None
-    from muser.engine.kernels import qmatvec_v3 as q3
     for fmt in BASE_FORMATS:
         n_out, n_in = 24, 512
         w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy()))
         q1.dequant_triton(w)
-        if q2 is not None and q2.supports(fmt):
-            q2.dequant_v2(w)
-            q2.dequant_v2(w, fma_decode=True)
-        p3 = q3.pack(w) if q3.supports(fmt) else None
-        if p3 is not None:
-            q3.dequant_v3(p3)
-            q3.dequant_v3(p3, bn=4, j=8)
-            for T in (1, 2, 3, 5, 9, 16):
-                q3.matvec_v3(p3, torch.zeros(T, n_in), torch.empty(T, n_out))
-        for T in (1, 2, 3, 5, 9, 16):
-            x = torch.zeros(T, n_in)
-            os.environ.pop("MUSER_MATVEC", None)
-            q1.matvec_triton(w, x, torch.empty(T, n_out))
-            if q2 is not None and q2.supports(fmt):
-                q2.matvec_v2(w, x, torch.empty(T, n_out))
+        for T in (1, 16, 17, 512):  # decode, verify and prefill tiles: both N tiles of config()
+            qgemm.gemm(w, torch.zeros(T, n_in), torch.empty(T, n_out))
+        k2 = 2560  # two K chunks: the split kernel and its in-order sum
+        w2 = repack("t", fmt, n_out, k2, torch.from_numpy(random_bytes(fmt, n_out, k2, 2).copy()))
+        qgemm.gemm(w2, torch.zeros(1, k2), torch.empty(1, n_out))
     from muser.engine import nvfp4 as nv
     from muser.engine.kernels import nvfp4 as knv
 
@@ -149,6 +140,7 @@ def drive(rec: Recorder) -> None:
                 pos = torch.tensor([100], dtype=torch.int64)
                 sc = att.AttnScratch(T, H, D, att.pick_splits(cap), "cpu")
                 att.attend_triton(q, kn, kn, kp, kp, hm, meta, pos, 0 if hm else 2048, 0.0883883, sc)
+                att.attend_triton(q, kn, kn, kp, kp, hm, meta, pos, 0 if hm else 2048, 0.0883883, None)
 
 
 def main(argv=None) -> int:

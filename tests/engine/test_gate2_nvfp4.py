@@ -106,11 +106,11 @@ def test_cuda_decode_path_with_fused_nvfp4_matvec(make_gguf, tmp_path, kernels, 
     monkeypatch.setattr(knv, "matvec_nvfp4", lambda w, x, out=None: calls.append(w.fmt) or real(w, x, out))
     for L in eng.weights.layers:  # the CPU GEMM stacks off: every projection takes the CUDA route
         L.attn_in = L.ffn_in = None
-    eng.forward.linear.triton_rows = True
+    eng.forward.linear.triton = True
     try:
         got = eng.graph(((1, "last", s.max_context),), ()).run([s], [np.array([5])]).numpy().copy()
     finally:
-        eng.forward.linear.triton_rows = False
+        eng.forward.linear.triton = False
     assert max_dlsm(got, ref.decode(5)) <= GATE_FLOOR
     assert len(calls) == 8 * eng.cfg.n_layers  # every projection of every layer took the NVFP4 kernel
 

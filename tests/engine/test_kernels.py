@@ -26,28 +26,6 @@ def test_triton_tile_decoder_bit_exact(kernels, fmt):
     assert torch.equal(got.view(torch.int32), w.decode().view(torch.int32))
 
 
-@pytest.mark.parametrize("fmt", BASE_FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("T", [1, 3, 16])
-def test_triton_matvec_vs_reference(kernels, fmt, T):
-    qmv, _ = kernels
-    w = _w(fmt, 7, 512, 2)
-    x = torch.randn(T, 512, generator=torch.Generator().manual_seed(T))
-    got = qmv.matvec_triton(w, x)
-    ref = qmv.matvec_ref(w, x)
-    # f32 accumulation in a different order: bound relative to the sum of |products|
-    scale = (x.abs() @ w.decode().abs().T)
-    assert torch.all((got - ref).abs() <= 1e-6 * scale + 1e-30)
-
-
-def test_matvec_refuses_bad_shapes(kernels):
-    qmv, _ = kernels
-    w = _w(G.Q8_0, 4, 64)
-    with pytest.raises(AssertionError):
-        qmv.matvec_triton(w, torch.zeros(17, 64))
-    with pytest.raises(AssertionError):
-        qmv.matvec_triton(w, torch.zeros(1, 32))
-
-
 def _planes(head_major, n_kv, cap, D, dtype, g):
     shape = (n_kv, cap, D) if head_major else (cap, n_kv * D)
     return (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
@@ -66,7 +44,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_triton_attention_vs_reference(kernels, case):
+def test_triton_attention_vs_reference(kernels, monkeypatch, case):
     _, att = kernels
     T, cap, ln, ol, op, p0, window, hm, dt = case
     H, n_kv, D = 4, 2, 16
@@ -78,10 +56,52 @@ def test_triton_attention_vs_reference(kernels, case):
     ref = att.attend_ref(q, kn, vn, kp, vp, hm, ol, op, ln, cap, p0, window, 0.17)
     meta = torch.tensor([ol, op, ln, cap], dtype=torch.int64)
     pos = torch.tensor([p0], dtype=torch.int64)
-    for splits in ((1, 3) if T == 1 else (2,)):
-        sc = att.AttnScratch(T, H, D, splits, "cpu")
+    for split in (512, 16):  # one split, or split boundaries inside the rows' spans
+        monkeypatch.setattr(att, "SPLIT", split)
+        sc = att.AttnScratch(T, H, D, att.pick_splits(cap), "cpu")
         got = att.attend_triton(q, kn, vn, kp, vp, hm, meta, pos, window, 0.17, sc)
         assert (got - ref).abs().max().item() < 2e-6
+        rows = att.attend_triton(q, kn, vn, kp, vp, hm, meta, pos, window, 0.17, None)  # prefill form
+        assert torch.equal(rows, got), "row programs differ from split programs"
+
+
+def _ring(K, V, p0, cap, head_major):
+    """The plane before position p0: positions [max(0, p0 - cap), p0) at slot position % cap."""
+    n_kv, D = K.shape[1], K.shape[2]
+    ol = max(0, p0 - cap)
+    kp = torch.zeros((n_kv, cap, D) if head_major else (cap, n_kv * D), dtype=K.dtype)
+    vp = torch.zeros_like(kp)
+    for p in range(ol, p0):
+        if head_major:
+            kp[:, p % cap], vp[:, p % cap] = K[p], V[p]
+        else:
+            kp[p % cap], vp[p % cap] = K[p].reshape(-1), V[p].reshape(-1)
+    return kp, vp, torch.tensor([ol, ol % cap, p0 - ol, cap], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("window,cap,hm", [(20, 20, False), (0, 48, True)])
+def test_triton_attention_rows_do_not_depend_on_the_call(kernels, monkeypatch, window, cap, hm):
+    """A row's attention is the same bits alone (decode) as inside a verify block or a prefill
+    chunk: fixed absolute splits (here 16 positions, so spans cross several), blocks at absolute
+    positions, split order merges; a sliding ring that wraps and a growing full plane."""
+    _, att = kernels
+    monkeypatch.setattr(att, "SPLIT", 16)
+    H, n_kv, D, N = 4, 2, 16, 48
+    g = torch.Generator().manual_seed(window)
+    Q = torch.randn(N, H, D, generator=g)
+    K = torch.randn(N, n_kv, D, generator=g).to(torch.float16)
+    V = torch.randn(N, n_kv, D, generator=g).to(torch.float16)
+
+    def call(p0, T, scratch):
+        kp, vp, meta = _ring(K, V, p0, cap, hm)
+        sc = att.AttnScratch(T, H, D, att.pick_splits(cap), "cpu") if scratch else None
+        return att.attend_triton(Q[p0:p0 + T], K[p0:p0 + T].contiguous(), V[p0:p0 + T].contiguous(), kp, vp,
+                                 hm, meta, torch.tensor([p0]), window, 0.17, sc)
+
+    alone = torch.cat([call(p, 1, True) for p in range(N)])
+    for p0, T, scratch in ((0, 21, False), (21, N - 21, False), (25, 16, True), (41, 7, True)):
+        got = call(p0, T, scratch)
+        assert torch.equal(got, alone[p0:p0 + T]), f"rows at {p0}..{p0 + T - 1} differ from decode-alone"
 
 
 def test_attention_reference_window_rule():

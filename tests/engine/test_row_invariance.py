@@ -1,7 +1,9 @@
-"""Row invariance of the CPU exact lane (DESIGN.md "Exactness contract"): the logits of a token at
+"""Row invariance of the exact lane (DESIGN.md "Exactness contract"): the logits of a token at
 a position are bitwise identical whether it is decoded alone, verified in a block of 2, 7 or 16,
-or prefilled in chunks of 1, 5, 16 or 33 rows; on every weight format the engine serves, with
-f16 and f32 K/V, over a sequence that wraps the sliding-window ring more than twice."""
+prefilled in chunks of 1, 5, 16 or 33 rows, or stepped beside another session's rows; on every
+weight format the engine serves, with f16 and f32 K/V, over a sequence that wraps the
+sliding-window ring more than twice. On the CPU always; on CUDA where a GPU is present (the
+GEMM of kernels/qgemm.py and the fixed-split attention of kernels/attention.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from muser.engine import Engine
+from muser.engine import Engine, StepItem
 from muser.model.synth import SynthSpec
 
 DTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "q4_k_xl"]
 N = 80  # positions: > 2 x the fixture's window (32), so every sliding ring wraps
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _ids(vocab: int) -> list[int]:
@@ -32,10 +35,11 @@ def _one_thread():  # the thread count cannot change results (test_cpu_native.py
 def engines(make_gguf):
     cache = {}
 
-    def get(dtype: str, kv: str) -> Engine:
-        if (dtype, kv) not in cache:
-            cache[(dtype, kv)] = Engine.open(make_gguf(SynthSpec(dtype=dtype)), device="cpu", lane="exact", kv=kv)
-        return cache[(dtype, kv)]
+    def get(dtype: str, kv: str, device: str) -> Engine:
+        if (dtype, kv, device) not in cache:
+            cache[(dtype, kv, device)] = Engine.open(make_gguf(SynthSpec(dtype=dtype)), device=device, lane="exact",
+                                                     kv=kv)
+        return cache[(dtype, kv, device)]
 
     return get
 
@@ -45,10 +49,11 @@ def _decoded_alone(eng: Engine, ids: list[int]) -> np.ndarray:
     return np.stack([s.decode(t) for t in ids])  # [N, vocab], one row per forward
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv", ["f16", "f32"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_logits_do_not_depend_on_batching(engines, dtype, kv):
-    eng = engines(dtype, kv)
+def test_logits_do_not_depend_on_batching(engines, dtype, kv, device):
+    eng = engines(dtype, kv, device)
     ids = _ids(eng.cfg.vocab)
     ref = _decoded_alone(eng, ids)
     assert np.isfinite(ref).all()
@@ -66,3 +71,8 @@ def test_logits_do_not_depend_on_batching(engines, dtype, kv):
         got = np.concatenate(rows)
         bad = np.flatnonzero((got != ref).any(-1))
         assert bad.size == 0, f"verify block {block}: rows {bad[:8].tolist()} differ from decode-alone"
+    s1, s2 = eng.session(max_context=N), eng.session(max_context=N)  # the server's decode batcher
+    s1.prefill(ids[:40])
+    s2.prefill(ids[:36])
+    r1, r2 = eng.step([StepItem(s1, ids[40:41]), StepItem(s2, ids[36:40], logits="all")])
+    assert np.array_equal(r1.logits, ref[40:41]) and np.array_equal(r2.logits, ref[36:40]), "stepped rows differ"

@@ -252,8 +252,8 @@ def test_graph_step_device_metadata_path(eng16, tiny_gguf, kernels):
         assert (pa.keys.float() - pb.keys.float()).abs().max() <= 1e-2
 
 
-def test_cuda_decode_path_with_fused_matvec(make_gguf, kernels):
-    """The whole CUDA decode step as the GPU runs it (Triton dequant-matvec for every projection
+def test_cuda_decode_path_with_triton_gemm(make_gguf, kernels):
+    """The whole CUDA decode step as the GPU runs it (the Triton GEMM for every unstacked projection
     and the LM head, Triton attention, device metadata), minus the capture, vs the eager path
     (a narrower Q8_0 fixture keeps the interpreter quick)."""
     path = make_gguf(SynthSpec(hidden=256, ffn=256, n_heads=4, head_dim=32, dtype="Q8_0"))
@@ -262,9 +262,9 @@ def test_cuda_decode_path_with_fused_matvec(make_gguf, kernels):
     ref.prefill(PROMPT[:33])
     s = eng.session(max_context=64)
     s.prefill(PROMPT[:33])
-    eng.forward.linear.triton_rows = True
+    eng.forward.linear.triton = True
     try:
         got = eng.graph(((1, "last", s.max_context),), ()).run([s], [np.array([5])]).numpy().copy()
     finally:
-        eng.forward.linear.triton_rows = False
+        eng.forward.linear.triton = False
     assert max_dlsm(got, ref.decode(5)) <= GATE_FLOOR

@@ -21,6 +21,7 @@ from muser.kv.serial import (
     decode_tile,
     encode_snapshot,
     encode_tiles,
+    install_tiles,
 )
 from muser.kv.torch_backend import TorchBackend
 
@@ -173,3 +174,28 @@ def test_assemble_refuses_gaps_and_wrong_tails():
     blob[-40] ^= 1
     with pytest.raises(KvFormatError, match="sha256"):
         decode_snapshot(blob, lay)
+
+
+@pytest.mark.parametrize("n", [1, W - 1, W + 1, CH + 1, 3 * W + 5, 40])
+@pytest.mark.parametrize("backend", [None, TorchBackend("cpu")], ids=["numpy", "torch"])
+def test_install_tiles_is_restore_of_assemble(n, backend):
+    lay = layout()
+    tiles = [decode_tile(b, lay) for b in encode_tiles(fill(make(), n).snapshot(), lay)]
+    for max_context in (n, 41, 64):
+        dst = make(max_context=max_context, backend=backend)
+        install_tiles(dst, tiles, lay, n)  # tile by tile, no assembled planes
+        ref = make(max_context=max_context, backend=backend)
+        ref.restore(assemble(tiles, lay, n_tokens=n))
+        assert same_planes(dst, ref) and same_planes(dst, fill(make(max_context=max_context, backend=backend), n))
+
+
+def test_install_tiles_refuses_gaps_and_leaves_the_live_planes():
+    lay = layout()
+    tiles = [decode_tile(b, lay) for b in encode_tiles(fill(make(), 3 * CH).snapshot(), lay)]
+    live = fill(make(), 5, seed=7)
+    before = fill(make(), 5, seed=7)
+    with pytest.raises(KvFormatError, match="expected"):
+        install_tiles(live, [tiles[0], tiles[2], tiles[3]], lay, 3 * CH)
+    with pytest.raises(KvFormatError, match="swa tile"):
+        install_tiles(live, tiles[:3], lay, 3 * CH)
+    assert same_planes(live, before)

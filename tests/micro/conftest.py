@@ -29,6 +29,21 @@ def corpus_mod():
 
 
 @pytest.fixture(scope="session")
+def corpus_pkgs():
+    return _load("corpus_packages")
+
+
+@pytest.fixture(scope="session")
+def corpus_write():
+    return _load("corpus_write")
+
+
+@pytest.fixture(scope="session")
+def corpus_carry():
+    return _load("corpus_carry")
+
+
+@pytest.fixture(scope="session")
 def train_mod():
     return _load("train_micro")
 
@@ -76,7 +91,7 @@ def smoke_run(train_mod, small_corpus, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smoke_ggufs(export_mod, small_corpus, smoke_run, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("micro-gguf")
-    return export_mod.export(smoke_run, small_corpus, out, ("F32", "F16", "Q8_0"), quant="gguf",
+    return export_mod.export(smoke_run, small_corpus / "tokenizer.json", out, ("F32", "F16", "Q8_0"), quant="gguf",
                              log=lambda *_: None)
 
 
@@ -86,5 +101,5 @@ NAME = "muse-glimmer-micro"
 
 @pytest.fixture(scope="session")
 def shipped() -> dict:
-    """The shipped GGUFs: {"F16": path, "Q8_0": path}."""
-    return {"F16": SHIPPED / f"{NAME}-f16.gguf", "Q8_0": SHIPPED / f"{NAME}-q8_0.gguf"}
+    """The shipped GGUF: {"Q8_0": path} (the F16 master lives outside the repository)."""
+    return {"Q8_0": SHIPPED / f"{NAME}-q8_0.gguf"}

@@ -58,11 +58,12 @@ def _torch_logprobs(m, ids) -> np.ndarray:
 
 def test_run_outputs_fit_the_device_return(smoke_run):
     files = sorted(p for p in smoke_run.iterdir() if not p.name.startswith("."))
-    assert {p.name for p in files} >= {"micro-weights.json", "micro-train-log.json", "micro-weights-0.npz"}
-    assert len(files) <= 7 and all(p.stat().st_size <= 16 << 20 for p in files)
-    log = json.loads((smoke_run / "micro-train-log.json").read_text())
-    assert log["status"] == "done" and log["steps"] == 12
-    assert np.isfinite(log["best"]["heldout_loss"]) and log["curve"][-1]["train_loss"] < log["curve"][0]["train_loss"]
+    assert {p.name for p in files} == {"micro-run.json", "micro-weights-0.npz"}
+    assert len(files) <= 8 and all(p.stat().st_size <= 16 << 20 for p in files)
+    run = json.loads((smoke_run / "micro-run.json").read_text())
+    assert run["status"] == "done" and run["main"]["steps"] == 12
+    curve = run["main"]["curve"]
+    assert np.isfinite(run["main"]["best"]["heldout_loss"]) and curve[-1]["train_loss"] < curve[0]["train_loss"]
 
 
 def test_exports_validate(smoke_ggufs, train_mod):
@@ -83,7 +84,8 @@ def test_exports_validate(smoke_ggufs, train_mod):
             assert m.gguf.get_str("tokenizer.ggml.pre") == "llama4"
             assert m.gguf.get_int("tokenizer.ggml.mask_token_id") == 3
             prov = json.loads(m.gguf.get_str("muser.micro.provenance"))
-            assert set(prov["corpus"]) == {"train", "val", "heldout"}
+            assert set(prov["corpus"]) == set(prov["streams"]) == {"val", "heldout"}  # what bench ppl measures
+            assert set(prov["training_corpus"]["streams"]) == {"train", "val", "heldout"}
         finally:
             m.close()
     r = subprocess.run([sys.executable, "-m", "muser", "inspect", str(smoke_ggufs["Q8_0"])],
@@ -129,7 +131,7 @@ def test_parity_check_catches_each_trap(train_mod, export_mod, smoke_run, llama_
             x0, x1 = x[..., : D // 2], x[..., D // 2 :]
             c, s = cos[:T].view(1, T, 1, D // 2), sin[:T].view(1, T, 1, D // 2)
             return torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
-        monkeypatch.setattr(train_mod, "rope_interleaved", neox)
+        monkeypatch.setattr(sys.modules["micro_net"], "rope_interleaved", neox)
     if wrong == "rope_on_full":
         for b in m.blocks:
             b.use_rope = True  # rotate the full layers too (their mask stays full causal)
@@ -157,12 +159,14 @@ def test_export_refuses_a_corrupt_shard(export_mod, smoke_run, small_corpus, tmp
     b[len(b) // 2] ^= 1
     p.write_bytes(bytes(b))
     with pytest.raises(export_mod.ExportError, match="micro-weights-0.npz.*sha256"):
-        export_mod.export(run, small_corpus, tmp_path / "out", ("F16",), quant="gguf", log=lambda *_: None)
+        export_mod.export(run, small_corpus / "tokenizer.json", tmp_path / "out", ("F16",), quant="gguf",
+                          log=lambda *_: None)
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.gguf"))
 
 
 def test_export_refuses_another_tokenizer(export_mod, smoke_run, corpus_mod, tmp_path):
     other = tmp_path / "corpus"
     corpus_mod.build(out=other, vocab_size=400, max_files=24, log=lambda *_: None)
-    with pytest.raises(export_mod.ExportError, match="vocab sha256"):
-        export_mod.export(smoke_run, other, tmp_path / "out", ("F16",), quant="gguf", log=lambda *_: None)
+    with pytest.raises(export_mod.ExportError, match="vocab_sha256"):
+        export_mod.export(smoke_run, other / "tokenizer.json", tmp_path / "out", ("F16",), quant="gguf",
+                          log=lambda *_: None)

@@ -41,8 +41,9 @@ def _assert_per_position(r: dict, positions: int) -> None:
 
 
 def test_ppl_gate_per_position_short(shipped, tmp_path):
-    """Two windows of 256 (510 scored positions): the fast form the mutation check drives."""
-    _assert_per_position(_bench(shipped["Q8_0"], tmp_path, 512, 256), 2 * 255)
+    """Eight windows of 256 (2,040 scored positions): the fast form the mutation check drives (fewer
+    windows leave the Q8_0 activation rounding's per-token noise above the 0.1% gate)."""
+    _assert_per_position(_bench(shipped["Q8_0"], tmp_path, 2048, 256), 8 * 255)
 
 
 def test_ppl_gate_per_position_on_4k_heldout_tokens(shipped, tmp_path):

@@ -1,7 +1,8 @@
-"""The shipped micro model (models/): files, pins, provenance, llama.cpp tokenizer parity on the held-out
-split with the shipped vocabulary, Q8_0 = the F16 master through muser.quant, `muser bench ppl` (framing
-re-derived independently in llama.cpp), and the stored continuations file reproduced in llama.cpp
-(the READMEs' quoted continuations are regenerated in full by test_continuations.py)."""
+"""The shipped micro model (models/): files, pins, provenance, llama.cpp tokenizer parity on the stdlib
+held-out split with the shipped vocabulary, `muser bench ppl` (framing re-derived independently in
+llama.cpp), and the stored continuations file reproduced in llama.cpp (the READMEs' quoted
+continuations are regenerated in full by test_continuations.py). The F16 master is not shipped;
+quantization from a master is checked on the smoke run's master (test_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,14 @@ import llama_cpp
 from muser.cli import main as muser_main
 from muser.errors import IdentityMismatch
 from muser.gguf.reader import read_gguf
-from muser.gguf.types import GgmlType as G
 from muser.model.loader import open_model
 from muser.text import Tokenizer
 
 from .conftest import NAME, SHIPPED
 
 MODELS_LIMIT = 45_000_000  # models/ travels with the working tree to the GPU machine: <= 45 MB in all
-EXPECTED_FILES = {f"{NAME}-f16.gguf", f"{NAME}-f16.pin.json", f"{NAME}-q8_0.gguf", f"{NAME}-q8_0.pin.json",
-                  f"{NAME}-dflash.gguf", f"{NAME}-dflash.pin.json", f"{NAME}-continuations.json", "README.md"}
+EXPECTED_FILES = {f"{NAME}-q8_0.gguf", f"{NAME}-q8_0.pin.json", f"{NAME}-dflash.gguf", f"{NAME}-dflash.pin.json",
+                  f"{NAME}-continuations.json", "README.md"}
 
 
 def test_models_folder_holds_only_the_shipped_files_within_45_mb():
@@ -36,27 +36,27 @@ def test_models_folder_holds_only_the_shipped_files_within_45_mb():
     assert sum(files.values()) <= MODELS_LIMIT, files
 
 
-@pytest.mark.parametrize("dtype", ["F16", "Q8_0"])
-def test_shipped_file_opens_with_its_pin(shipped, dtype):
+def test_shipped_file_opens_with_its_pin(shipped):
+    dtype = "Q8_0"
     path = shipped[dtype]
     m = open_model(path, pin=path.with_suffix(".pin.json"))
     try:
         c = m.config
-        assert (c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn, c.vocab) == (8, 256, 8, 2, 64, 768, 8192)
+        assert (c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn, c.vocab) == (8, 384, 8, 2, 64, 1152, 8192)
         assert (c.sliding_window, c.context_length, c.rope_base_swa, c.softcap) == (256, 1024, 10000.0, 20.0)
         assert list(c.swa_pattern) == [True, True, True, False] * 2
         assert (c.bos_id, c.eos_id, c.eot_id, set(c.eog_ids)) == (0, 1, 2, {1, 2})
         assert m.contract.q_scale == np.float32(3.87)
-        assert m.n_params == 12_592_384  # 12,591,360 trained + 1,024 QK-norm constants
+        assert m.n_params == 22_427_008  # 22,425,984 trained + 1,024 QK-norm constants
         for name, dt in m.contract.dtypes.items():
             assert dt == ("F32" if len(m.gguf.tensors[name].shape) == 1 else dtype), name
     finally:
         m.close()
 
 
-def test_pin_refuses_the_other_file(shipped):
+def test_pin_refuses_another_file(shipped, tiny_gguf):
     with pytest.raises(IdentityMismatch):
-        open_model(shipped["F16"], pin=shipped["Q8_0"].with_suffix(".pin.json"))
+        open_model(tiny_gguf, pin=shipped["Q8_0"].with_suffix(".pin.json"))
 
 
 def test_inspect_reports_valid(shipped):
@@ -73,11 +73,14 @@ def test_provenance_is_this_corpus_and_this_run(shipped, corpus_mod, all_docs):
     finally:
         f.close()
     summary = corpus_mod.corpus_summary(all_docs, [], corpus_mod.DEFAULT_ROOT)
-    for split in corpus_mod.SPLITS:
+    for split in ("val", "heldout"):  # the stdlib splits `muser bench ppl --text` measures
         assert prov["corpus"][split] == {k: summary["splits"][split][k] for k in ("files", "bytes", "sha256")}
     assert hashlib.sha256(json.dumps([list(tokens), list(merges)]).encode()).hexdigest() == \
-        prov["tokenizer_vocab_sha256"]
-    assert prov["training"] == {"step": 1338, "val_loss": pytest.approx(2.3658, abs=1e-4), "selected": "best val loss"}
+        prov["training_corpus"]["tokenizer"]["vocab_sha256"]
+    assert prov["training_corpus"]["streams"]["train"]["tokens"] == 84_040_693
+    assert prov["training"] == {"step": 1955, "steps": 1955, "tokens": 128_122_880, "selected": "best val_select loss",
+                                "val_loss": pytest.approx(1.81578, abs=1e-5),
+                                "heldout_loss": pytest.approx(2.12994, abs=1e-5)}
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +107,8 @@ def llama_heldout_ids(shipped_tokenizers, heldout_docs) -> list[list[int]]:
 
 
 def test_heldout_tokenizer_parity_with_the_shipped_vocab(shipped_tokenizers, heldout_docs, llama_heldout_ids):
-    """Every held-out file tokenizes identically in llama.cpp, in Muser and in `tokenizers`, and the framed
-    stream is the one the training run measured its held-out loss on (stream SHA-256 of the provenance)."""
+    """Every stdlib held-out file tokenizes identically in llama.cpp, in Muser and in `tokenizers`, and the
+    framed stream is the one the provenance records (what `muser bench ppl` re-derives)."""
     ours, hf, _, prov = shipped_tokenizers
     hf_ids = hf.encode_batch([d.text for d in heldout_docs], add_special_tokens=False)
     parts = []
@@ -114,27 +117,8 @@ def test_heldout_tokenizer_parity_with_the_shipped_vocab(shipped_tokenizers, hel
         assert h.ids == theirs, d.relpath
         parts.append([0] + theirs + [1])  # [BOS] ids [EOS] per file
     stream = np.concatenate(parts).astype("<u2")
-    assert stream.size == prov["streams"]["heldout"]["tokens"] == 338_399
+    assert stream.size == prov["streams"]["heldout"]["tokens"] == 369_706
     assert hashlib.sha256(stream.tobytes()).hexdigest() == prov["streams"]["heldout"]["sha256"]
-
-
-def test_q8_0_is_the_f16_master_through_muser_quant(shipped):
-    from muser.quant import quantize
-
-    f16, q8 = read_gguf(shipped["F16"]), read_gguf(shipped["Q8_0"])
-    try:
-        n = 0
-        for name, t in q8.tensors.items():
-            if t.type.ggml_type == G.Q8_0:
-                want = np.asarray(quantize(np.asarray(f16.array(name), dtype=np.float32), G.Q8_0)).reshape(-1)
-                assert np.array_equal(np.asarray(q8.raw(name)).reshape(-1), want), name
-                n += 1
-            else:
-                assert np.array_equal(np.asarray(q8.array(name)), np.asarray(f16.array(name))), name
-        assert n == 66
-    finally:
-        f16.close()
-        q8.close()
 
 
 # --- muser bench ppl ---------------------------------------------------------------------------------
@@ -148,7 +132,9 @@ def _receipt(out_dir) -> dict:
 
 def test_bench_ppl_agrees_with_llama_cpp_and_its_framing_is_reproducible(shipped, heldout_docs, llama_heldout_ids,
                                                                            tmp_path):
-    rc = muser_main(["bench", "ppl", "--model", str(shipped["Q8_0"]), "--text", "held-out", "--max-tokens", "512",
+    # 8 windows of 256: with fewer, the per-token NLL noise of Q8_0 activation rounding (std ~0.02 nats
+    # between the two sides) is no longer averaged below the 0.1% gate
+    rc = muser_main(["bench", "ppl", "--model", str(shipped["Q8_0"]), "--text", "held-out", "--max-tokens", "2048",
                      "--window", "256", "--out-dir", str(tmp_path)])
     assert rc == 0
     r = _receipt(tmp_path)
@@ -156,9 +142,9 @@ def test_bench_ppl_agrees_with_llama_cpp_and_its_framing_is_reproducible(shipped
     assert r["kind"] == "ppl" and r["gate"]["status"] == "pass" and r["gate"]["value"] <= 1e-3
     assert res["text"]["llamacpp_tokenization_identical_files"] == len(heldout_docs) == 108
     fr = res["framing"]
-    whole = 338_399 // 256
-    assert fr["whole_windows"] == whole and fr["window_starts"] == [0, (whole // 2) * 256]
-    assert res["muser"]["scored_tokens"] == res["llamacpp"]["scored_tokens"] == 2 * 255
+    whole = 369_706 // 256
+    assert fr["whole_windows"] == whole and fr["window_starts"] == [(i * whole // 8) * 256 for i in range(8)]
+    assert res["muser"]["scored_tokens"] == res["llamacpp"]["scored_tokens"] == 8 * 255
     # the llama.cpp side, re-derived here from the framing rule alone: exactly the receipt's figure
     stream = np.concatenate([[0] + ids + [1] for ids in llama_heldout_ids])
     lm = llama_cpp.Llama(str(shipped["Q8_0"]), n_ctx=256, n_batch=256, n_ubatch=256, logits_all=True, type_k=1,

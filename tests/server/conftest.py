@@ -40,8 +40,9 @@ def atem_gguf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def micro():
-    """The shipped micro model (the default model of `muser serve`), 4 slots, with an API key."""
-    s = Served(["--slots", "4", "--api-key", API_KEY])
+    """The shipped micro model (the default model of `muser serve`), 4 slots, one CPU thread, with
+    an API key."""
+    s = Served(["--slots", "4", "--threads", "1", "--api-key", API_KEY])
     yield s
     s.stop()
 

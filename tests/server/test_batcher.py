@@ -1,7 +1,8 @@
 """The engine loop's decode batcher on the tiny fixture, in process: sequences that become ready
 within the coalesce window share one Engine.step (counted by muser_engine_steps_total and
 muser_step_sequences), a window of 0 does not hold a step, decode rows go before a whole-prompt
-prefill, and a prompt is chunked 512 alone and 64 while a decoder waits."""
+prefill, a prompt is chunked 512 alone and 64 while a decoder waits, and a step's events reach the
+asyncio loop in one cross-thread call."""
 
 from __future__ import annotations
 
@@ -50,10 +51,21 @@ def model(tiny_gguf):
     m.close()
 
 
-def _job(model, prompt: list[int], max_tokens: int) -> Job:
+class Counting(Inline):
+    """Inline, counting the cross-thread calls."""
+
+    calls = 0
+
+    @classmethod
+    def call_soon_threadsafe(cls, fn, *args):
+        cls.calls += 1
+        fn(*args)
+
+
+def _job(model, prompt: list[int], max_tokens: int, aloop=Inline) -> Job:
     tok = model.tokenizer  # end-of-generation banned: every request runs to max_tokens
     em = emitter(tok, prompt, greedy(logit_bias={t: -100.0 for t in tok.eog_ids}), max_tokens=max_tokens)
-    return Job(prompt=prompt, emitter=em, deadline=time.monotonic() + 300, events=queue.Queue(), aloop=Inline)
+    return Job(prompt=prompt, emitter=em, deadline=time.monotonic() + 300, events=queue.Queue(), aloop=aloop)
 
 
 def _finish(job: Job, timeout: float = 120.0):
@@ -127,6 +139,30 @@ def test_window_zero_does_not_hold_a_step(model):
         loop.stop()
 
 
+def test_one_cross_thread_call_per_step_carries_every_slots_events(model):
+    # three requests in one wide window share every step; each step's tokens (and the last
+    # step's Done events) reach the asyncio loop in one call, in each job's order
+    loop = _loop(model, 500_000)
+    try:
+        jobs = [_job(model, [5 + i, 6, 7, 8], 5, Counting) for i in range(3)]
+        for j in jobs:
+            loop.submit(j)
+        got = []
+        for j in jobs:
+            evs = [j.events.get(timeout=120)]
+            while not isinstance(evs[-1], (Done, Failed)):
+                evs.append(j.events.get(timeout=120))
+            got.append(evs)
+        steps, _, sequences = _steps(loop)
+    finally:
+        loop.stop()
+    assert (steps, sequences) == (5.0, 15.0)
+    assert Counting.calls == steps  # one per step, not one per event (18 events)
+    for j, evs in zip(jobs, got):
+        assert [e.index for e in evs[:-1]] == [0, 1, 2, 3, 4] and isinstance(evs[-1], Done), evs
+        assert [e.token for e in evs[:-1]] == j.emitter.tokens
+
+
 def test_decode_rows_go_before_a_whole_prompt_prefill(model, tmp_path):
     # with a kvpack store a prompt on an empty slot is prefilled in one call (restore + suffix)
     rec = Recording(model, 1024, kvpack=tmp_path / "kvpack")
@@ -173,3 +209,10 @@ def test_cli_refuses_a_negative_window_before_loading(capsys):
 
     assert main(["serve", "--model", "/nonexistent.gguf", "--batch-window-us", "-1"]) == 2
     assert "--batch-window-us must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_cli_refuses_zero_threads_before_loading(capsys):
+    from muser.cli import main
+
+    assert main(["serve", "--model", "/nonexistent.gguf", "--threads", "0"]) == 2
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err

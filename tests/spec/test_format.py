@@ -138,7 +138,7 @@ def test_shipped_drafter_loads_in_pinned_llama_cpp():
     model = llama_cpp.llama_model_load_from_file(str(models / "muse-glimmer-micro-dflash.gguf").encode(), mp)
     assert model, "llama.cpp refused the drafter file"
     try:
-        assert llama_cpp.llama_model_n_embd(model) == 256
+        assert llama_cpp.llama_model_n_embd(model) == 384  # the target's hidden
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = 256
         cp.ctx_other = tgt._ctx.ctx

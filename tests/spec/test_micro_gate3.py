@@ -40,5 +40,4 @@ def test_shipped_drafter_is_the_default():
     from muser.api import shipped_drafter
 
     assert shipped_drafter(TARGET) == DRAFT
-    assert shipped_drafter(MODELS / "muse-glimmer-micro-f16.gguf") == DRAFT
     assert shipped_drafter(DRAFT) is None

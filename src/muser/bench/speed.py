@@ -94,6 +94,11 @@ def register_kind(sub: argparse._SubParsersAction, kind: str, help: str, doc: st
     p.add_argument("--gate-tokens", type=int, default=32, help="greedy tokens the exactness gate compares "
                                                                 "(default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random ids (default 0)")
+    p.add_argument("--gate-receipt", default=None, metavar="RECEIPT",
+                   help="gate by a full-width reduced-depth Gate 2 receipt (tools/device_gate_wide.py) of this "
+                        "tree, device, KV type, widths and dtype mix instead of running the oracle on this model "
+                        "(the full geometry's f32 oracle does not fit in memory); the receipt's gate then reads "
+                        "n/a, gated_by that receipt")
     p.add_argument("--llama-bench-json", default=None,
                    help="CUDA: llama-bench JSON output produced earlier in the same device session "
                         "(read instead of running llama-bench)")
@@ -144,6 +149,8 @@ def check_flags(args: argparse.Namespace, kind: str) -> dict:
         raise LaneError(f"--tokens {args.tokens}: the verify shape serves 1..{MAX_VERIFY} rows")
     if args.gate_tokens < 1:
         raise MuserError(f"--gate-tokens must be >= 1, got {args.gate_tokens}")
+    if args.gate_receipt is not None and not Path(args.gate_receipt).is_file():
+        raise MuserError(f"--gate-receipt {args.gate_receipt!r} is not a file")
     threads = default_threads() if args.threads is None else args.threads
     if threads < 1:
         raise MuserError(f"--threads must be >= 1, got {threads}")
@@ -552,6 +559,50 @@ def run_gate(model, path, lane: str, kv: str, n_gen: int) -> dict:
     return gate
 
 
+WIDE_GATE_KIND = "engine-gate2-wide"  # tools/device_gate_wide.py: kind engine-gate2-wide-<device>
+WIDTH_KEYS = ("hidden", "ffn", "n_heads", "n_kv_heads", "head_dim", "vocab")
+
+
+def model_widths(cfg) -> dict:
+    return {"hidden": cfg.hidden, "ffn": cfg.ffn, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim, "vocab": cfg.vocab}
+
+
+def gate_from_receipt(path, model, device: str, kv: str) -> dict:
+    """The gate of a run gated by a full-width reduced-depth Gate 2 receipt. Refused (typed, before
+    any timing) unless the receipt is one the writer produced, of this tree (git SHA), device kind
+    and KV type, with this model's widths and dtype mix; its verdict is not copied: this run's gate
+    reads n/a, gated_by the receipt, and the figures are a result only if that receipt passed."""
+    from .receipt import git_sha, verify_receipt
+
+    p = Path(path)
+    why = verify_receipt(p)
+    if why:
+        raise MuserError(f"--gate-receipt {str(p)!r} is not a receipt of the writer: {why[0]}")
+    body = json.loads(p.read_text())
+    want_kind = f"{WIDE_GATE_KIND}-{device}"
+    if body["kind"] != want_kind:
+        raise MuserError(f"--gate-receipt {p.name!r} is a {body['kind']!r} receipt, not {want_kind!r}")
+    sha = git_sha()
+    if body["git_sha"] != sha:
+        raise MuserError(f"--gate-receipt {p.name!r} gated tree {body['git_sha']}, this run is {sha}")
+    fx = body.get("model") or {}
+    widths = model_widths(model.config)
+    got = {k: fx.get(k) for k in WIDTH_KEYS}
+    if got != widths:
+        raise MuserError(f"--gate-receipt {p.name!r} gated widths {got}, this model has {widths}")
+    mix = sorted(set(model.engine.model_file.contract.dtypes.values()))
+    if sorted(fx.get("dtypes") or ()) != mix:
+        raise MuserError(f"--gate-receipt {p.name!r} gated dtypes {fx.get('dtypes')}, this model has {mix}")
+    rows = [r for r in body["gate"].get("rows") or () if r.get("kv") == kv]
+    if not rows:
+        raise MuserError(f"--gate-receipt {p.name!r} has no Gate 2 row for KV type {kv!r}")
+    row = rows[0]
+    return {"status": "n/a", "name": "Gate 2 at full width, reduced depth (engine exact lane vs oracle f32)",
+            "gated_by": p.name, "gated_by_digest": body["digest"], "gated_by_status": row.get("status"),
+            "gated_by_row": row, "gated_by_fixture": fx, "lane_gated": "exact"}
+
+
 # --- the run ----------------------------------------------------------------------------------
 
 
@@ -572,6 +623,8 @@ def canonical_command(args: argparse.Namespace, kind: str, model_path, depths, t
         cmd += ["--against", args.against]
     if args.llama_bench_json:
         cmd += ["--llama-bench-json", str(args.llama_bench_json)]
+    if args.gate_receipt:
+        cmd += ["--gate-receipt", str(args.gate_receipt)]
     return cmd
 
 
@@ -621,10 +674,14 @@ def run(args: argparse.Namespace, kind: str) -> int:
     m = api.load(path if args.model else None, device=args.device, lane=args.lane, kv=args.kv)
     try:
         cfg = m.config
-        gate = run_gate(m, path, args.lane, args.kv, args.gate_tokens)
-        print(f"gate: {gate['status']} (max |d log-softmax| {gate['max_dlsm']:.3e}, bound {gate['bound']:.3e}, "
-              f"{gate['greedy_tokens']} greedy tokens identical: {gate['tokens_identical']})",
-              file=sys.stderr, flush=True)
+        if args.gate_receipt:
+            gate = gate_from_receipt(args.gate_receipt, m, args.device, args.kv)
+            print(f"gate: by {gate['gated_by']} ({gate['gated_by_status']})", file=sys.stderr, flush=True)
+        else:
+            gate = run_gate(m, path, args.lane, args.kv, args.gate_tokens)
+            print(f"gate: {gate['status']} (max |d log-softmax| {gate['max_dlsm']:.3e}, bound {gate['bound']:.3e}, "
+                  f"{gate['greedy_tokens']} greedy tokens identical: {gate['tokens_identical']})",
+                  file=sys.stderr, flush=True)
         copy_bw = copy_bandwidth(m.engine.device) if cuda else None
         if args.against and not cuda:
             llama = LlamaCpuCells(path, max(depths) + n, args.kv, threads)
@@ -664,7 +721,7 @@ def run(args: argparse.Namespace, kind: str) -> int:
             del mc
             print(line_for(kind, d, per_depth[str(d)]), file=sys.stderr, flush=True)
 
-        ok = gate["status"] == "pass"
+        ok = gate["status"] == "pass" or (gate.get("gated_by") is not None and gate.get("gated_by_status") == "pass")
         results = {"status": "result" if ok else "not a result",
                    "kind": kind, "tokens": n, "depths": depths, "reps": args.reps, "warmup": args.warmup,
                    "definition": DEFINITIONS[kind], "per_depth": per_depth,

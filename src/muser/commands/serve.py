@@ -7,7 +7,9 @@ sessions, health, Prometheus metrics).
     muser serve --kvpack DIR                 # prompts restore their longest stored prefix (docs/kvpack.md)
     OPENAI_BASE_URL=http://127.0.0.1:8080/v1 python -c "import openai; ..."
 
-One engine-loop thread owns the model; N slots (each its own KV) share every step, and the
+--threads N sets the forward's CPU threads (torch's and the C kernels', which follow torch's) as
+`muser generate --threads N` does; unset, torch's default (the usable cores). One engine-loop
+thread owns the model; N slots (each its own KV) share every step, and the
 sequences that become ready within --batch-window-us of the first join the same step (the decode
 batcher; /metrics: muser_engine_steps_total, muser_step_sequences). --port 0
 takes a free port (the startup line names it). With --prefill-node, a slot's prompt is prefilled
@@ -22,19 +24,17 @@ from __future__ import annotations
 
 import argparse
 
+from .generate import add_model_args, load_model
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="GGUF path (default: the embedded model)")
+    add_model_args(p)  # --model --device --lane --kv --threads, as `muser generate` takes them
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = a free port)")
     p.add_argument("--slots", type=int, default=4, help="sequences served at once (default 4)")
     p.add_argument("--ctx", type=int, help="context per slot in tokens (default: the model's, at most 4096)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
-    p.add_argument("--lane", default="exact", help="exact | fast (default exact)")
-    p.add_argument("--kv", default="f16", help="KV cache type: f16 | f32 (default f16)")
-    p.add_argument("--threads", type=int, help="CPU threads for the forward (default: torch's, the usable cores)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: no key)")
     p.add_argument("--model-id", help="the model name clients send (default: the file name without .gguf)")
     p.add_argument("--queue", type=int, default=64, help="requests waiting for a slot before 503 (default 64)")
@@ -78,8 +78,6 @@ def _remote(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import muser
-
     from ..errors import LaneError
     from ..server import Server
 
@@ -96,17 +94,11 @@ def run(args: argparse.Namespace) -> int:
         raise LaneError(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.api_key is not None and not args.api_key:
         raise LaneError("--api-key must not be empty")
-    if args.threads is not None and args.threads < 1:
-        raise LaneError(f"--threads must be >= 1, got {args.threads}")
     remote = _remote(args)
     if remote is not None and args.kvpack is not None:
         raise LaneError(f"--kvpack {args.kvpack} with --prefill-node {args.prefill_node} is not served: a prompt "
                         "is either restored from the store or prefilled by the node")
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    model = muser.load(args.model, device=args.device, lane=args.lane, kv=args.kv)
+    model = load_model(args)  # --threads set before the weights load, as for `muser generate`
     try:
         Server(model, slots=args.slots, context=args.ctx, host=args.host, port=args.port, model_id=args.model_id,
                remote=remote, kvpack=args.kvpack, batch_window_us=args.batch_window_us,

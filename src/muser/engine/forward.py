@@ -17,8 +17,6 @@ graph. Lanes (engine/lanes.py) decide only how projections are computed.
 
 from __future__ import annotations
 
-import os
-
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,7 +51,7 @@ class LayerWeights:
     ffn_up: QWeight
     ffn_down: QWeight  # [hidden, ffn]
     post_ffw_norm: torch.Tensor
-    # the projections that read one input, packed as one matrix (CUDA: kernels/qmatvec_v3.Stack,
+    # the projections that read one input, packed as one matrix (CUDA: kernels/qgemm.Stack,
     # v left out when its format differs; CPU: cpu_native.CpuStack): attn_in = q|k|v|gate,
     # ffn_in = gate|up
     attn_in: object | None = None
@@ -125,10 +123,8 @@ class ModelWeights:
             ))
         mw = cls(embd=mat("token_embd.weight"), out_norm=vec("output_norm.weight"),
                  lm_head=mat("output.weight"), layers=layers)
-        if device.type == "cuda" and os.environ.get("MUSER_MATVEC", "") in ("", "v3"):
-            # the repacked fields stay only when older kernels are to be timed beside the decode
-            # kernel (MUSER_MATVEC_COMPARE=1)
-            mw.pack_for_decode(drop_fields=os.environ.get("MUSER_MATVEC_COMPARE") != "1")
+        if device.type == "cuda":
+            mw.stack_for_cuda()
             torch.cuda.empty_cache()
         elif device.type == "cpu":
             mw.stack_for_cpu()
@@ -144,13 +140,11 @@ class ModelWeights:
             L.attn_in_v = True
             L.ffn_in = stack([L.ffn_gate, L.ffn_up])
 
-    def pack_for_decode(self, drop_fields: bool) -> None:
-        """The decode kernel's layout (kernels/qmatvec_v3) for every K-quant matrix, and the
-        stacks of projections that read one input. The embedding is read a row at a time and
-        keeps its repacked form."""
-        from .kernels.qmatvec_v3 import pack_matrices, stack
+    def stack_for_cuda(self) -> None:
+        """The projections that read one input as one matrix of the CUDA GEMM (kernels/qgemm.Stack,
+        row views, no second copy): q|k|v|gate (q|k|gate where v's format differs), gate|up."""
+        from .kernels.qgemm import stack
 
-        pack_matrices([w for w in self.matrices() if w is not self.embd], drop_fields=drop_fields)
         for L in self.layers:
             L.attn_in = stack([L.wq, L.wk, L.wv, L.wgate])
             L.attn_in_v = L.attn_in is not None
@@ -373,10 +367,6 @@ class Forward:
             x = rms_norm(h, eps) * W.out_norm
         cap = FK.softcap if self.native else softcap_logits
         logits = cap(lin(W.lm_head, x), cfg.logit_scale, cfg.softcap)
-        if logits_out is not None:
-            logits_out.copy_(logits)
-            return logits_out
-        return logits
         if logits_out is not None:
             logits_out.copy_(logits)
             return logits_out

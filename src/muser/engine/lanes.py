@@ -1,8 +1,10 @@
 """Lanes and how a projection is computed on each (DESIGN.md "Exactness contract").
 
-* exact: f32 activations and f32 accumulation against weights decoded bit-exactly from their
-  stored blocks. Decode-shaped calls (<= 16 rows) on CUDA use the fused Triton dequant-matvec;
-  wider calls decode row chunks and run an f32 GEMM with TF32 off.
+* exact: f32 activations against the stored quant values with f32 accumulation. On CUDA every
+  call, 1 row or a 512-row prefill tile, runs one kernel family (kernels/qgemm.py: one fixed
+  K order per output, whatever the row count, so the lane is row-invariant); NVFP4 weights run
+  their own matvec for <= 16 rows (kernels/nvfp4.py) and an f32 GEMM on decoded row chunks
+  beyond.
 * fast: as exact for <= 16 rows; wider calls (prefill) use bf16 operands on tensor cores with
   f32 output. Its drift is measured and reported, never called exact.
 
@@ -20,7 +22,7 @@ from enum import Enum
 import torch
 
 from ..errors import LaneError
-from .kernels import qmatvec
+from .kernels import qgemm, qmatvec
 from .weights import QWeight
 
 
@@ -47,7 +49,7 @@ def parse_device(value: str) -> torch.device:
     if value == "cuda":
         if not torch.cuda.is_available():
             raise LaneError("device 'cuda' was requested but torch sees no CUDA device")
-        if not qmatvec.HAVE_TRITON:
+        if not qgemm.HAVE_TRITON:
             raise LaneError("device 'cuda' needs Triton for the engine's kernels; it is not installed")
         # Exact lane: no TF32 anywhere (f32 GEMMs stay f32).
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -73,35 +75,28 @@ class Linear:
         self.lane = lane
         self.device = device
         self.cuda = device.type == "cuda"
-        self.triton_rows = self.cuda  # fused dequant-matvec for <= 16 rows (CUDA)
+        self.triton = self.cuda  # the Triton kernels (tests turn them on for a CPU engine: interpreter)
         self._cache: dict[int, torch.Tensor] = {}
         self._cached_bytes = 0
 
     def stacked_ok(self, T: int) -> bool:
-        """Stacked projections serve this call: on CUDA (kernels/qmatvec_v3.Stack) decode-shaped
-        calls with no older kernel forced by MUSER_MATVEC; on the CPU (cpu_native.CpuStack)
-        every call of the C GEMM."""
-        import os
-
+        """Stacked projections serve this call: every call of the exact GEMM, on CUDA
+        (kernels/qgemm.Stack) and on the CPU (cpu_native.CpuStack); not the fast lane's wide
+        calls nor the W4A4 lane's verify rows (each projection by itself, __call__)."""
         if self.lane is Lane.W4A4 and 1 < T <= qmatvec.MAX_ROWS:
-            return False  # verify rows of the W4A4 lane: each projection by itself (__call__)
-        if self.triton_rows:
-            return T <= qmatvec.MAX_ROWS and os.environ.get("MUSER_MATVEC", "") in ("", "v3")
-        return not self.cuda and not self._torch_wide(T)
+            return False
+        return not self._torch_wide(T)
 
     def _torch_wide(self, T: int) -> bool:
         return self.lane is Lane.FAST and T > qmatvec.MAX_ROWS
 
     def stacked_raw(self, st, x: torch.Tensor) -> torch.Tensor:
         """x [T, n_in] -> [T, sum n_out] for a Stack (one launch / one GEMM)."""
-        if not self.cuda:
-            from .kernels import cpu_native
+        if isinstance(st, qgemm.Stack):
+            return qgemm.gemm(st.w, x.contiguous())
+        from .kernels import cpu_native
 
-            if isinstance(st, cpu_native.CpuStack):
-                return cpu_native.gemm(st.mat, x.contiguous())
-        from .kernels import qmatvec_v3
-
-        return qmatvec_v3.matvec_v3(st.packed, x.contiguous())
+        return cpu_native.gemm(st.mat, x.contiguous())
 
     def stacked(self, st, x: torch.Tensor) -> list[torch.Tensor]:
         """x [T, n_in] -> the members' outputs of a Stack (column views of one [T, sum] result)."""
@@ -113,9 +108,14 @@ class Linear:
             from .w4a4 import matmul_w4a4  # book 7.4.3: the verify forward of a W4A4 file
 
             return matmul_w4a4(w, x)
-        if self.triton_rows and T <= qmatvec.MAX_ROWS:
-            return qmatvec.matvec(w, x.contiguous())
         wide = self._torch_wide(T)
+        if self.triton and not wide:
+            if qgemm.supports(w.fmt):
+                return qgemm.gemm(w, x.contiguous())
+            if T <= qmatvec.MAX_ROWS:  # NVFP4: its own tile decoder (kernels/nvfp4.py)
+                from .kernels.nvfp4 import matvec_nvfp4
+
+                return matvec_nvfp4(w, x.contiguous())
         dt = torch.bfloat16 if wide else torch.float32
         if not self.cuda and not wide:
             return self._cpu_gemm(w, x.contiguous())
@@ -187,8 +187,4 @@ def decode_range(w: QWeight, n0: int, n1: int) -> torch.Tensor:
     """Decode rows [n0, n1) through row views of the fields (no gather copy)."""
     from .weights import decode_fields
 
-    if not w.fields and w.packed is not None:  # only the decode kernel's layout is resident
-        from .kernels.qmatvec_v3 import decode_rows
-
-        return decode_rows(w.packed, None, n0, n1)
     return decode_fields(w.fmt, {k: v[n0:n1] for k, v in w.fields.items()}, w.n_in)

@@ -38,7 +38,7 @@ class _EagerKv:
                              for p in sess.cache.planes], dtype=np.int64)
             self.meta = torch.from_numpy(meta).to(sess.device)
             self.pos = torch.tensor([p0], dtype=torch.int64, device=sess.device)
-            self.scratch = sess._scratch(T)
+            self.scratch = sess._scratch() if T <= MAX_VERIFY else None  # prefill: one program per row
 
     def attend(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s, cfg = self.s, self.s.cfg
@@ -48,9 +48,8 @@ class _EagerKv:
         vq = v.to(s.kv_torch)
         window = g.window if g.sliding else 0
         if self.cuda:
-            splits = pick_splits(plane.capacity) if self.T <= MAX_VERIFY else 1
             out = attend_triton(q, kq, vq, plane.keys, plane.values, g.head_major, self.meta[il],
-                                self.pos, window, cfg.attn_scale, self.scratch, splits=splits)
+                                self.pos, window, cfg.attn_scale, self.scratch, splits=pick_splits(plane.capacity))
         elif s.device.type == "cpu":  # the C kernel: fixed order per row, any T (row-invariant)
             from .kernels import cpu_native
 
@@ -86,27 +85,20 @@ class Session(Sequence):
         if self.use_graphs and self.device.type != "cuda":
             raise LaneError("CUDA graphs need device 'cuda'")
         self._graphs: dict = {}  # (rows, output) -> the engine's StepGraph this session ran alone
-        self._scratches: dict[bool, AttnScratch] = {}
+        self._scratch_narrow: AttnScratch | None = None
 
     @property
     def kv_bytes(self) -> int:
         return resident_bytes(self.cache)
 
     # -- forward -------------------------------------------------------------------------------
-    def _scratch(self, T: int) -> AttnScratch:
-        """Attention partials: one buffer for verify-shaped calls (<= 16 rows, split sequence)
-        and one for prefill chunks (one split per row), each allocated once per session."""
-        narrow = T <= MAX_VERIFY
-        sc = self._scratches.get(narrow)
-        if sc is None:
-            if narrow:
-                sc = AttnScratch(MAX_VERIFY, self.cfg.n_heads, self.cfg.head_dim,
-                                 max(pick_splits(p.capacity) for p in self.cache.planes), self.device)
-            else:
-                sc = AttnScratch(max(self.chunk, MAX_VERIFY + 1), self.cfg.n_heads, self.cfg.head_dim, 1,
-                                 self.device)
-            self._scratches[narrow] = sc
-        return sc
+    def _scratch(self) -> AttnScratch:
+        """Split partials of verify-shaped calls (<= 16 rows), allocated once per session; a
+        prefill chunk needs none (kernels/attention.py runs its splits in turn per row)."""
+        if self._scratch_narrow is None:
+            self._scratch_narrow = AttnScratch(MAX_VERIFY, self.cfg.n_heads, self.cfg.head_dim,
+                                               max(pick_splits(p.capacity) for p in self.cache.planes), self.device)
+        return self._scratch_narrow
 
     def _graph_ok(self, T: int, out_rows: str, capture: tuple[int, ...]) -> bool:
         return (self.use_graphs and T <= MAX_VERIFY and out_rows in ("last", "all")

@@ -28,7 +28,7 @@ from . import nvfp4 as _nv
 QK = 256  # the tile every format is decoded in: one K-quant super-block, or 8 blocks of 32
 
 # Formats the engine decodes exactly on the device; anything else is refused (LaneError).
-# BASE_FORMATS are decoded by kernels/qmatvec*.py from their own bytes; NVFP4 (engine/nvfp4.py,
+# BASE_FORMATS are read by kernels/qgemm.py and kernels/qmatvec.py from their own bytes; NVFP4 (engine/nvfp4.py,
 # kernels/nvfp4.py) adds the companion form and ggml's type 40.
 BASE_FORMATS = (G.F32, G.F16, G.BF16, G.Q8_0, G.Q4_0, G.Q4_K, G.Q5_K, G.Q6_K)
 DEVICE_FORMATS = (*BASE_FORMATS, *_nv.NVFP4_FORMATS)
@@ -97,20 +97,14 @@ class QWeight:
     n_out: int
     n_in: int
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
-    # the decode kernel's own layout (kernels/qmatvec_v3.Packed), built at load on CUDA; when the
-    # repacked `fields` are dropped, `decode` runs the packed layout's bit-exact decoder
-    packed: object | None = None
 
     @property
     def device(self) -> torch.device:
-        if not self.fields and self.packed is not None:
-            return self.packed.device
         return next(iter(self.fields.values())).device
 
     @property
     def nbytes(self) -> int:
-        n = sum(t.numel() * t.element_size() for t in self.fields.values())
-        return n + (self.packed.nbytes if self.packed is not None else 0)
+        return sum(t.numel() * t.element_size() for t in self.fields.values())
 
     @property
     def n_tiles(self) -> int:  # 256-wide tiles per row (last one may be partial for 32-blocks)
@@ -121,10 +115,6 @@ class QWeight:
 
     def decode(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """f32 [r, n_in]: rows `rows` (int64 device tensor) or all rows. Bit-exact ggml."""
-        if not self.fields and self.packed is not None:
-            from .kernels.qmatvec_v3 import decode_rows
-
-            return decode_rows(self.packed, rows)
         if rows is None:
             f = self.fields
         else:

@@ -5,6 +5,7 @@
     blobs = encode_tiles(cache.snapshot(tokens=ids))  # NoPE chunk tiles, then the SWA tail tile
     tiles = [decode_tile(b, layout) for b in blobs]   # strict: KvFormatError / KvLayoutMismatch
     other.restore(assemble(tiles, layout, ids))       # any cache with the same layouts that fits
+    install_tiles(other, tiles, layout, len(ids))     # the same, tile by tile (no assembled copy)
 
 Two tile kinds (book 9.7, 14.6, 15.6):
 - NOPE: the full-attention layers' K and V rows of one CHUNK_TOKENS-token chunk. NoPE rows carry
@@ -322,14 +323,9 @@ def decode_tile(data: bytes | bytearray | memoryview, layout: KvLayout, kind: in
     return Tile(k, start, rows, n_tokens, layers, tuple(keys), tuple(values), digest.hex(), len(buf))
 
 
-def assemble(tiles: Sequence[Tile], layout: KvLayout, tokens: Sequence[int] | None = None,
-             n_tokens: int | None = None) -> KvSnapshot:
-    """A KvSnapshot from NOPE chunk tiles covering [0, n) in order and the SWA tile at n.
-    Refuses gaps, overlaps, a tail of another length, or missing kinds."""
-    if n_tokens is None:
-        if tokens is None:
-            raise KvFormatError("assemble needs tokens or n_tokens", field="n_tokens")
-        n_tokens = len(tokens)
+def _cover(tiles: Sequence[Tile], layout: KvLayout, n_tokens: int) -> tuple[list[Tile], Tile | None]:
+    """NOPE chunk tiles covering [0, n) in order and the one SWA tile at n; refuses gaps,
+    overlaps, a tail of another length, or missing kinds."""
     nope = sorted((t for t in tiles if t.kind == KIND_NOPE), key=lambda t: t.start)
     swa = [t for t in tiles if t.kind == KIND_SWA]
     pos = 0
@@ -342,6 +338,19 @@ def assemble(tiles: Sequence[Tile], layout: KvLayout, tokens: Sequence[int] | No
     if layout.sliding_layers and n_tokens and (len(swa) != 1 or swa[0].n_tokens != n_tokens):
         raise KvFormatError(f"need one swa tile at {n_tokens} tokens, got {[t.n_tokens for t in swa]}",
                             field="n_tokens")
+    return nope, (swa[0] if swa else None)
+
+
+def assemble(tiles: Sequence[Tile], layout: KvLayout, tokens: Sequence[int] | None = None,
+             n_tokens: int | None = None) -> KvSnapshot:
+    """A KvSnapshot from NOPE chunk tiles covering [0, n) in order and the SWA tile at n.
+    Refuses gaps, overlaps, a tail of another length, or missing kinds."""
+    if n_tokens is None:
+        if tokens is None:
+            raise KvFormatError("assemble needs tokens or n_tokens", field="n_tokens")
+        n_tokens = len(tokens)
+    nope, swa_tile = _cover(tiles, layout, n_tokens)
+    swa = [swa_tile] if swa_tile is not None else []
     planes = []
     for pl in layout.planes():
         if pl.sliding:
@@ -358,6 +367,25 @@ def assemble(tiles: Sequence[Tile], layout: KvLayout, tokens: Sequence[int] | No
             v = vs[0] if len(vs) == 1 else (np.concatenate(vs) if vs else k)
             planes.append(PlaneSnapshot(pl, 0, k, v))
     return KvSnapshot(n_tokens, tuple(planes), None if tokens is None else tuple(int(t) for t in tokens))
+
+
+def install_tiles(target: Any, tiles: Sequence[Tile], layout: KvLayout, n_tokens: int) -> None:
+    """Restore `tiles` (the state after n_tokens tokens) into `target` (a KvCache or a session:
+    anything with begin_install/commit) tile by tile: each tile's rows go from the entry's bytes
+    straight into detached planes, swapped in whole at the end (book 10.7). Same result as
+    target.restore(assemble(...)) without the assembled copy of every NoPE plane on the host."""
+    nope, swa = _cover(tiles, layout, n_tokens)
+    inst = target.begin_install(n_tokens)
+    for t in nope:
+        for j, layer in enumerate(t.layers):
+            inst.put(layer, t.start, t.keys[j], t.values[j])  # [rows, kv_dim] views of the entry
+    if swa is not None:
+        origin = swa.start  # the tile's explicit origin (book 15.6)
+        for j, layer in enumerate(swa.layers):
+            a, _ = inst.expected(layer)  # rows before the ring's live window are not needed
+            if a < n_tokens:
+                inst.put(layer, a, swa.keys[j][a - origin:], swa.values[j][a - origin:])
+    target.commit(inst)
 
 
 def encode_snapshot(snap: KvSnapshot, layout: KvLayout | None = None) -> bytes:

@@ -5,8 +5,8 @@
     warm.last                              # {"restored": r, "prefilled": n - r, ...}
     warm.wait()                            # background persistence of the new chunks finished
 
-On a hit the stored tiles (verified on read) are assembled into a snapshot and installed through
-`session.restore`, which builds detached planes and swaps them in whole (book 10.7). The suffix
+On a hit the stored tiles (verified on read) are installed tile by tile into detached planes
+(muser.kv.serial.install_tiles), swapped in whole (book 10.7). The suffix
 is prefilled from the restored chunk boundary, so its chunk boundaries are the ones a cold
 prefill of the whole prompt uses; with row-invariant kernels the logits are bitwise the cold
 ones (Gate 3). At L, the last chunk boundary before the final token, the SWA rings are copied
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import LaneError
-from ..kv.serial import CHUNK_TOKENS, KIND_NOPE, KIND_SWA, assemble, encode_tile
+from ..kv.serial import CHUNK_TOKENS, KIND_NOPE, KIND_SWA, encode_tile, install_tiles
 from ..sequence import check_span, check_tokens
 from .entry import encode_entry
 from .store import Store
@@ -100,7 +100,7 @@ class WarmSession:
         r = 0
         try:
             if hit is not None:
-                s.restore(assemble(hit.tiles, self.store.binding.layout, tokens=toks[:hit.n_tokens]))
+                install_tiles(s, hit.tiles, self.store.binding.layout, hit.n_tokens)  # no assembled copy
                 r = hit.n_tokens
             end = (len(toks) - 1) // ch * ch  # last chunk boundary that leaves a token to prefill
             tail = None

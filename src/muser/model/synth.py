@@ -25,6 +25,10 @@ from ..gguf.writer import TensorSpec, Typed, write_gguf
 from .config import ARCH, COLLAR
 from .contract import expected_tensors
 
+# NVFP4 mixes (muser.quant.convert targets of the same names): the projections in the format, the
+# embedding and LM head F16 (book 7.5's mix), norms F32.
+NVFP4_MIXES = ("nvfp4", "nvfp4-ggml")
+
 # Special tokens of the synthetic tokenizer (ids 0..5, in this order).
 BOS, EOS, EOT, MASK, START_HEADER, END_HEADER = (
     "<|begin_of_text|>", "<|end_of_text|>", "<|eot|>", "<|mask|>", "<|start_header|>", "<|end_header|>",
@@ -98,7 +102,8 @@ class SynthSpec:
     logit_scale: float = 1.0 / math.sqrt(26.0)
     softcap: float = 20.0
     q_scale: float = 3.87  # qk_scale_factor broadcast into attn_q_norm (book 9.9)
-    dtype: str = "F32"  # one type for every 2-D weight, or "q4_k_xl" (Figure 6.6 mix)
+    dtype: str = "F32"  # one type for every 2-D weight, or a mix: "q4_k_xl" (Figure 6.6), "nvfp4" /
+    # "nvfp4-ggml" (projections native NVFP4 + companions / ggml NVFP4 type 40, embedding and LM head F16)
     overrides: tuple[tuple[str, str], ...] = ()  # (tensor name, dtype) pairs
     source: str = "master"  # "master" | "blocks" (quantized bytes)
     seed: int = 0
@@ -113,6 +118,9 @@ class SynthSpec:
             raise ValueError(f"n_layers {self.n_layers} must be a multiple of {COLLAR}")
         if self.source not in ("master", "blocks"):
             raise ValueError(f"source must be 'master' or 'blocks', got {self.source!r}")
+        if self.dtype.lower() in NVFP4_MIXES and self.source != "blocks":
+            raise ValueError(f"dtype {self.dtype!r} is written from random blocks (source='blocks'); an NVFP4 file "
+                             f"of master values is `muser quantize --to {self.dtype.lower()}` of an F16 fixture")
 
     def with_(self, **kw) -> "SynthSpec":
         return replace(self, **kw)
@@ -202,7 +210,7 @@ def model_metadata(spec: SynthSpec) -> dict:
     k = lambda s: f"{ARCH}.{s}"  # noqa: E731
     md = {
         "general.name": "muse-glimmer-synthetic",
-        "general.file_type": Typed(0 if spec.dtype == "F32" else 1, V.UINT32),
+        "general.file_type": Typed(_FILE_TYPE.get(spec.dtype.lower(), 0 if spec.dtype == "F32" else 1), V.UINT32),
         k("context_length"): Typed(spec.context_length, V.UINT32),
         k("embedding_length"): Typed(spec.hidden, V.UINT32),
         k("block_count"): Typed(spec.n_layers, V.UINT32),
@@ -221,8 +229,15 @@ def model_metadata(spec: SynthSpec) -> dict:
         k("logit_scale"): Typed(spec.logit_scale, V.FLOAT32),
         k("final_logit_softcapping"): Typed(spec.softcap, V.FLOAT32),
     }
+    if spec.dtype.lower() in NVFP4_MIXES:  # book 7.3: the pairing rule the loader checks
+        from ..quant.nvfp4 import WEIGHT_PRECISION_KEY
+
+        md[WEIGHT_PRECISION_KEY] = spec.dtype.lower()
     md.update(tokenizer_metadata(spec))
     return md
+
+
+_FILE_TYPE = {"q4_k_xl": 15, "nvfp4-ggml": 39}  # llama.h llama_ftype (MOSTLY_Q4_K_M, MOSTLY_NVFP4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,6 +267,11 @@ def tensor_types(spec: SynthSpec) -> dict[str, G]:
             t = G.F32
         elif spec.dtype.lower() == "q4_k_xl":
             t = q4_k_xl_type(r.name)
+        elif spec.dtype.lower() in NVFP4_MIXES:
+            if r.name in ("token_embd.weight", "output.weight"):
+                t = G.F16
+            else:
+                t = G.NVFP4 if spec.dtype.lower() == "nvfp4-ggml" else G.NVFP4_E2M1
         else:
             t = G[spec.dtype.upper()]
         if r.name in over:
@@ -360,6 +380,59 @@ def random_block_bytes(spec: SynthSpec, name: str, shape: tuple[int, ...], t: G)
     return _random_blocks(rng, t, n_blocks, d)
 
 
+# NVFP4 (book 7.1): every byte of an E2M1 payload is two valid codes, so random bytes are valid
+# blocks; the scales carry the master's std. RMS of an E2M1 value over the 16 codes uniformly:
+# sqrt(mean(E2M1_VALUES^2)) = sqrt(8.5625). ggml's type 40 stores doubled codes and halves its
+# UE4M3 scale (ggml_ue4m3_to_fp32), so the same d gives the same values.
+_E2M1_RMS = math.sqrt(8.5625)
+
+
+def _scale_codes(table: np.ndarray, d0: float, rng: np.random.Generator, n: int) -> np.ndarray:
+    """n scale bytes drawn uniformly from the codes whose value lies in [d0/2, 3 d0/2] (the ±50%
+    jitter of the K-quant blocks' d, as bytes: no per-value encode over billions of scales)."""
+    codes = np.flatnonzero((table >= 0.5 * d0) & (table <= 1.5 * d0)).astype(np.uint8)  # NaN compares False
+    if codes.size == 0:
+        raise ValueError(f"no scale code within [{0.5 * d0:g}, {1.5 * d0:g}]")
+    return codes[rng.integers(0, codes.size, size=n)]
+
+
+def nvfp4_ggml_block_bytes(spec: SynthSpec, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Random valid ggml NVFP4 blocks (type 40: 4 UE4M3 sub-block scales + 32 payload bytes)."""
+    from ..quant.fp4 import UE4M3_HALF_VALUES
+
+    rng = _rng(spec, name)
+    n_blocks = math.prod(shape) // 64
+    b = np.frombuffer(rng.bytes(n_blocks * 36), dtype=np.uint8).reshape(n_blocks, 36).copy()
+    # value = kvalues[q] (doubled E2M1) x UE4M3/2 = E2M1 x UE4M3 (ggml_ue4m3_to_fp32)
+    table = UE4M3_HALF_VALUES * np.float32(2.0)
+    table[0x80:] = np.nan  # bit 7 is ignored: draw from the canonical codes only
+    d0 = _std(spec, name, shape) / _E2M1_RMS
+    b[:, 0:4] = _scale_codes(table, d0, rng, n_blocks * 4).reshape(n_blocks, 4)
+    return b
+
+
+def nvfp4_native_parts(spec: SynthSpec, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Random native NVFP4: payload uint8 [n_out, n_in/2] and E4M3FN scales uint8 [n_out, n_in/16]
+    (scale2 = 1). Recomputed per call from the tensor's seed, so payload and scales agree."""
+    from ..quant.fp4 import E4M3FN_VALUES
+
+    rng = _rng(spec, name)
+    n_in, n_out = shape
+    packed = np.frombuffer(rng.bytes(n_out * n_in // 2), dtype=np.uint8).reshape(n_out, n_in // 2)
+    d0 = _std(spec, name, shape) / _E2M1_RMS
+    scales = _scale_codes(E4M3FN_VALUES, d0, rng, n_out * n_in // 16).reshape(n_out, n_in // 16)
+    return packed, scales
+
+
+def _companion_base(specs_by_name: dict[str, TensorSpec], name: str) -> tuple[str, str] | None:
+    from ..quant.nvfp4 import SCALE2_SUFFIX, SCALE_SUFFIX
+
+    for suf in (SCALE_SUFFIX, SCALE2_SUFFIX):
+        if name.endswith(suf) and name[: -len(suf)] in specs_by_name:
+            return name[: -len(suf)], suf
+    return None
+
+
 def tensor_bytes(spec: SynthSpec, s: TensorSpec) -> np.ndarray:
     t = s.ggml_type
     if t in (G.F32, G.F16, G.BF16) or spec.source == "master" or len(s.shape) == 1:
@@ -367,6 +440,10 @@ def tensor_bytes(spec: SynthSpec, s: TensorSpec) -> np.ndarray:
         return encode(vals, t)
     if t in _D_FIELDS:
         return random_block_bytes(spec, s.name, s.shape, t)
+    if t == G.NVFP4:
+        return nvfp4_ggml_block_bytes(spec, s.name, s.shape)
+    if t == G.NVFP4_E2M1:
+        return nvfp4_native_parts(spec, s.name, s.shape)[0]
     raise ValueError(f"no random-block generator for {t.name}")
 
 
@@ -397,8 +474,18 @@ def encode(values: np.ndarray, t: G) -> np.ndarray:
 
 
 def tensor_specs(spec: SynthSpec) -> list[TensorSpec]:
+    """Every tensor in file order; a native NVFP4 weight is followed by its companions (book 7.3)."""
+    from ..quant.nvfp4 import GROUP, SCALE2_SUFFIX, SCALE_SUFFIX
+
     types = tensor_types(spec)
-    return [TensorSpec(r.name, r.shape, types[r.name]) for r in expected_tensors(_config_like(spec))]
+    out: list[TensorSpec] = []
+    for r in expected_tensors(_config_like(spec)):
+        out.append(TensorSpec(r.name, r.shape, types[r.name]))
+        if types[r.name] == G.NVFP4_E2M1:
+            n_in, n_out = r.shape
+            out += [TensorSpec(r.name + SCALE_SUFFIX, (n_in // GROUP, n_out), G.F8_E4M3FN),
+                    TensorSpec(r.name + SCALE2_SUFFIX, (1,), G.F32)]
+    return out
 
 
 def write_fixture(
@@ -416,4 +503,15 @@ def write_fixture(
     for key in drop_metadata:
         md.pop(key, None)
     specs = tensor_specs(spec)
-    return write_gguf(path, ARCH, md, specs, lambda s: tensor_bytes(spec, s), progress=progress)
+    by_name = {s.name: s for s in specs}
+
+    def produce(s: TensorSpec) -> np.ndarray:
+        comp = _companion_base(by_name, s.name) if s.ggml_type in (G.F8_E4M3FN, G.F32) else None
+        if comp is None:
+            return tensor_bytes(spec, s)
+        base, suf = comp
+        if suf.endswith("scale2"):
+            return np.array([1.0], dtype="<f4")  # scale2 = 1: the E4M3FN scales carry the magnitude
+        return nvfp4_native_parts(spec, base, by_name[base].shape)[1]
+
+    return write_gguf(path, ARCH, md, specs, produce, progress=progress)

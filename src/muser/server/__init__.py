@@ -44,6 +44,13 @@ class Server:
         return ("" if b.remote is None else f"; prompts prefill on {b.remote.host}:{b.remote.port}") + \
             ("" if b.store is None else f"; kvpack {b.store.backend.root}")
 
+    def _threads(self) -> str:
+        if self.model.device != "cpu":
+            return ""
+        import torch
+
+        return f", threads {torch.get_num_threads()}"  # the C kernels follow torch's count
+
     def serve(self, log_level: str = "warning") -> None:
         import uvicorn
 
@@ -55,7 +62,8 @@ class Server:
         self.loop.start()
         host = f"[{self.host}]" if family == socket.AF_INET6 else self.host
         print(f"muser serve: listening on http://{host}:{port}/v1 (model {self.config.model_id}, "
-              f"{len(self.loop.slots)} slots, context {self.loop.context}, device {self.model.device})"
+              f"{len(self.loop.slots)} slots, context {self.loop.context}, device {self.model.device}"
+              f"{self._threads()})"
               + self._extras(),
               file=sys.stderr, flush=True)
         server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, access_log=False,

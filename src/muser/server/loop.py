@@ -18,6 +18,8 @@ Scheduling (book 10.2-10.5, 10.10; the scheduler sees ids and counts, the backen
   every slot busy it goes at once. Window 0: every step goes as soon as it has a row.
 * Decode outranks prefill (book 10.2): besides the 64-row budget above, a whole-prompt prefill
   (below) runs after the iteration's step, so the decoders' rows are never behind it.
+* Events reach the server's asyncio loop once per step (Outbox): one cross-thread wake carries
+  every slot's token of the step, and the wake goes after the step's sampling, not between it.
 * A job that is cancelled (client gone) or past its deadline leaves its slot before the next
   step is built. A failing step fails only the jobs in it; the loop goes on.
 * Named sessions keep a conversation's KV across requests: a request whose prompt extends the
@@ -100,10 +102,33 @@ class Job:
     t_first: float | None = None
     t_last: float | None = None
 
-    def put(self, ev) -> None:
-        if self.aloop is not None:
+
+def _deliver(batch: list[tuple[Any, Any]]) -> None:
+    for events, ev in batch:  # on the asyncio loop: in the order the engine loop emitted them
+        events.put_nowait(ev)
+
+
+class Outbox:
+    """The engine loop's events for the jobs' asyncio loops, handed over in one call per loop
+    at `flush`. Each call_soon_threadsafe writes the loop's self-pipe, and the woken loop thread
+    takes the GIL while the engine thread is still sampling the step's other slots; one wake per
+    step instead of one per event keeps that trade to one per step."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Job, Any]] = []
+
+    def put(self, job: Job, ev) -> None:
+        if job.aloop is not None:
+            self._pending.append((job, ev))
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        loops: dict[int, tuple[Any, list]] = {}
+        for job, ev in pending:
+            loops.setdefault(id(job.aloop), (job.aloop, []))[1].append((job.events, ev))
+        for aloop, batch in loops.values():
             try:
-                self.aloop.call_soon_threadsafe(self.events.put_nowait, ev)
+                aloop.call_soon_threadsafe(_deliver, batch)
             except RuntimeError:  # the server's event loop is closed: nobody is listening
                 pass
 
@@ -262,6 +287,7 @@ class EngineLoop:
         self.queue_limit = queue_limit
         self.sessions = SessionStore(max_sessions)
         self.metrics = metrics
+        self.outbox = Outbox()
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="muser-engine-loop", daemon=True)
@@ -321,9 +347,11 @@ class EngineLoop:
                     if s.job is not None:
                         self._fail(s, ApiError(500, f"engine loop error: {type(e).__name__}: {e}", None,
                                                "server_error"))
+            self.outbox.flush()
         for s in self.slots:
             if s.job is not None:
                 self._fail(s, ApiError(503, "the server is shutting down", None, "server_error"))
+        self.outbox.flush()
 
     def _leave(self, now: float) -> None:
         for s in self.slots:  # before the step: gone clients, deadlines
@@ -340,6 +368,7 @@ class EngineLoop:
             self._leave(now)
             self._admit(now)
             self._gauge()
+            self.outbox.flush()  # refusals (deadlines, bad requests) before any wait
             ready = [s.ready_at for s in self.slots if s.job is not None]
             if not ready:
                 return
@@ -368,9 +397,11 @@ class EngineLoop:
             budget -= len(items[-1][1])
         if items:
             self._step(items)
+            self.outbox.flush()  # the step's tokens go out before any whole-prompt prefill runs
         for s in whole:  # decode outranks prefill: the decoders' rows went first
             if s.prefilling:
                 self._prefill_whole(s)
+                self.outbox.flush()
 
     def _step(self, items: list[tuple[Slot, list[int]]]) -> None:
         results = self.backend.step([(s.session, toks) for s, toks in items])
@@ -441,7 +472,7 @@ class EngineLoop:
                 return
             if now > job.deadline:
                 self._unbusy(job)
-                job.put(Failed(ApiError(504, "the request timed out in the queue", None, "timeout")))
+                self.outbox.put(job, Failed(ApiError(504, "the request timed out in the queue", None, "timeout")))
                 continue
             try:
                 self._start(s, job)
@@ -486,15 +517,15 @@ class EngineLoop:
         job.t_last = time.monotonic()
         if self.metrics is not None:
             self.metrics.completion_tokens.inc()
-        job.put(piece)
+        self.outbox.put(job, piece)
         if piece.finish_reason is None:
             s.next_token = piece.token
             return
-        job.put(Done(piece.finish_reason, len(job.prompt), len(s.emitter.tokens), s.cached))
+        self.outbox.put(job, Done(piece.finish_reason, len(job.prompt), len(s.emitter.tokens), s.cached))
         self._release(s, keep=True)
 
     def _fail(self, s: Slot, err: ApiError) -> None:
-        s.job.put(Failed(err))
+        self.outbox.put(s.job, Failed(err))
         self._release(s, keep=False)
 
     def _unbusy(self, job: Job) -> None:

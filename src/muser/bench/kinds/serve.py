@@ -3,8 +3,10 @@ side with the pinned llama-server on the same GGUF with `--against llama-server 
 
 Each server runs as its own process on a free port of 127.0.0.1, with the same slots, the same
 context per slot (llama-server: -np SLOTS -c SLOTS x CTX, one KV buffer per slot, the per-slot
-context it reports checked) and the same CPU threads (--threads). Every client streams
-/v1/completions requests one after another (temperature 0, the model's end-of-generation tokens
+context it reports checked) and the same CPU threads (--threads: `muser serve --threads N`,
+llama-server `-t N -tb N`; with --device cuda llama-server offloads every layer, -ngl 99). Every
+client is one HTTP client object (made before the level's clock starts) that streams
+/v1/completions requests one after another, each on a new connection (temperature 0, the model's end-of-generation tokens
 banned by logit_bias so every request produces exactly --max-tokens tokens,
 stream_options.include_usage on; llama-server is also sent cache_prompt=false, so neither server
 reuses an earlier request's prompt KV). Per request: TTFT = send to the first token chunk;
@@ -29,6 +31,10 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import httpx
 
 PROMPTS = ["def parse_args(argv):\n", "class Node:\n    def __init__(self", "import os\nimport sys\n\n\ndef main(",
            "for key, value in sorted(", "    return self._cache[", "try:\n    import json\nexcept ImportError:",
@@ -97,10 +103,14 @@ def muser_server(args: list[str]) -> ServerProcess:
 N_CTX_SLOT = re.compile(r"initializing, n_slots = (\d+), n_ctx_slot = (\d+), kv_unified = '(\w+)'")
 
 
-def llama_server_argv(binary: str, model: str, port: int, slots: int, ctx: int, threads: int) -> list[str]:
-    """llama-server with SLOTS slots of CTX tokens each (one KV buffer per slot: --no-kv-unified)."""
+def llama_server_argv(binary: str, model: str, port: int, slots: int, ctx: int, threads: int,
+                      device: str = "cpu") -> list[str]:
+    """llama-server with SLOTS slots of CTX tokens each (one KV buffer per slot: --no-kv-unified), on
+    the device Muser serves from: every layer offloaded with --device cuda (-ngl 99, as llama-bench
+    runs on the GPU), none on the CPU."""
     return [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-            "-c", str(ctx * slots), "--no-kv-unified", "-t", str(threads), "-tb", str(threads), "--no-webui"]
+            "-c", str(ctx * slots), "--no-kv-unified", "-t", str(threads), "-tb", str(threads), "--no-webui",
+            "-ngl", "99" if device == "cuda" else "0"]
 
 
 def check_llama_slots(log: list[str], slots: int, ctx: int) -> dict:
@@ -116,13 +126,13 @@ def check_llama_slots(log: list[str], slots: int, ctx: int) -> dict:
     return got
 
 
-def llama_server(binary: str, model: str, slots: int, ctx: int, threads: int) -> ServerProcess:
+def llama_server(binary: str, model: str, slots: int, ctx: int, threads: int, device: str) -> ServerProcess:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    p = ServerProcess(llama_server_argv(binary, model, port, slots, ctx, threads), None, port=port)
+    p = ServerProcess(llama_server_argv(binary, model, port, slots, ctx, threads, device), None, port=port)
     p.model = Path(model).name
     try:
         deadline = time.monotonic() + 10  # the log pump may trail /health by a moment
@@ -166,12 +176,21 @@ def read_stream(t0: float, lines) -> dict:
             "total_s": stamps[-1] - t0, "server_timings": timings}
 
 
-def one_request(base: str, model: str, prompt: str, max_tokens: int, banned: list[int], llama: bool) -> dict:
+def client() -> "httpx.Client":
+    """One client's HTTP client, reused for its requests: building one loads the TLS trust store,
+    tens of ms on a loaded host, which is the client's cost, not the server's. No keep-alive:
+    llama-server's HTTP library closes a connection after a streamed response without saying so,
+    so every request opens its own connection to either server."""
     import httpx
 
+    return httpx.Client(timeout=600, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+def one_request(http: "httpx.Client", base: str, model: str, prompt: str, max_tokens: int, banned: list[int],
+                llama: bool) -> dict:
     body = request_body(model, prompt, max_tokens, banned, llama)
     t0 = time.perf_counter()
-    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=600) as r:
+    with http.stream("POST", base + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{base}: HTTP {r.status_code}: {r.read()[:300]!r}")
         return read_stream(t0, ((time.perf_counter(), line) for line in r.iter_lines()))
@@ -184,22 +203,26 @@ def run_level(base: str, model: str, clients: int, rounds: int, max_tokens: int,
     total = max(clients * rounds, len(PROMPTS))
     results: list[list[dict]] = [[] for _ in range(clients)]
     errors: list[BaseException] = []
+    https = [client() for _ in range(clients)]
 
-    def client(i: int) -> None:
+    def run_client(i: int) -> None:
         try:
             for j in range(i, total, clients):
                 p = j % len(PROMPTS)
-                results[i].append(dict(one_request(base, model, PROMPTS[p], max_tokens, banned, llama), prompt=p))
+                results[i].append(dict(one_request(https[i], base, model, PROMPTS[p], max_tokens, banned, llama),
+                                       prompt=p))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    threads = [threading.Thread(target=run_client, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    for h in https:
+        h.close()
     if errors:
         raise errors[0]
     return level_stats(clients, wall, [r for rs in results for r in rs], max_tokens)
@@ -277,8 +300,6 @@ def run(args: argparse.Namespace) -> int:
         raise LaneError("--slots, --ctx and --threads must be >= 1")
     binary = None
     if args.against:
-        if args.device != "cpu":
-            raise ComparatorError(f"--against llama-server runs the CPU build, not --device {args.device}")
         binary = executable(args.llama_server, "--llama-server")
         identity = binary_identity(binary)
     elif args.llama_server:
@@ -294,10 +315,12 @@ def run(args: argparse.Namespace) -> int:
                                       *(["--model", args.model] if args.model else [])])}
     try:
         if binary is not None:
-            servers["llama-server"] = llama_server(str(binary), model, args.slots, args.ctx, args.threads)
+            servers["llama-server"] = llama_server(str(binary), model, args.slots, args.ctx, args.threads,
+                                                   args.device)
         meta = httpx.get(servers["muser"].base + "/v1/models", timeout=10).json()["data"][0]
         for name, s in servers.items():  # warm-up: load paths, first allocations
-            one_request(s.base, s.model, PROMPTS[0], args.max_tokens, banned, name != "muser")
+            with client() as http:
+                one_request(http, s.base, s.model, PROMPTS[0], args.max_tokens, banned, name != "muser")
         results: dict[str, list[dict]] = {k: [] for k in servers}
         for c in levels:
             for name, s in servers.items():  # interleaved per level
@@ -312,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
                         out_dir=args.out_dir,
                         extra={"slots": args.slots, "ctx_per_slot": args.ctx, "max_tokens": args.max_tokens,
                                "rounds": args.rounds, "threads": args.threads, "banned_tokens": banned,
+                               "client": "one HTTP client per client, a new connection per request",
                                "prompts": PROMPTS,
                                "comparator": {"name": "llama-server", **identity,
                                               **servers["llama-server"].info} if binary is not None else
@@ -351,5 +375,6 @@ def _gate(results: dict[str, list[dict]]) -> dict:
             "per_server": detail}
 
 
-__all__ = ["ServerProcess", "check_llama_slots", "level_stats", "llama_server", "llama_server_argv", "muser_server",
+__all__ = ["ServerProcess", "check_llama_slots", "client", "level_stats", "llama_server", "llama_server_argv",
+           "muser_server",
            "one_request", "read_stream", "request_body", "run_level", "side_by_side"]

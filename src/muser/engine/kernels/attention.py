@@ -12,8 +12,10 @@ Math (f32): s = (q . k) * scale, masked softmax over all visible rows, weighted 
 
 * `attend_ref`  - torch; plane metadata as host ints; used by eager CUDA prefill chunks, and the
   reference of the CPU lane's C kernel (kernels/cpu_native.attend, same arguments).
-* `attend_triton` - split-sequence online softmax (16.2), plane metadata read from device
-  tensors, so one captured CUDA graph serves every position (book 10.3, CUDA graphs).
+* `attend_triton` - split-sequence online softmax (16.2) with splits at fixed absolute
+  positions merged in a fixed order (row-invariant: DESIGN.md "Exactness contract"), plane
+  metadata read from device tensors, so one captured CUDA graph serves every position (book
+  10.3, CUDA graphs).
 """
 
 from __future__ import annotations
@@ -94,15 +96,16 @@ def attend_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     return out
 
 
-MAX_SPLITS = 64  # module attribute so device profiles can try others (tools/device_profile.py)
+SPLIT = 512  # positions per attention split: boundaries at multiples of SPLIT, whatever the batch
+BS = 16  # keys per block inside a split, aligned at absolute positions
 
 
 def pick_splits(capacity: int) -> int:
-    """Sequence splits for the decode kernel: ~64 rows each, at most MAX_SPLITS (flash-decoding).
-    64-row splits give a 2,560-slot sliding ring 40 programs per KV head rather than 10 (the
-    full-geometry profile at depth 32,768: bench/NOTES.md); a split only changes how the softmax
-    sums are partitioned (ulp level)."""
-    return max(1, min(MAX_SPLITS, math.ceil(capacity / 64)))
+    """Split programs per row of a decode/verify launch over a plane of `capacity` slots: enough
+    for any row's split range (a row sees at most `capacity` consecutive positions, which meet
+    at most ceil(capacity / SPLIT) + 1 splits). Programs past a row's last split exit at once;
+    the count changes speed only, never a value."""
+    return math.ceil(capacity / SPLIT) + 1
 
 
 if HAVE_TRITON:
@@ -110,7 +113,8 @@ if HAVE_TRITON:
     @triton.jit
     def _online_step(qv, kt, vt, valid, scale, m_i, l_i, acc):
         """One block of keys into the running softmax: qv [HP, D], kt/vt [BS, D] f32, valid [BS]
-        -> updated (max [HP], sum [HP], acc [HP, D]); masked keys weigh exactly 0."""
+        -> updated (max [HP], sum [HP], acc [HP, D]); masked keys weigh exactly 0 and a block
+        with no visible key leaves the state unchanged bit for bit."""
         sc = tl.dot(qv, tl.trans(kt), input_precision="ieee") * scale  # [HP, BS]
         sc = tl.where(valid[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -121,83 +125,135 @@ if HAVE_TRITON:
         acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
         return m_new, l_i, acc
 
+    @triton.jit
+    def _split(qv, kn, vn, kp, vp, g, ol, op, cap, p0, pt, lo, s, scale, s_nt, s_nh, s_slot, s_head,
+               HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SP: tl.constexpr):
+        """The softmax partial of one row over the visible positions [lo, pt] inside split s
+        (positions [s*SP, s*SP + SP)), in blocks of BS at absolute positions: a key at position
+        i < p0 is read from the plane (ring slot (op + i - ol) % cap), a later one from the new
+        rows (i - p0); the same keys in the same blocks whichever call holds them."""
+        dd = tl.arange(0, D)
+        cc = tl.arange(0, BS)
+        m_i = tl.full([HP], float("-inf"), tl.float32)
+        l_i = tl.zeros([HP], tl.float32)
+        acc = tl.zeros([HP, D], tl.float32)
+        b0 = (tl.maximum(lo, s * SP) // BS) * BS
+        b1 = tl.minimum(pt + 1, s * SP + SP)
+        for start in range(b0, b1, BS):
+            i = start + cc  # [BS] absolute positions
+            valid = (i >= lo) & (i <= pt)
+            old = valid & (i < p0)
+            new = valid & (i >= p0)
+            slot = ((op + i - ol) % cap).to(tl.int64)
+            po = slot[:, None] * s_slot + g * s_head + dd[None, :]
+            no = (i - p0).to(tl.int64)[:, None] * s_nt + g * s_nh + dd[None, :]
+            kt = tl.where(old[:, None], tl.load(kp + po, mask=old[:, None], other=0.0).to(tl.float32),
+                          tl.load(kn + no, mask=new[:, None], other=0.0).to(tl.float32))  # [BS, D]
+            vt = tl.where(old[:, None], tl.load(vp + po, mask=old[:, None], other=0.0).to(tl.float32),
+                          tl.load(vn + no, mask=new[:, None], other=0.0).to(tl.float32))
+            m_i, l_i, acc = _online_step(qv, kt, vt, valid, scale, m_i, l_i, acc)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _merge(M, L, ACC, m, l, o):
+        """Fold one split's partial into the running (max, sum, weighted values), in split order."""
+        m_new = tl.maximum(M, m)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(M - m_safe)
+        b = tl.exp(m - m_safe)
+        return m_new, L * a + l * b, ACC * a[:, None] + o * b[:, None]
+
+    @triton.jit
+    def _row(meta, pos, t, window):
+        """(ol, op, cap, p0, pt, lo) of row t: the plane's metadata, its position pt and the
+        first position it sees, lo (window rule p_t - q < W; the plane's oldest row otherwise)."""
+        ol = tl.load(meta + 0)
+        op = tl.load(meta + 1)
+        cap = tl.load(meta + 3)
+        p0 = tl.load(pos)
+        pt = p0 + t
+        lo = ol
+        if window > 0:
+            lo = tl.maximum(ol, pt - window + 1)
+        return ol, op, cap, p0, pt, lo
+
     @triton.jit(do_not_specialize=["T", "NS", "window"])
     def _attn_partial(q, kn, vn, kp, vp, meta, pos, m_out, l_out, o_out,
                       T, H, NS, window, scale,
                       s_qt, s_qh, s_nt, s_nh, s_slot, s_head,
-                      HPK: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+                      HPK: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SP: tl.constexpr):
+        """Program (t, KV head g, j): row t's partial over its split first + j (decode/verify)."""
         t = tl.program_id(0)
-        g = tl.program_id(1)  # KV head
-        s = tl.program_id(2)  # split; s == NS handles the new rows
+        g = tl.program_id(1)
+        j = tl.program_id(2)
+        ol, op, cap, p0, pt, lo = _row(meta, pos, t, window)
+        s = lo // SP + j
+        if s <= pt // SP:
+            hh = tl.arange(0, HP)
+            hmask = hh < HPK
+            dd = tl.arange(0, D)
+            head = g * HPK + hh
+            qv = tl.load(q + t * s_qt + head[:, None] * s_qh + dd[None, :], mask=hmask[:, None], other=0.0)
+            m_i, l_i, acc = _split(qv, kn, vn, kp, vp, g, ol, op, cap, p0, pt, lo, s, scale, s_nt, s_nh,
+                                   s_slot, s_head, HP, D, BS, SP)
+            row = (t * H + head) * NS + j  # [HP]
+            tl.store(m_out + row, m_i, mask=hmask)
+            tl.store(l_out + row, l_i, mask=hmask)
+            tl.store(o_out + row[:, None] * D + dd[None, :], acc, mask=hmask[:, None])
+
+    @triton.jit(do_not_specialize=["NS", "window"])
+    def _attn_reduce(meta, pos, m_in, l_in, o_in, out, H, NS, window, s_ot, s_oh,
+                     HPK: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
+        """Program (t, KV head g): row t's split partials merged in split order (as _attn_rows)."""
+        t = tl.program_id(0)
+        g = tl.program_id(1)
+        ol, op, cap, p0, pt, lo = _row(meta, pos, t, window)
+        hh = tl.arange(0, HP)
+        hmask = hh < HPK
+        head = g * HPK + hh
+        dd = tl.arange(0, D)
+        M = tl.full([HP], float("-inf"), tl.float32)
+        L = tl.zeros([HP], tl.float32)
+        ACC = tl.zeros([HP, D], tl.float32)
+        for j in range(0, pt // SP - lo // SP + 1):
+            row = (t * H + head) * NS + j
+            m = tl.load(m_in + row, mask=hmask, other=float("-inf"))
+            l = tl.load(l_in + row, mask=hmask, other=0.0)
+            o = tl.load(o_in + row[:, None] * D + dd[None, :], mask=hmask[:, None], other=0.0)
+            M, L, ACC = _merge(M, L, ACC, m, l, o)
+        tl.store(out + t * s_ot + head[:, None] * s_oh + dd[None, :], ACC / tl.where(hmask, L, 1.0)[:, None], mask=hmask[:, None])
+
+    @triton.jit(do_not_specialize=["T", "window"])
+    def _attn_rows(q, kn, vn, kp, vp, meta, pos, out, T, window, scale,
+                   s_qt, s_qh, s_nt, s_nh, s_slot, s_head, s_ot, s_oh,
+                   HPK: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SP: tl.constexpr):
+        """Program (t, KV head g): row t's splits one after another, each partial merged as it is
+        formed; the same partials and the same merge as _attn_partial + _attn_reduce (prefill)."""
+        t = tl.program_id(0)
+        g = tl.program_id(1)
+        ol, op, cap, p0, pt, lo = _row(meta, pos, t, window)
         hh = tl.arange(0, HP)
         hmask = hh < HPK
         dd = tl.arange(0, D)
         head = g * HPK + hh
         qv = tl.load(q + t * s_qt + head[:, None] * s_qh + dd[None, :], mask=hmask[:, None], other=0.0)
-        ol = tl.load(meta + 0)
-        op = tl.load(meta + 1)
-        ln = tl.load(meta + 2)
-        cap = tl.load(meta + 3)
-        pt = tl.load(pos) + t  # this row's position
-        m_i = tl.full([HP], float("-inf"), tl.float32)
-        l_i = tl.zeros([HP], tl.float32)
-        acc = tl.zeros([HP, D], tl.float32)
-        cc = tl.arange(0, BS)
-        if s < NS:
-            chunk = (ln + NS - 1) // NS
-            i0 = s * chunk
-            i1 = tl.minimum(ln, i0 + chunk)
-            for start in range(i0, i1, BS):
-                i = start + cc
-                valid = i < i1
-                qpos = ol + i
-                if window > 0:
-                    valid = valid & ((pt - qpos) < window)
-                slot = ((op + i) % cap).to(tl.int64)
-                kv_off = slot[:, None] * s_slot + g * s_head + dd[None, :]
-                kt = tl.load(kp + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)  # [BS, D]
-                vt = tl.load(vp + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
-                m_i, l_i, acc = _online_step(qv, kt, vt, valid, scale, m_i, l_i, acc)
-        else:
-            for jstart in range(0, t + 1, BS):  # distinct name: an int32 loop beside the int64 one
-                j = jstart + cc
-                valid = j <= t
-                if window > 0:
-                    valid = valid & ((t - j) < window)
-                off = j[:, None] * s_nt + g * s_nh + dd[None, :]
-                kt = tl.load(kn + off, mask=valid[:, None], other=0.0).to(tl.float32)
-                vt = tl.load(vn + off, mask=valid[:, None], other=0.0).to(tl.float32)
-                m_i, l_i, acc = _online_step(qv, kt, vt, valid, scale, m_i, l_i, acc)
-        row = (t * H + head) * (NS + 1) + s  # [HP]
-        tl.store(m_out + row, m_i, mask=hmask)
-        tl.store(l_out + row, l_i, mask=hmask)
-        tl.store(o_out + row[:, None] * D + dd[None, :], acc, mask=hmask[:, None])
-
-    @triton.jit(do_not_specialize=["NS"])
-    def _attn_reduce(m_in, l_in, o_in, out, H, NS, s_ot, s_oh, D: tl.constexpr, SP: tl.constexpr):
-        t = tl.program_id(0)
-        h = tl.program_id(1)
-        ss = tl.arange(0, SP)
-        smask = ss < NS + 1
-        base = (t * H + h) * (NS + 1)
-        m = tl.load(m_in + base + ss, mask=smask, other=float("-inf"))
-        l = tl.load(l_in + base + ss, mask=smask, other=0.0)
-        dd = tl.arange(0, D)
-        o = tl.load(o_in + (base + ss)[:, None] * D + dd[None, :], mask=smask[:, None], other=0.0)
-        mx = tl.max(m, 0)  # finite: row t always sees itself
-        w = tl.exp(m - mx)
-        w = tl.where(smask, w, 0.0)
-        den = tl.sum(l * w, 0)
-        num = tl.sum(o * w[:, None], 0)
-        tl.store(out + t * s_ot + h * s_oh + dd, num / den)
+        M = tl.full([HP], float("-inf"), tl.float32)
+        L = tl.zeros([HP], tl.float32)
+        ACC = tl.zeros([HP, D], tl.float32)
+        for s in range(lo // SP, pt // SP + 1):
+            m, l, o = _split(qv, kn, vn, kp, vp, g, ol, op, cap, p0, pt, lo, s, scale, s_nt, s_nh,
+                             s_slot, s_head, HP, D, BS, SP)
+            M, L, ACC = _merge(M, L, ACC, m, l, o)
+        tl.store(out + t * s_ot + head[:, None] * s_oh + dd[None, :], ACC / tl.where(hmask, L, 1.0)[:, None], mask=hmask[:, None])
 
 
 class AttnScratch:
-    """Partial-softmax buffers for up to T rows and `splits` splits, allocated once (graph-safe)."""
+    """Split partials for up to T rows and `splits` split programs per row, allocated once
+    (graph-safe)."""
 
     def __init__(self, T: int, H: int, D: int, splits: int, device):
         self.splits = splits
-        n = T * H * (splits + 1)
+        n = T * H * splits
         self.m = torch.empty(n, dtype=torch.float32, device=device)
         self.l = torch.empty(n, dtype=torch.float32, device=device)
         self.o = torch.empty(n * D, dtype=torch.float32, device=device)
@@ -206,11 +262,16 @@ class AttnScratch:
 def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                   k_plane: torch.Tensor, v_plane: torch.Tensor, head_major: bool,
                   meta: torch.Tensor, pos: torch.Tensor, window: int, scale: float,
-                  scratch: AttnScratch, splits: int | None = None,
+                  scratch: AttnScratch | None, splits: int | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """As attend_ref, with the plane metadata in device memory: meta int64 [4] =
     (origin_logical, origin_physical, len, capacity) before the append; pos int64 [1] = p0.
-    `splits` sequence splits of the plane (<= scratch.splits)."""
+
+    Each row reduces over its visible positions in splits at fixed absolute positions
+    (multiples of SPLIT), blocks of BS inside, merged in split order: the same bits whether the
+    row is decoded alone, verified in a block or prefilled in a chunk. With a scratch, `splits`
+    programs per row run the splits in parallel and a second kernel merges them (decode,
+    verify); without, one program per row runs them in turn (prefill)."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     T, H, D = q.shape
@@ -223,19 +284,24 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     assert D >= 16 and (D & (D - 1)) == 0, f"head_dim {D} must be a power of two >= 16"
     s_slot, s_head = plane_strides(k_plane, head_major, n_kv, D)
     assert plane_strides(v_plane, head_major, n_kv, D) == (s_slot, s_head)
-    ns = scratch.splits if splits is None else splits
-    assert 1 <= ns and scratch.m.numel() >= T * H * (ns + 1), "attention scratch too small"
     if out is None:
         out = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
     hp = max(16, triton.next_power_of_2(hpk))
-    _attn_partial[(T, n_kv, ns + 1)](
+    common = dict(HPK=hpk, HP=hp, D=D, num_warps=4, enable_fp_fusion=False)
+    if scratch is None:
+        _attn_rows[(T, n_kv)](q, k_new, v_new, k_plane, v_plane, meta, pos, out, T, window, scale,
+                              q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), s_slot, s_head,
+                              out.stride(0), out.stride(1), BS=BS, SP=SPLIT, **common)
+        return out
+    ns = scratch.splits if splits is None else splits
+    assert 1 <= ns <= scratch.splits and scratch.m.numel() >= T * H * ns, "attention scratch too small"
+    _attn_partial[(T, n_kv, ns)](
         q, k_new, v_new, k_plane, v_plane, meta, pos, scratch.m, scratch.l, scratch.o,
         T, H, ns, window, scale,
-        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), s_slot, s_head,
-        HPK=hpk, HP=hp, D=D, BS=16, num_warps=4)
-    _attn_reduce[(T, H)](scratch.m, scratch.l, scratch.o, out, H, ns, out.stride(0), out.stride(1),
-                         D=D, SP=triton.next_power_of_2(ns + 1), num_warps=4)
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), s_slot, s_head, BS=BS, SP=SPLIT, **common)
+    _attn_reduce[(T, n_kv)](meta, pos, scratch.m, scratch.l, scratch.o, out, H, ns, window,
+                            out.stride(0), out.stride(1), SP=SPLIT, **common)
     return out
 
 
-__all__ = ["HAVE_TRITON", "AttnScratch", "attend_ref", "attend_triton", "pick_splits", "plane_strides"]
+__all__ = ["BS", "HAVE_TRITON", "SPLIT", "AttnScratch", "attend_ref", "attend_triton", "pick_splits", "plane_strides"]

@@ -152,7 +152,7 @@ class CpuMat:
 
 @dataclass
 class CpuStack:
-    """Projections that read one input as one CpuMat (qmatvec_v3.Stack's interface)."""
+    """Projections that read one input as one CpuMat (qgemm.Stack's interface)."""
 
     mat: CpuMat
     bounds: tuple[tuple[int, int], ...]  # [n0, n1) of each member

@@ -1,24 +1,19 @@
-"""Fused dequant + matvec for 1..16 activation rows (decode and the speculative verify shape),
-reading the repacked weight fields of engine/weights.py, and a dequant-only kernel that shares
-the same tile decoder (so the decoder is tested bit-exact on its own).
+"""The projection reference and the Triton tile decoder of the repacked weight fields
+(engine/weights.py), plus the argument contract of the row-bucketed matvec kernels (NVFP4's,
+kernels/nvfp4.py). The engine's projections on CUDA run kernels/qgemm.py.
 
 The tile decoder forms every product in f32 in ggml's order (`d1 = d * sc; w = d1 * q - m1`)
-and the kernels are launched with `enable_fp_fusion=False`, so no multiply-add is contracted
-into an FMA: the decoded weight is the reference codec's value bit for bit. The dot itself
-accumulates in f32 (the exact lane's contract: f32 activations and accumulation; summation
-order differs from the oracle only at the ulp level, which Gate 2 bounds).
+and the kernel is launched with `enable_fp_fusion=False`, so no multiply-add is contracted
+into an FMA: the decoded weight is the reference codec's value bit for bit (tested against
+`QWeight.decode`).
 
-Reference beside it: `matvec_ref(w, x) = x @ w.decode().T` (torch, f32).
+Reference: `matvec_ref(w, x) = x @ w.decode().T` (torch, f32).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ...errors import LaneError
-from ..nvfp4 import NVFP4_FORMATS
 from ..weights import FMT_CODE, QK, QWeight
 
 try:  # Triton is optional on the CPU; the CUDA backend requires it.
@@ -110,26 +105,10 @@ if HAVE_TRITON:
         k = kb * 256 + tl.arange(0, 256)
         tl.store(out + n.to(tl.int64)[:, None] * K + k[None, :], w, mask=nmask[:, None] & (k[None, :] < K))
 
-    @triton.jit(do_not_specialize=["T"])  # one binary per (format, row bucket), whatever T
-    def _matvec_kernel(x, y, p0, p1, p2, p3, p4, p5, N, K, sx, sy, T,
-                       FMT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-        pid = tl.program_id(0)
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = n < N
-        r = tl.arange(0, ROWS)
-        rmask = r < T
-        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        for kb in range(0, (K + 255) // 256):
-            w = _tile(FMT, p0, p1, p2, p3, p4, p5, n, nmask, kb, K)  # [BLOCK_N, 256]
-            k = kb * 256 + tl.arange(0, 256)
-            xv = tl.load(x + r[:, None] * sx + k[None, :], mask=rmask[:, None] & (k[None, :] < K), other=0.0)
-            acc += tl.sum(w[None, :, :] * xv[:, None, :], axis=2)  # f32 accumulation
-        tl.store(y + r[:, None] * sy + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
-
 
 def _ptrs(w: QWeight) -> list[torch.Tensor]:
     """The weight's fields in kernel order p0..p5 (weights.FIELDS); unused slots repeat p0 (any
-    valid pointer: never dereferenced). Shared by the v1 and v2 kernels."""
+    valid pointer: never dereferenced)."""
     p = list(w.pointers())
     while len(p) < 6:
         p.append(p[0])
@@ -172,46 +151,4 @@ def dequant_triton(w: QWeight, block_n: int = 4) -> torch.Tensor:
     return launch_dequant(_dequant_kernel, _ptrs(w), w, block_n)
 
 
-def matvec(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The engine's decode-shaped projection on CUDA: x [T, n_in] f32 (T <= 16) -> [T, n_out]."""
-    # Kernel choice, read per call (captured graphs keep the choice they were captured with):
-    # the packed-layout kernel (qmatvec_v3) where the weight carries that layout, else the
-    # streamed kernel (qmatvec_v2), else this one; MUSER_MATVEC=v1|v2 forces an older kernel.
-    variant = os.environ.get("MUSER_MATVEC", "")
-    if variant not in ("", "v1", "v2", "v3"):
-        raise LaneError(f"MUSER_MATVEC={variant!r}: expected v1, v2 or v3")
-    if w.fmt in NVFP4_FORMATS:  # its own tile decoder (kernels/nvfp4.py), whatever the variant
-        from .nvfp4 import matvec_nvfp4
-
-        return matvec_nvfp4(w, x, out)
-    if w.packed is not None and variant in ("", "v3"):
-        from . import qmatvec_v3
-
-        return qmatvec_v3.matvec_v3(w.packed, x, out)
-    if not w.fields:
-        raise LaneError(f"tensor {w.name!r}: only the v3 layout is resident (loaded without "
-                        f"MUSER_MATVEC_COMPARE=1); MUSER_MATVEC={variant} cannot run on it")
-    if variant in ("", "v2", "v3"):
-        from . import qmatvec_v2
-
-        if qmatvec_v2.supports(w.fmt):
-            return qmatvec_v2.matvec_v2(w, x, out)
-    return matvec_triton(w, x, out)
-
-
-def matvec_triton(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, n_in] f32 (T <= 16, rows contiguous) -> [T, n_out] f32, weights decoded in-kernel."""
-    if not HAVE_TRITON:
-        raise RuntimeError("triton is not installed")
-    out = check_matvec_args(w, x, out)
-    T = x.shape[0]
-    rows = _rows_bucket(T)
-    block_n = max(1, 16 // rows)  # keep the [ROWS, BLOCK_N, 256] product tile at 4K elements
-    grid = (triton.cdiv(w.n_out, block_n),)
-    _matvec_kernel[grid](x, out, *_ptrs(w), w.n_out, w.n_in, x.stride(0), out.stride(0), T,
-                         FMT=FMT_CODE[w.fmt], ROWS=rows, BLOCK_N=block_n, num_warps=4,
-                         enable_fp_fusion=False)
-    return out
-
-
-__all__ = ["HAVE_TRITON", "MAX_ROWS", "QK", "matvec", "matvec_ref", "matvec_triton", "dequant_triton"]
+__all__ = ["HAVE_TRITON", "MAX_ROWS", "QK", "check_matvec_args", "dequant_triton", "launch_dequant", "matvec_ref"]

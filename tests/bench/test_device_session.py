@@ -1,0 +1,44 @@
+"""tools/device_session.sh: the script parses, refuses an unknown stage before any work, and its
+CPU dry run of the fixture stage brings back the bundle the GPU call returns (stage table,
+receipts and logs archives, summary)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tools" / "device_session.sh"
+
+
+def run(tmp_path, *args):
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PY=sys.executable, MUSER_DEVICE_WORK=str(tmp_path / "work"))
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_script_parses():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+
+
+def test_unknown_stage_refused(tmp_path):
+    p = run(tmp_path, "--cpu-dry", "fixture", "benchmark")
+    assert p.returncode == 2 and "unknown argument or stage: benchmark" in p.stderr
+    assert not (tmp_path / "work").exists()
+
+
+def test_cpu_dry_fixture_stage_bundles_what_comes_back(tmp_path):
+    p = run(tmp_path, "--cpu-dry", "build", "fixture")
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = tmp_path / "out"
+    assert sorted(x.name for x in out.iterdir()) == ["logs.tgz", "receipts.tgz", "stages.tsv", "summary.txt"]
+    rows = [r.split("\t") for r in (out / "stages.tsv").read_text().splitlines()]
+    assert rows[0] == ["stage", "rc", "seconds", "note"] and rows[1][0] == "build" and "dry run" in rows[1][3]
+    with tarfile.open(out / "logs.tgz") as t:
+        assert "logs/build_ext.log" in t.getnames()
+    work = tmp_path / "work"
+    assert (work / "full.done").read_text().startswith("rc=0") and (work / "nv.done").read_text().startswith("rc=0")
+    assert (work / "dry-q4_k_xl.gguf").stat().st_size > 0 and (work / "dry-nvfp4-ggml.gguf").stat().st_size > 0
