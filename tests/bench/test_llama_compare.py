@@ -1,9 +1,9 @@
 """The llama.cpp comparators of `muser bench spec` and `muser bench serve`, at the parse level: the
-pinned binaries' real output (recorded from the CPU build of the pinned sources: a
-llama-speculative-simple draft-dflash run on the 12.6M micro pair shipped before the 22.4M one, a
-llama-server start-up log and its
-streamed /v1/completions, and Muser's stream of the same request) is read into the figures the
-receipts carry; the receipts they make verify; bad comparator flags are refused before any work."""
+pinned binaries' real output (recorded from the CPU build of the pinned sources on the 12.6M micro
+pair shipped before the 22.4M one: a llama-speculative-simple draft-dflash run, a llama-server
+start-up log and its streamed /v1/completions, and Muser's stream of the same request) is read into
+the figures the receipts carry; the receipts they make verify; bad comparator flags are refused
+before any work."""
 
 from __future__ import annotations
 
