@@ -169,7 +169,7 @@ class Model:
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int | None = None, sampling: Any = None,
                draft: Any = None, stop: Sequence[str] | None = None, max_context: int | None = None,
-               parse_special: bool = False, verify_len: int = 7):
+               parse_special: bool = False, verify_len: int = 7, gate: Any = None):
         """The generation as a muser.generation.Generation: GenEvents (token, text, logprob,
         finish_reason) and, once exhausted, its record (finish reason, TTFT, decode tok/s).
 
@@ -179,13 +179,14 @@ class Model:
         `sampling=None` is SamplingParams() (temperature 0.8); max_tokens and stop come from the
         arguments or from `sampling` (both given and different is refused); max_tokens defaults to
         muser.prompt.DEFAULT_MAX_TOKENS. `draft` = a DFlash drafter path: speculative decoding with
-        `verify_len` proposals a round (3, 7 or 15), the same tokens as without it; its record is
+        `verify_len` proposals a round (3, 7 or 15), the same tokens as without it, drafting while
+        `gate` (a muser.spec.AcceptanceGate, default the book's) is open; its record is
         `gen.spec.stats()`."""
         from . import prompt as P
 
         params, n, stops = P.resolve_sampling(sampling, max_tokens, stop)
         ids = P.encode_prompt(self.tokenizer, prompt, parse_special)
-        return self._run(ids, params, n, stops, max_context, draft, verify_len)
+        return self._run(ids, params, n, stops, max_context, draft, verify_len, gate)
 
     def stream_chat(self, messages: Sequence[dict], max_tokens: int | None = None, sampling: Any = None,
                     stop: Sequence[str] | None = None, max_context: int | None = None):
@@ -202,15 +203,18 @@ class Model:
         return P.encode_chat(self.tokenizer, self.template, messages, add_generation_prompt)
 
     def _run(self, ids: list[int], params: Any, n: int, stops: tuple[str, ...], max_context: int | None,
-             draft: Any = None, verify_len: int = 7):
+             draft: Any = None, verify_len: int = 7, gate: Any = None):
         from . import generation
         from . import prompt as P
+        from .errors import LaneError
 
         n_ctx = P.context_size(len(ids), n, self.config.context_length, max_context)
         params.check_vocab(self.tokenizer.vocab_size)
         if draft is None:
+            if gate is not None:
+                raise LaneError("an acceptance gate is given without a draft")
             return generation.generate(self.session(max_context=n_ctx), self.tokenizer, ids, params, n, stops)
-        spec = self.spec_session(draft, n_ctx, verify_len)
+        spec = self.spec_session(draft, n_ctx, verify_len, gate)
         gen = generation.generate(spec, self.tokenizer, ids, params, n, stops)
         gen.spec = spec  # the speculative record: gen.spec.stats()
         return gen
@@ -229,12 +233,13 @@ class Model:
             cache[key] = Drafter.load(path, self.engine, receipts=default_receipts_dir())
         return cache[key]
 
-    def spec_session(self, draft: str | os.PathLike, max_context: int, verify_len: int = 7):
-        """A speculative session (muser.spec.SpecSession) over a new target session."""
+    def spec_session(self, draft: str | os.PathLike, max_context: int, verify_len: int = 7, gate: Any = None):
+        """A speculative session (muser.spec.SpecSession) over a new target session; `gate` = its
+        muser.spec.AcceptanceGate (default: the book's)."""
         from .spec.session import SpecSession
 
         d = self.drafter(draft)
-        return SpecSession(self.session(max_context=max_context, capture=d.cfg.target_layers), d, verify_len)
+        return SpecSession(self.session(max_context=max_context, capture=d.cfg.target_layers), d, verify_len, gate)
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int | None = None, sampling: Any = None,
                  draft: Any = None, **kw) -> Iterator[str]:

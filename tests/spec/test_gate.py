@@ -55,3 +55,19 @@ def test_cooldown_doubles_and_requalifies():
     assert seen == [64, 128, 256, 512, 512]
     _rounds(g, 10, 15, 15)  # a qualification that passes resets the cooldown
     assert g.open and g.cooldown == 64
+
+
+def test_close_below_is_the_threshold_and_zero_holds_it_open():
+    import pytest
+
+    from muser.errors import LaneError
+
+    g = AcceptanceGate(close_below=0.0)  # every round drafts: the schedule of an ungated driver
+    _rounds(g, 2 + 40, 7, 0)
+    assert g.open and g.transitions == []
+    g = AcceptanceGate(close_below=0.5)
+    _rounds(g, 2 + 8, 15, 6)  # 0.4: open under the book's 0.25, closed under 0.5
+    assert not g.open
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(LaneError, match="close_below"):
+            AcceptanceGate(close_below=bad)

@@ -109,3 +109,21 @@ def test_sampled_same_tokens_for_the_same_seed(model, spec_target, make_drafter)
 def test_bad_verify_length_refused(model, spec_target, make_drafter):
     with pytest.raises(LaneError, match="verify length 5"):
         model.stream(_prompt(1), 8, draft=make_drafter(spec_target), verify_len=5)
+
+
+def test_a_gate_held_open_drafts_every_round_with_the_same_tokens(model, spec_target, make_drafter):
+    from muser.spec.gate import AcceptanceGate
+
+    d = make_drafter(spec_target)
+    ids = _prompt(3)
+    n = 16  # the book's gate judges after 2 + 8 rounds (one token each at zero acceptance)
+    plain = _tokens(model.stream(ids, n, GREEDY))
+    shipped = model.stream(ids, n, GREEDY, draft=d, verify_len=7)
+    held = model.stream(ids, n, GREEDY, draft=d, verify_len=7, gate=AcceptanceGate(close_below=0.0))
+    assert _tokens(shipped) == plain and _tokens(held) == plain
+    st, st0 = held.spec.stats(), shipped.spec.stats()
+    assert st0["gate_transitions"][0]["event"] == "close"  # a random drafter: the book's gate closes
+    assert st["gate_transitions"] == [] and st["rounds"] > st0["rounds"]
+    assert st["plain_tokens"] <= 7  # only where no verify length fits the context's end
+    with pytest.raises(LaneError, match="gate is given without a draft"):
+        model.stream(ids, 8, GREEDY, gate=AcceptanceGate())

@@ -5,7 +5,8 @@ It judges recent evidence only: the last 8 rounds, after the first 2 rounds of a
 least 32 proposals. It closes when the windowed acceptance (accepted / proposed) drops below 0.25.
 A closed gate re-qualifies after a cooldown of plain-decoded tokens that doubles on each closing
 (64, 128, 256, 512, then stays 512), so it is never a one-way latch; a qualification that passes a
-full judgement resets the cooldown to 64.
+full judgement resets the cooldown to 64. `close_below` is the closing threshold (0 holds the gate
+open: every round drafts, the schedule of a driver without a gate, for measuring a drafter).
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ class AcceptanceGate:
     _rounds_since_open: int = 0
     _window: deque = field(default_factory=lambda: deque(maxlen=WINDOW_ROUNDS))
     transitions: list = field(default_factory=list)  # {"event", "token", "rate"|"cooldown"}
+    close_below: float = CLOSE_BELOW
+
+    def __post_init__(self) -> None:
+        from ..errors import LaneError
+
+        if not 0.0 <= self.close_below <= 1.0:
+            raise LaneError(f"the gate's close_below must be in [0, 1], got {self.close_below!r}")
 
     def record(self, proposed: int, accepted: int, token_index: int) -> None:
         """One speculative round's outcome (called only while open)."""
@@ -42,7 +50,7 @@ class AcceptanceGate:
         if p < MIN_PROPOSALS:
             return
         rate = sum(a for _, a in self._window) / p
-        if rate < CLOSE_BELOW:
+        if rate < self.close_below:
             self.open = False
             self._left = self.cooldown
             self.transitions.append({"event": "close", "token": token_index, "rate": rate,
