@@ -51,7 +51,7 @@ MUTANTS = [
            "stop[: max(1, min_keep - 1)] = False", SAMPLER, "min_p_min_keep"),
     Mutant("softcap 30 instead of the file's 20", "oracle/numerics.py", "    y = logits * F32(logit_scale)\n",
            "    y = logits * F32(logit_scale)\n    softcap = 30.0 if softcap else softcap\n", PPL,
-           expect="all(pp[\"checks\"].values())"),
+           expect="g[\"ppl_ok\"]"),  # on the shipped model the perplexity itself moves by ~3%
     # on the trained micro model every norm input is far above sqrt(eps), so eps x 0.1 stays inside
     # the perplexity gate's 1-ulp floor there; the rounding fixture's sub-layers sit near it
     Mutant("RMSNorm eps x 0.1", "oracle/numerics.py", "np.sqrt(mean + F32(eps))", "np.sqrt(mean + F32(eps * 0.1))",
