@@ -148,3 +148,17 @@ def test_shipped_drafter_loads_in_pinned_llama_cpp():
     finally:
         llama_cpp.llama_model_free(model)
         tgt.close()
+
+
+@pytest.mark.parametrize("key", ["dflash.attention.layer_norm_rms_epsilon", "dflash.rope.freq_base"])
+def test_float_keys_missing_or_not_positive_refused(tmp_path, spec_target, make_drafter, key):
+    from gguf import GGUFValueType
+
+    from muser.gguf.writer import Typed
+
+    src = make_drafter(spec_target)
+    with pytest.raises(MissingKey, match=key):
+        open_drafter(_rewrite(tmp_path, src, drop_keys=(key,)))
+    for bad in (float("nan"), 0.0, -1.0):
+        with pytest.raises(MetadataError, match=f"{key}.*finite positive float, got {bad!r}"):
+            open_drafter(_rewrite(tmp_path, src, set_keys={key: Typed(bad, GGUFValueType.FLOAT32)}))

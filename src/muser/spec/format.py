@@ -128,6 +128,15 @@ class DrafterConfig:
                 raise MetadataError(f"metadata key {key!r} must be positive, got {v}")
             return v
 
+        def pos_float(name: str) -> float:
+            key = _k(name)
+            if key not in f:
+                raise MissingKey(f"missing metadata key {key!r}")
+            v = f.get_float(key)
+            if not (math.isfinite(v) and v > 0):
+                raise MetadataError(f"metadata key {key!r} must be a finite positive float, got {v!r}")
+            return v
+
         def opt_float(name: str) -> float:
             key = _k(name)
             if key not in f:
@@ -144,18 +153,7 @@ class DrafterConfig:
             raise MetadataError(f"key_length {hd} != value_length {hdv} (dflash.cpp asserts them equal)")
         if n_heads % n_kv:
             raise MetadataError(f"head_count {n_heads} is not a multiple of head_count_kv {n_kv}")
-        eps_key = _k("attention.layer_norm_rms_epsilon")
-        if eps_key not in f:
-            raise MissingKey(f"missing metadata key {eps_key!r}")
-        eps = f.get_float(eps_key)
-        if not (math.isfinite(eps) and eps > 0):
-            raise MetadataError(f"metadata key {eps_key!r} must be a finite positive float, got {eps!r}")
-        base_key = _k("rope.freq_base")
-        if base_key not in f:
-            raise MissingKey(f"missing metadata key {base_key!r}")
-        rope_base = f.get_float(base_key)
-        if not (math.isfinite(rope_base) and rope_base > 0):
-            raise MetadataError(f"metadata key {base_key!r} must be a finite positive float, got {rope_base!r}")
+        eps, rope_base = pos_float("attention.layer_norm_rms_epsilon"), pos_float("rope.freq_base")
         n_rot = pos_int("rope.dimension_count")
         if n_rot > hd or n_rot % 2:
             raise MetadataError(f"rope.dimension_count {n_rot} must be even and <= key_length {hd}")
