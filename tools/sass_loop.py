@@ -4,7 +4,7 @@ way Triton's JIT specializes it (16-byte-aligned pointers, sizes divisible by 16
 cubin with the bundled cuobjdump, find the innermost loop (the backward branch) and count its
 instructions by class, then divide by the weights one thread decodes per iteration.
 
-    python3 tools/sass_loop.py v2|v3 FMT T [--config ...] [--dump]
+    python3 tools/sass_loop.py v3 FMT T [--config BN,NUM_WARPS,PREFETCH] [--dump]
 
 Used to predict a kernel's issue-bound ceiling before spending GPU time (bench/NOTES.md).
 """
@@ -117,7 +117,7 @@ def loop_body(sass: str) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kernel", choices=["v2", "v3"])
+    ap.add_argument("kernel", choices=["v3"])
     ap.add_argument("fmt")
     ap.add_argument("T", type=int)
     ap.add_argument("--n-out", type=int, default=4096)
@@ -132,15 +132,9 @@ def main(argv=None) -> int:
     w = repack("t", fmt, a.n_out, a.n_in, torch.from_numpy(random_bytes(fmt, a.n_out, a.n_in, 1)))
     x = torch.zeros(a.T, a.n_in)
     cfg = tuple(int(v) for v in a.config.split(",")) if a.config else None
-    if a.kernel == "v2":
-        from muser.engine.kernels import qmatvec_v2 as mod
-        if cfg is not None:
-            cfg = cfg[:3] + (bool(cfg[3]),)
-        fn, args, kw, grid = capture(lambda: mod.matvec_v2(w, x, torch.empty(a.T, a.n_out), config=cfg))
-    else:
-        from muser.engine.kernels import qmatvec_v3 as mod
-        w3 = mod.pack(w)
-        fn, args, kw, grid = capture(lambda: mod.matvec_v3(w3, x, torch.empty(a.T, a.n_out), config=cfg))
+    from muser.engine.kernels import qmatvec_v3 as mod
+    w3 = mod.pack(w)
+    fn, args, kw, grid = capture(lambda: mod.matvec_v3(w3, x, torch.empty(a.T, a.n_out), config=cfg))
     k, opts = compile_like_jit(fn, args, kw)
     sass = get_sass(k.asm["cubin"])
     body = loop_body(sass)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compile every Triton kernel of the engine for an NVIDIA target (default sm_90, the H200)
-without a GPU: the launches are driven through the real host code (matvec v1/v2 for every
-format and row bucket, dequant, attention for both plane kinds and KV dtypes) with CPU tensors,
+without a GPU: the launches are driven through the real host code (matvec v1/v3 for every
+format and row bucket, v3 under every shipped tuning config, dequant, attention for both plane kinds and KV dtypes) with CPU tensors,
 each launch is recorded instead of run, and each distinct (kernel, signature, constexprs,
 options) is compiled by Triton down to a cubin with the bundled ptxas.
 
@@ -92,30 +92,22 @@ def drive(rec: Recorder) -> None:
     from muser.engine.kernels import qmatvec as q1
     from muser.engine.weights import BASE_FORMATS, random_bytes, repack
 
-    try:
-        from muser.engine.kernels import qmatvec_v2 as q2
-    except ImportError:
-        q2 = None
     from muser.engine.kernels import qmatvec_v3 as q3
     for fmt in BASE_FORMATS:
         n_out, n_in = 24, 512
         w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy()))
         q1.dequant_triton(w)
-        if q2 is not None and q2.supports(fmt):
-            q2.dequant_v2(w)
-            q2.dequant_v2(w, fma_decode=True)
         p3 = q3.pack(w) if q3.supports(fmt) else None
         if p3 is not None:
             q3.dequant_v3(p3)
             q3.dequant_v3(p3, bn=4, j=8)
             for T in (1, 2, 3, 5, 9, 16):
                 q3.matvec_v3(p3, torch.zeros(T, n_in), torch.empty(T, n_out))
+            for (f, rows, _, _), cfg in q3.TUNED.items():
+                if f == fmt.name:
+                    q3.matvec_v3(p3, torch.zeros(rows, n_in), torch.empty(rows, n_out), config=cfg)
         for T in (1, 2, 3, 5, 9, 16):
-            x = torch.zeros(T, n_in)
-            os.environ.pop("MUSER_MATVEC", None)
-            q1.matvec_triton(w, x, torch.empty(T, n_out))
-            if q2 is not None and q2.supports(fmt):
-                q2.matvec_v2(w, x, torch.empty(T, n_out))
+            q1.matvec_triton(w, torch.zeros(T, n_in), torch.empty(T, n_out))
     from muser.engine import nvfp4 as nv
     from muser.engine.kernels import nvfp4 as knv
 

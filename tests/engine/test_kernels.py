@@ -1,5 +1,5 @@
 """Triton kernels against their torch references, run by the Triton interpreter on tiny shapes
-(the same kernels run compiled on the GPU machine: tools/device_engine.py)."""
+(the same kernels run compiled on the GPU machine: tools/device_kernels.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,17 @@ def test_triton_matvec_vs_reference(kernels, fmt, T):
     # f32 accumulation in a different order: bound relative to the sum of |products|
     scale = (x.abs() @ w.decode().abs().T)
     assert torch.all((got - ref).abs() <= 1e-6 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("fmt", BASE_FORMATS, ids=lambda f: f.name)
+def test_triton_matvec_rows_are_bitwise_invariant(kernels, fmt):
+    """A row's outputs are the same bits alone and inside every row bucket (row invariance)."""
+    qmv, _ = kernels
+    w = _w(fmt, 5, 512, 3)
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([qmv.matvec_triton(w, x[i:i + 1]) for i in range(16)])
+    for T in (2, 5, 16):
+        assert torch.equal(qmv.matvec_triton(w, x[:T]).view(torch.int32), alone[:T].view(torch.int32)), T
 
 
 def test_matvec_refuses_bad_shapes(kernels):

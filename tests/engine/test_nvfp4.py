@@ -115,3 +115,16 @@ def test_triton_matvec_vs_reference(kernels, fmt, T):
     ref = qmv.matvec_ref(w, x)
     scale = x.abs() @ w.decode().abs().T  # f32 accumulation in another order: relative bound
     assert torch.all((got - ref).abs() <= 1e-6 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("fmt", NVFP4_FORMATS, ids=IDS.get)
+def test_triton_matvec_rows_are_bitwise_invariant(kernels, fmt):
+    """A row's outputs are the same bits alone and inside every row bucket (row invariance)."""
+    qmv, _ = kernels
+    payload, sc, s2 = random_bytes(fmt, 5, 512, 3)
+    args = (torch.from_numpy(sc), s2) if sc is not None else ()
+    w = repack("t", fmt, 5, 512, torch.from_numpy(payload), *args)
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([qmv.matvec(w, x[i:i + 1]) for i in range(16)])
+    for T in (2, 5, 16):
+        assert torch.equal(qmv.matvec(w, x[:T]).view(torch.int32), alone[:T].view(torch.int32)), T

@@ -17,7 +17,6 @@ graph. Lanes (engine/lanes.py) decide only how projections are computed.
 
 from __future__ import annotations
 
-import os
 
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -125,10 +124,8 @@ class ModelWeights:
             ))
         mw = cls(embd=mat("token_embd.weight"), out_norm=vec("output_norm.weight"),
                  lm_head=mat("output.weight"), layers=layers)
-        if device.type == "cuda" and os.environ.get("MUSER_MATVEC", "") in ("", "v3"):
-            # the repacked fields stay only when older kernels are to be timed beside the decode
-            # kernel (MUSER_MATVEC_COMPARE=1)
-            mw.pack_for_decode(drop_fields=os.environ.get("MUSER_MATVEC_COMPARE") != "1")
+        if device.type == "cuda":
+            mw.pack_for_decode(drop_fields=True)  # the packed layout is the only resident copy
             torch.cuda.empty_cache()
         elif device.type == "cpu":
             mw.stack_for_cpu()

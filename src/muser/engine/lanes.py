@@ -79,14 +79,11 @@ class Linear:
 
     def stacked_ok(self, T: int) -> bool:
         """Stacked projections serve this call: on CUDA (kernels/qmatvec_v3.Stack) decode-shaped
-        calls with no older kernel forced by MUSER_MATVEC; on the CPU (cpu_native.CpuStack)
-        every call of the C GEMM."""
-        import os
-
+        calls; on the CPU (cpu_native.CpuStack) every call of the C GEMM."""
         if self.lane is Lane.W4A4 and 1 < T <= qmatvec.MAX_ROWS:
             return False  # verify rows of the W4A4 lane: each projection by itself (__call__)
         if self.triton_rows:
-            return T <= qmatvec.MAX_ROWS and os.environ.get("MUSER_MATVEC", "") in ("", "v3")
+            return T <= qmatvec.MAX_ROWS
         return not self.cuda and not self._torch_wide(T)
 
     def _torch_wide(self, T: int) -> bool:

@@ -6,7 +6,8 @@ selection, E4M3 normals by assembling the f32 bit pattern, subnormals as man * 2
 forms `(e2m1 * e4m3fn) * scale2` (companion) or `kvalues_fp4[q] * ue4m3_half(d)` (ggml type 40)
 with one rounding per product; the launches pass `enable_fp_fusion=False`. The decoded weight
 is therefore muser.quant's dequantizer value bit for bit (tests: every code, every byte). The
-dot accumulates in f32 in the same structure as kernels/qmatvec.py's matvec.
+dot accumulates in f32 in the same structure as kernels/qmatvec.py's matvec (fixed lanes and
+tree: row-invariant).
 
 Reference beside it: `matvec_ref(w, x) = x @ w.decode().T` (kernels/qmatvec.py).
 """
@@ -21,6 +22,8 @@ from .qmatvec import HAVE_TRITON, _rows_bucket, check_matvec_args, launch_dequan
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from .qmatvec import _lane_tree
 
     @triton.jit
     def _e2m1_mag(m):
@@ -98,13 +101,14 @@ if HAVE_TRITON:
         nmask = n < N
         r = tl.arange(0, ROWS)
         rmask = r < T
-        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_N, 256], dtype=tl.float32)  # lanes, as kernels/qmatvec.py
         for kb in range(0, (K + 255) // 256):
             w = _tile_nvfp4(FMT, qp, sp, s2p, n, nmask, kb, K)  # [BLOCK_N, 256]
             k = kb * 256 + tl.arange(0, 256)
             xv = tl.load(x + r[:, None] * sx + k[None, :], mask=rmask[:, None] & (k[None, :] < K), other=0.0)
-            acc += tl.sum(w[None, :, :] * xv[:, None, :], axis=2)  # f32 accumulation
-        tl.store(y + r[:, None] * sy + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+            acc = tl.fma(w[None, :, :], xv[:, None, :], acc)  # f32
+        res = tl.reshape(_lane_tree(tl.reshape(acc, (ROWS * BLOCK_N, 256)), ROWS * BLOCK_N, 256), (ROWS, BLOCK_N))
+        tl.store(y + r[:, None] * sy + n[None, :], res, mask=rmask[:, None] & nmask[None, :])
 
 
 def _ptrs(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -6,14 +6,13 @@ The tile decoder forms every product in f32 in ggml's order (`d1 = d * sc; w = d
 and the kernels are launched with `enable_fp_fusion=False`, so no multiply-add is contracted
 into an FMA: the decoded weight is the reference codec's value bit for bit. The dot itself
 accumulates in f32 (the exact lane's contract: f32 activations and accumulation; summation
-order differs from the oracle only at the ulp level, which Gate 2 bounds).
+order differs from the oracle only at the ulp level, which Gate 2 bounds) in lanes combined by
+one fixed tree (`_lane_tree`), so an output's bits do not depend on the row count.
 
 Reference beside it: `matvec_ref(w, x) = x @ w.decode().T` (torch, f32).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -38,6 +37,29 @@ def matvec_ref(w: QWeight, x: torch.Tensor) -> torch.Tensor:
 
 
 if HAVE_TRITON:
+
+    @triton.jit
+    def _lane_tree(x, R: tl.constexpr, L: tl.constexpr):
+        """x f32 [R, L] (L a power of two, 2..256) -> [R]: lanes summed in adjacent pairs, level by
+        level (((l0 + l1) + (l2 + l3)) + ...). A sum of two is the same bits in either order, so
+        the result does not depend on the register layout Triton gives the accumulator (a plain
+        tl.sum reduces in a layout-dependent order)."""
+        x = tl.sum(tl.reshape(x, (R, L // 2, 2)), 2)
+        if L >= 4:
+            x = tl.sum(tl.reshape(x, (R, L // 4, 2)), 2)
+        if L >= 8:
+            x = tl.sum(tl.reshape(x, (R, L // 8, 2)), 2)
+        if L >= 16:
+            x = tl.sum(tl.reshape(x, (R, L // 16, 2)), 2)
+        if L >= 32:
+            x = tl.sum(tl.reshape(x, (R, L // 32, 2)), 2)
+        if L >= 64:
+            x = tl.sum(tl.reshape(x, (R, L // 64, 2)), 2)
+        if L >= 128:
+            x = tl.sum(tl.reshape(x, (R, L // 128, 2)), 2)
+        if L >= 256:
+            x = tl.sum(tl.reshape(x, (R, L // 256, 2)), 2)
+        return tl.reshape(x, (R,))
 
     @triton.jit
     def _tile(FMT: tl.constexpr, p0, p1, p2, p3, p4, p5, n, nmask, kb, K):
@@ -118,13 +140,16 @@ if HAVE_TRITON:
         nmask = n < N
         r = tl.arange(0, ROWS)
         rmask = r < T
-        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        # 256 lanes per output (lane e takes element 256 kb + e, in kb order), combined by one fixed
+        # tree at the end: the same sum for every row bucket (row invariance)
+        acc = tl.zeros([ROWS, BLOCK_N, 256], dtype=tl.float32)
         for kb in range(0, (K + 255) // 256):
             w = _tile(FMT, p0, p1, p2, p3, p4, p5, n, nmask, kb, K)  # [BLOCK_N, 256]
             k = kb * 256 + tl.arange(0, 256)
             xv = tl.load(x + r[:, None] * sx + k[None, :], mask=rmask[:, None] & (k[None, :] < K), other=0.0)
-            acc += tl.sum(w[None, :, :] * xv[:, None, :], axis=2)  # f32 accumulation
-        tl.store(y + r[:, None] * sy + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+            acc = tl.fma(w[None, :, :], xv[:, None, :], acc)  # f32
+        res = tl.reshape(_lane_tree(tl.reshape(acc, (ROWS * BLOCK_N, 256)), ROWS * BLOCK_N, 256), (ROWS, BLOCK_N))
+        tl.store(y + r[:, None] * sy + n[None, :], res, mask=rmask[:, None] & nmask[None, :])
 
 
 def _ptrs(w: QWeight) -> list[torch.Tensor]:
@@ -173,29 +198,19 @@ def dequant_triton(w: QWeight, block_n: int = 4) -> torch.Tensor:
 
 
 def matvec(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The engine's decode-shaped projection on CUDA: x [T, n_in] f32 (T <= 16) -> [T, n_out]."""
-    # Kernel choice, read per call (captured graphs keep the choice they were captured with):
-    # the packed-layout kernel (qmatvec_v3) where the weight carries that layout, else the
-    # streamed kernel (qmatvec_v2), else this one; MUSER_MATVEC=v1|v2 forces an older kernel.
-    variant = os.environ.get("MUSER_MATVEC", "")
-    if variant not in ("", "v1", "v2", "v3"):
-        raise LaneError(f"MUSER_MATVEC={variant!r}: expected v1, v2 or v3")
-    if w.fmt in NVFP4_FORMATS:  # its own tile decoder (kernels/nvfp4.py), whatever the variant
+    """The engine's decode-shaped projection on CUDA: x [T, n_in] f32 (T <= 16) -> [T, n_out]: the
+    packed-layout kernel (qmatvec_v3) where the weight carries that layout (K-quants), NVFP4's
+    own tile decoder, else this module's kernel. Every one is row-invariant."""
+    if w.fmt in NVFP4_FORMATS:
         from .nvfp4 import matvec_nvfp4
 
         return matvec_nvfp4(w, x, out)
-    if w.packed is not None and variant in ("", "v3"):
+    if w.packed is not None:
         from . import qmatvec_v3
 
         return qmatvec_v3.matvec_v3(w.packed, x, out)
     if not w.fields:
-        raise LaneError(f"tensor {w.name!r}: only the v3 layout is resident (loaded without "
-                        f"MUSER_MATVEC_COMPARE=1); MUSER_MATVEC={variant} cannot run on it")
-    if variant in ("", "v2", "v3"):
-        from . import qmatvec_v2
-
-        if qmatvec_v2.supports(w.fmt):
-            return qmatvec_v2.matvec_v2(w, x, out)
+        raise LaneError(f"tensor {w.name!r}: neither its fields nor a packed layout are resident")
     return matvec_triton(w, x, out)
 
 

@@ -25,7 +25,9 @@ d1 * q is exact in f32 (11 + 6 + 5 significant bits), so the only rounding is gg
 (ggml-quants.c dequantize_row_q4_K: y = d1 * q - m1); Q6_K (d * sc) * (q - 32) with d * sc exact
 (dequantize_row_q6_K: y = d * sc[is] * q). Integer -> float by the 0x4B000000 trick (2^23 + q,
 minus 2^23). The dot accumulates in f32 by fma in a [ROWS, BN, J, 4] accumulator reduced once at
-the end: an order that differs from the reference at the ulp level (the exact lane's contract).
+the end by a fixed pairwise tree: an order that differs from the reference at the ulp level (the
+exact lane's contract) and that is the same for every row count, so a row's bits do not depend on
+how it was batched (row invariance).
 
 Reference beside it: `qmatvec.matvec_ref(w, x)`; `unpack` inverts `pack` and `decode` decodes
 the packed form with the torch reference decoder.
@@ -54,14 +56,20 @@ FORMATS = (G.Q4_K, G.Q5_K, G.Q6_K)
 UNIT = 32
 _CODE = {G.Q4_K: 5, G.Q5_K: 6, G.Q6_K: 7}  # the FMT constexpr (same codes as weights.FMT_CODE)
 
-# (BN rows per program, J units per chunk, num_warps, PREFETCH) per row bucket; device sweeps
-# override through `config`. One chunk moves BN * J * 16 bytes of quants per program.
-CONFIGS: dict[int, tuple[int, int, int, bool]] = {
-    1: (16, 32, 4, True),
-    2: (16, 16, 4, True),
-    4: (8, 16, 4, True),
-    8: (8, 16, 4, False),
-    16: (8, 16, 4, False),
+# Row invariance (DESIGN.md "Exactness contract"): every output is the same f32 sum whatever the
+# row bucket, so decode, verify and batched decode give a row the same bits. Each output keeps
+# J * 4 accumulator lanes (lane 4j + w takes element 32(cJ + j) + 4e + w of chunk c, nibble e, in
+# the order c, e) and they are combined by one fixed pairwise tree (`_lane_tree`). J is therefore
+# one constant for every bucket and weight; tuning may change BN, the warps and PREFETCH only.
+J_UNITS = 32
+# (BN rows per program, num_warps, PREFETCH) per row bucket; device sweeps override through
+# `config`. One chunk moves BN * J_UNITS * 16 bytes of quants per program.
+CONFIGS: dict[int, tuple[int, int, bool]] = {
+    1: (16, 4, True),
+    2: (8, 4, True),
+    4: (4, 4, True),
+    8: (4, 4, False),
+    16: (2, 4, False),
 }
 
 
@@ -199,6 +207,7 @@ def decode(p: Packed) -> torch.Tensor:
 
 
 if HAVE_TRITON:
+    from .qmatvec import _lane_tree
 
     @triton.jit
     def _load_chunk(FMT: tl.constexpr, qp, hp, sp, dp, row, nmask, c, NU, zero, J: tl.constexpr):
@@ -358,11 +367,12 @@ if HAVE_TRITON:
                     w = _weights_e(FMT, e, words, h0, h1, a, b, ASM)  # [BN, J, 4]
                     xe4 = tl.load(xb4 + 4 * e, mask=xm, other=0.0)  # [ROWS, J, 4]
                     acc4 = tl.fma(w[None, :, :, :], xe4[:, None, :, :], acc4)  # f32
+        # the J * 4 lanes of each output by one fixed tree, whatever the bucket (row invariance)
         if ROWS == 1:
-            res = tl.reshape(tl.sum(tl.sum(acc, axis=3), axis=2), (BN,))  # [BN]
+            res = _lane_tree(tl.reshape(acc, (BN, J * 4)), BN, J * 4)  # [BN]
             tl.store(y + n, res, mask=nmask)
         else:
-            res4 = tl.sum(tl.sum(acc4, axis=3), axis=2)  # [ROWS, BN]
+            res4 = tl.reshape(_lane_tree(tl.reshape(acc4, (ROWS * BN, J * 4)), ROWS * BN, J * 4), (ROWS, BN))
             tl.store(y + r[:, None] * sy + n[None, :], res4, mask=rmask[:, None] & nmask[None, :])
 
 
@@ -444,13 +454,23 @@ def stack(ws) -> Stack | None:
 
 
 # Measured winners of the device sweep per (format, rows bucket, n_out, n_in) (tools/device_kernels.py
-# writes v3_tuning.json; load_tuning or MUSER_V3_TUNING reads one); other shapes use CONFIGS.
-TUNED: dict[tuple[str, int, int, int], tuple[int, int, int, bool]] = {}
+# writes v3_tuning.json; `load_tuning` reads one); other shapes use CONFIGS.
+TUNED: dict[tuple[str, int, int, int], tuple[int, int, bool]] = {}
+
+
+def check_config(config, rows: int) -> tuple[int, int, bool]:
+    """(BN, num_warps, PREFETCH) for a row bucket, or ValueError naming it (tl.arange extents are
+    powers of two; one-row tiles need BN a multiple of num_warps)."""
+    bn, nw, pf = (int(v) for v in config)
+    pow2 = all(v > 0 and v & (v - 1) == 0 for v in (bn, nw))
+    if not pow2 or rows not in CONFIGS or (rows == 1 and bn % nw):
+        raise ValueError(f"config {list(config)!r} for the {rows}-row bucket")
+    return bn, nw, bool(pf)
 
 
 def load_tuning(path: str) -> int:
-    """Merge a v3_tuning.json (list of {fmt, rows, n_out, n_in, config}) into TUNED; returns the
-    number of entries. Every config is checked for shape before it is taken."""
+    """Merge a v3_tuning.json (list of {fmt, rows, n_out, n_in, config: [BN, num_warps, PREFETCH]})
+    into TUNED; returns the number of entries. Every config is checked before any is taken."""
     import json
 
     from ...errors import LaneError
@@ -459,12 +479,10 @@ def load_tuning(path: str) -> int:
         entries = json.loads(open(path).read())
         parsed = []
         for e in entries:
-            bn, j, nw, pf = (int(v) for v in e["config"])
             key = (str(e["fmt"]), int(e["rows"]), int(e["n_out"]), int(e["n_in"]))
-            pow2 = all(v > 0 and v & (v - 1) == 0 for v in (bn, j, nw))  # tl.arange extents
-            if not pow2 or key[1] not in (1, 2, 4, 8, 16) or (key[1] == 1 and bn % nw):
-                raise ValueError(f"config {e['config']!r} for {key}")
-            parsed.append((key, (bn, j, nw, bool(pf))))
+            if len(e["config"]) != 3:
+                raise ValueError(f"config {e['config']!r} for {key}: expected [BN, num_warps, PREFETCH]")
+            parsed.append((key, check_config(e["config"], key[1])))
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise LaneError(f"v3 tuning file {path!r}: {err}") from None
     TUNED.update(parsed)  # all or nothing
@@ -472,42 +490,39 @@ def load_tuning(path: str) -> int:
 
 
 # The shipped table: the winners of the CUDA-graph-timed sweep over the full geometry's launch
-# shapes on an H200 (tools/device_kernels.py --graph; bench/NOTES.md). Configs change speed only,
-# never values beyond f32 reordering. MUSER_V3_TUNING adds (or overrides with) another file.
+# shapes on an H200 (tools/device_kernels.py; bench/NOTES.md). Configs change speed only, never
+# values: every config sums each output in the same order (J_UNITS, `_lane_tree`).
 TUNING_FILE = os.path.join(os.path.dirname(__file__), "v3_tuning.json")
 if os.path.isfile(TUNING_FILE):
     load_tuning(TUNING_FILE)
-if os.environ.get("MUSER_V3_TUNING"):
-    load_tuning(os.environ["MUSER_V3_TUNING"])
 
 
-def config_for(p: Packed, rows: int) -> tuple[int, int, int, bool]:
+def config_for(p: Packed, rows: int) -> tuple[int, int, bool]:
     hit = TUNED.get((p.fmt.name, rows, p.n_out, p.n_in))
     if hit is not None:
         return hit
-    bn, j, nw, pf = CONFIGS[rows]
+    bn, nw, pf = CONFIGS[rows]
     if rows == 1 and p.n_out < 2048:  # small outputs: fewer rows per program, more programs
         bn = nw
-    return bn, j, nw, pf
+    return bn, nw, pf
 
 
 def matvec_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
               config: tuple | None = None) -> torch.Tensor:
     """x [T, n_in] f32 (T <= 16) -> [T, n_out] f32 over a Packed weight. `config` =
-    (BN, J, num_warps, PREFETCH) overrides CONFIGS (device sweeps)."""
+    (BN, num_warps, PREFETCH) overrides the table (device sweeps); the bits never depend on it."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     out = check_matvec_args(p, x, out)  # the shared contract (n_in, n_out, name: Packed has them)
     T = x.shape[0]
     rows = _rows_bucket(T)
-    bn, j, num_warps, prefetch = config if config is not None else config_for(p, rows)
-    assert rows > 1 or bn % num_warps == 0, f"matvec_v3: one-row tiles need BN ({bn}) a multiple of num_warps"
+    bn, num_warps, prefetch = check_config(config, rows) if config is not None else config_for(p, rows)
     grid = (triton.cdiv(p.n_out, bn),)
     _matvec_v3_kernel[grid](x, out, *p.pointers(), p.n_out, p.n_in, x.stride(0), out.stride(0), T, 0,
-                            FMT=_CODE[p.fmt], ROWS=rows, BN=bn, J=j, PREFETCH=bool(prefetch), NW=num_warps, ASM=_asm(),
-                            num_warps=num_warps, enable_fp_fusion=False)
+                            FMT=_CODE[p.fmt], ROWS=rows, BN=bn, J=J_UNITS, PREFETCH=prefetch, NW=num_warps,
+                            ASM=_asm(), num_warps=num_warps, enable_fp_fusion=False)
     return out
 
 
-__all__ = ["CONFIGS", "FORMATS", "HAVE_TRITON", "Packed", "decode", "decode_rows", "dequant_v3", "matvec_v3",
+__all__ = ["CONFIGS", "FORMATS", "J_UNITS", "check_config", "HAVE_TRITON", "Packed", "decode", "decode_rows", "dequant_v3", "matvec_v3",
            "pack", "pack_matrices", "Stack", "stack", "config_for", "load_tuning", "supports", "unpack"]
