@@ -10,15 +10,16 @@
 # that need their outputs wait for them inside their own time box):
 #   build    the pinned llama.cpp, CUDA sm_90, from DIR/llama.cpp-src.tgz: llama-bench, then
 #            llama-server (-j10; ~5-6 min)
-#   fixture  the full geometry (tools/make_fixture.py --full: Q4_K mix, 16.75 GB) and, beside it,
-#            its NVFP4 form (--dtype nvfp4-ggml: ggml type 40, the file llama.cpp runs too)
-#   kernels  python3 tools/device_kernels.py --out ... (when the file exists), 150 s
+#   fixture  the full geometry (tools/make_fixture.py --full: Q4_K mix, 16.75 GB) and, beside it
+#            when the nvfp4 stage is named, its NVFP4 form (--dtype nvfp4-ggml: ggml type 40, the file llama.cpp runs too)
+#   kernels  python3 tools/device_kernels.py --out ...: row invariance on CUDA (every format, both
+#            K/V types) and each full-geometry matvec shape timed at 1..16 rows, 200 s
 #   gate     Gate 2 at full width, 4 layers (tools/device_gate_wide.py), f16 K/V, Q4_K mix: the
 #            receipt the speed stage is gated by; in the background from t = 0 (CPU-bound oracle)
-#   speed    muser bench decode|prefill|verify --device cuda on the full Q4_K file at --depths
-#            (default 0,8192; verify at the first depth only), llama-bench's figures on the same
-#            file beside them (one llama-bench run, read as --llama-bench-json), a PNG of tok/s
-#            vs depth for both engines
+#   speed    muser bench decode|prefill|verify --device cuda on the full Q4_K file: decode at
+#            --depths (default 0,8192), prefill and verify at the first depth; llama-bench's figures
+#            on the same file beside them (pp512/pp16/tg128/tg1 at the first depth, tg128 deeper;
+#            read as --llama-bench-json), a PNG of tok/s vs depth for both engines
 #   kvpack   muser bench kvpack --device cuda --model FULL, prompt lengths --kv-lengths (default
 #            2048,8192,32768), one repetition, exact lane
 #   nvfp4    the same Gate 2 for the NVFP4 mix (background from t = 0), the speed kinds on the NVFP4 full file,
@@ -113,9 +114,9 @@ if has build; then
       && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
            -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
            >"$L/llama-cmake.log" 2>&1 \
-      && cmake --build build -j10 --target llama-bench >"$L/llama-build.log" 2>&1
+      && cmake --build build -j14 --target llama-bench >"$L/llama-build.log" 2>&1
       echo "llama-bench rc=$? $(( $(date +%s) - t )) s" >"$W/llama-bench.done"
-      [ -x $BENCH ] && cmake --build build -j10 --target llama-server >>"$L/llama-build.log" 2>&1
+      [ -x $BENCH ] && cmake --build build -j14 --target llama-server >>"$L/llama-build.log" 2>&1
       echo "llama-server rc=$? $(( $(date +%s) - t )) s" >"$W/llama-server.done" ) &
   fi
 fi
@@ -130,9 +131,11 @@ if has fixture; then
   ( t=$(date +%s); [ -s "$FULL" ] || $PY "${FX_Q4[@]}" >"$L/fixture-q4_k_xl.log" 2>&1
     echo "rc=$? $(( $(date +%s) - t )) s $(stat -c %s "$FULL" 2>/dev/null) B" >"$W/full.done" ) &
   FX_PIDS="$!"
-  ( t=$(date +%s); [ -s "$NV" ] || $PY "${FX_NV[@]}" >"$L/fixture-$NVFP4_MIX.log" 2>&1
-    echo "rc=$? $(( $(date +%s) - t )) s $(stat -c %s "$NV" 2>/dev/null) B" >"$W/nv.done" ) &
-  FX_PIDS="$FX_PIDS $!"
+  if has nvfp4; then  # the NVFP4 file only for the stage that reads it
+    ( t=$(date +%s); [ -s "$NV" ] || $PY "${FX_NV[@]}" >"$L/fixture-$NVFP4_MIX.log" 2>&1
+      echo "rc=$? $(( $(date +%s) - t )) s $(stat -c %s "$NV" 2>/dev/null) B" >"$W/nv.done" ) &
+    FX_PIDS="$FX_PIDS $!"
+  fi
 fi
 
 # Gate 2 at full width, 4 layers, f16 K/V (the speed kinds' --gate-receipt): mostly CPU work (the
@@ -148,12 +151,21 @@ has gate && wide_gate_bg q4_k_xl
 has nvfp4 && wide_gate_bg "$NVFP4_MIX"
 
 # --- the comparator's figures: one llama-bench run per file (read by the speed kinds) -------------
-llama_json() {  # GGUF NAME -> $W/NAME.json (pp512, pp16, tg128, tg1 at DEPTHS; 5 reps each)
+llama_json() {  # GGUF NAME -> $W/NAME.json: pp512, pp16, tg128, tg1 at the first depth (5 reps), and
+  # tg128 at each deeper depth (3 reps: llama-bench re-fills the depth before every repetition)
   [ $DRY = 1 ] && return 1
   has build && wait_for "$W/llama-bench.done" $(( DEADLINE - 60 ))  # a warm machine may hold a build
   [ -x $BENCH ] || { record "llama-bench-$2" - 0 "no llama-bench build ($(cat "$W/llama-bench.done" 2>/dev/null))"; return 1; }
-  run_stage "llama-bench-$2" 150 30 bash -c "$BENCH -m '$1' -ngl 99 -fa 1 -p 512,16 -n 128,1 -d $DEPTHS -r 5 \
-      -o json >'$W/$2.json' 2>'$L/llama-bench-$2.err'" && cp "$W/$2.json" "$R/llama-bench-$2.json"
+  local d0=${DEPTHS%%,*} deep=""; [ "$DEPTHS" != "$d0" ] && deep=${DEPTHS#*,}
+  run_stage "llama-bench-$2" 150 30 bash -c "$BENCH -m '$1' -ngl 99 -fa 1 -p 512,16 -n 128,1 -d $d0 -r 5 \
+      -o json >'$W/$2-d0.json' 2>'$L/llama-bench-$2.err'" || return 1
+  if [ -n "$deep" ]; then
+    run_stage "llama-bench-$2-deep" 150 30 bash -c "$BENCH -m '$1' -ngl 99 -fa 1 -p 0 -n 128 -d $deep -r 3 \
+        -o json >'$W/$2-deep.json' 2>>'$L/llama-bench-$2.err'"
+  fi
+  $PY -c "import json,sys; json.dump([t for f in sys.argv[2:] for t in json.load(open(f))], open(sys.argv[1], 'w'))" \
+      "$W/$2.json" "$W/$2-d0.json" $([ -s "$W/$2-deep.json" ] && echo "$W/$2-deep.json") \
+    && cp "$W/$2.json" "$R/llama-bench-$2.json"
   [ -s "$W/$2.json" ]
 }
 
@@ -164,7 +176,7 @@ speed_kinds() {
     against=(--against llama.cpp --llama-bench-json "$lj"); fi
   for kind in decode prefill verify; do
     local plot=(); plot_flag $kind && plot=(--plot)
-    local d=$DEPTHS; [ $kind = verify ] && d=${DEPTHS%%,*}
+    local d=$DEPTHS; [ $kind = decode ] || d=${DEPTHS%%,*}  # prefill and verify at the first depth
     run_stage "$label-$kind" 150 40 $PY -m muser bench $kind --model "$model" --device $DEV --depths "$d" \
         --reps $REPS --warmup 1 $SPEED_TOKENS --gate-receipt "$gate" --out-dir "$R" "${against[@]}" "${plot[@]}"
   done
@@ -195,7 +207,7 @@ for st in "${STAGES[@]}"; do
       if [ -f tools/device_kernels.py ]; then
         mkdir -p "$R/kernels"
         if [ $DRY = 1 ]; then run_stage kernels 150 20 $PY tools/device_kernels.py --out "$R/kernels" --device cpu --smoke --budget 130
-        else run_stage kernels 150 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 140; fi
+        else run_stage kernels 200 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 180; fi
       else record kernels - 0 "tools/device_kernels.py is absent"; fi ;;
     gate) ;;  # in the background from t = 0 (wide_gate_bg)
     speed|nvfp4)

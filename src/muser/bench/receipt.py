@@ -86,7 +86,9 @@ def git_sha() -> str:
                              text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
                                capture_output=True, text=True, timeout=10).stdout.strip()
-        return (sha or "unknown") + ("-dirty" if dirty else "")
+        if not sha:  # a copy of the tree without its .git (the GPU machine): the SHA it was sent at
+            return os.environ.get("MUSER_GIT_SHA", "unknown")
+        return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return os.environ.get("MUSER_GIT_SHA", "unknown")
 
