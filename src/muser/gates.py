@@ -67,11 +67,13 @@ def default_prompt(cfg, n: int = 40) -> list[int]:
 
 
 def gate2(path, engine, oracle, kv: str, n_gen: int = 256, prompt: Sequence[int] | None = None,
-          noise_trials: int = 2, noise: str = "always") -> dict:
+          noise_trials: int = 2, noise: str = "always", noise_orders: Sequence[str] | None = None) -> dict:
     """Run Gate 2 for one (fixture, KV type). `engine`: muser.engine.Engine (exact lane);
     `oracle`: muser.oracle model with arithmetic f32 and the same kv. noise="always" measures
     the fixture's noise floor (1-ulp jitter and f32 summation orders) for the report;
-    "if_needed" only when the verdict depends on it (f32 K/V inside both absolute floors)."""
+    "if_needed" only when the verdict depends on it (f32 K/V inside both absolute floors).
+    noise_orders: the f32 reduction orders the floor runs (None: the oracle's ORDER_PROBES; an
+    empty list keeps the 1-ulp jitter part only, a lower floor and so a stricter gate)."""
     from .errors import LaneError
 
     if engine.lane.value != "exact":
@@ -109,7 +111,8 @@ def gate2(path, engine, oracle, kv: str, n_gen: int = 256, prompt: Sequence[int]
     if noise == "always" or not inside:
         # the oracle's floor on the rows Gate 2 compares: prompt (last row) + every decoded row
         seq = prompt + o_toks[:-1] if n_gen else prompt
-        base, runs = oracle.noise_runs(seq, mode="prefill", trials=noise_trials)
+        kw = {} if noise_orders is None else {"orders": tuple(noise_orders)}
+        base, runs = oracle.noise_runs(seq, mode="prefill", trials=noise_trials, **kw)
         from .oracle import NoiseFloor
 
         rows = slice(len(prompt) - 1, None)
