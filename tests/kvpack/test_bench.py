@@ -40,7 +40,7 @@ def test_bench_kvpack_receipt(tiny_gguf, tmp_path):
     for mode in ("cold", "warm"):
         t = res[f"restore_{mode}"]
         assert len(t["restore_s"]) == 5 and t["restore_vs_disk_read"] > 0
-    assert len(res["restore_cold"]["resident_after_drop"]) == 5
+    assert len(res["restore_cold"]["resident_after_drop"]) == 10  # before each timed restore and lookup
     assert set(r["cells"]) == {"cold/530", "warm/530"}
 
 

@@ -22,10 +22,11 @@ expected tokens. Also recorded: bytes on disk per stored token against the model
 (MuseConfig.kv_bytes) and the entry files' size against the byte format's formula
 (docs/kvpack.md: per entry a 48-byte header, the manifest padded to 8, and a tile of
 64 + pad8(2 x layers) + payload + 32 bytes), both asserted by the gate; and restore bandwidth
-(read + verify + install of the hit, and read + verify alone) with the entry files dropped from
-the page cache first (posix_fadvise DONTNEED) and as cached, against the disk's read bandwidth:
-a cold read of a fresh file in the same directory, written, fsynced and dropped from the page
-cache before each read (mincore reports what stayed resident).
+(Store.restore, the warm path's: read + verify on several threads, each tile installed as it
+verifies; and Store.lookup: read + verify alone) with the entry files dropped from the page cache
+first (posix_fadvise DONTNEED) and as cached, against the disk's read bandwidth: a cold read of a
+fresh file in the same directory, written, fsynced and dropped from the page cache before each
+read (mincore reports what stayed resident).
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     import muser
 
     from ...errors import ContextOverflow, LaneError
-    from ...kv.serial import CHUNK_TOKENS, install_tiles
+    from ...kv.serial import CHUNK_TOKENS
     from ..plot import check_plot_flag, plot_for_run
     from ..receipt import device_description, run_interleaved, write_receipt
     from ..speed import model_json
@@ -298,8 +299,9 @@ def run(args: argparse.Namespace) -> int:
                 return int(np.argmax(logits))
 
             fns[f"cold/{n}"], fns[f"warm/{n}"] = cold, warm
-            # restore bandwidth: read + verify + install (tile by tile, as the warm path does) of the
-            # hit, RESTORE_REPS times with the entry files dropped from the page cache first (cold),
+            # restore bandwidth: the warm path's restore (read + verify on the store's threads, each
+            # tile installed as it verifies: Store.restore) and read + verify alone (Store.lookup),
+            # RESTORE_REPS times each with the entry files dropped from the page cache first (cold),
             # RESTORE_REPS times as cached (warm)
             hit = store.lookup(ids)
             if hit is None or hit.n_tokens != expect:
@@ -310,19 +312,18 @@ def run(args: argparse.Namespace) -> int:
             for mode in ("cold", "warm"):
                 t = timed[mode] = {"restore_s": [], "read_verify_s": [], "resident_after_drop": []}
                 for _ in range(RESTORE_REPS):
-                    if mode == "cold":
-                        t["resident_after_drop"].append(max((r or 0.0) for r in _drop(paths)))
-                    s = m.session(max_context=n_ctx)
-                    sync()
-                    t0 = time.perf_counter()
-                    hit = store.lookup(ids)  # read + verify every entry of the prefix
-                    t1 = time.perf_counter()
-                    assert hit is not None
-                    install_tiles(s, hit.tiles, store.binding.layout, hit.n_tokens)  # install
-                    sync()
-                    t["restore_s"].append(time.perf_counter() - t0)
-                    t["read_verify_s"].append(t1 - t0)
-                    del s
+                    for key, what in (("restore_s", "restore"), ("read_verify_s", "lookup")):
+                        if mode == "cold":
+                            t["resident_after_drop"].append(max((r or 0.0) for r in _drop(paths)))
+                        s = m.session(max_context=n_ctx)
+                        sync()
+                        t0 = time.perf_counter()
+                        got = store.restore(s, ids) if what == "restore" else store.lookup(ids)
+                        sync()
+                        t[key].append(time.perf_counter() - t0)
+                        if got is None or got.n_tokens != expect:
+                            raise LaneError(f"{what} found {got.n_tokens if got else 0} tokens, expected {expect}")
+                        del s, got
             file_bytes = sum(p.stat().st_size for p in paths)
             payload = sum(2 * len(t.layers) * t.rows * store.binding.layout.row_bytes for t in hit.tiles)
             formula = cfg.kv_bytes(hit.n_tokens, 2 if args.kv == "f16" else 4)
