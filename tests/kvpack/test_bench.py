@@ -65,6 +65,7 @@ def test_bench_kvpack_new_question(tiny_gguf, tmp_path):
         assert res["stored_prefix_tokens"] == 512 and res["suffix_prefill_tokens"] == n + 24 - 512
         assert res["shared_with_prime_tokens"] == n  # the questions differ from their first token on
         assert res["payload_equals_formula"] and res["disk_equals_formula"]
+        assert len(res["warm_restore_s"]) == 1 and 0 < res["warm_restore_share"] < 1
         # one repetition, no warm-up: one sample per cell, and no spread claimed
         assert res["ttft_cold_cv"] is None and res["ttft_warm_cv"] is None
         for cell in (f"cold/{n}", f"warm/{n}"):

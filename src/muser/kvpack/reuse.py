@@ -2,7 +2,7 @@
 
     warm = WarmSession(session, store)     # any engine or oracle session (same protocol)
     logits = warm.prefill(ids)             # restore <= len(ids)-1 stored tokens, prefill the rest
-    warm.last                              # {"restored": r, "prefilled": n - r, ...}
+    warm.last                              # {"restored": r, "prefilled": n - r, "restore_s": ..., ...}
     warm.wait()                            # background persistence of the new chunks finished
 
 On a hit the stored tiles (verified on read, on several threads) are installed tile by tile into
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,7 +99,9 @@ class WarmSession:
         empty = s.snapshot()  # an empty state (no rows): the undo point if anything below fails
         try:
             # read + verify on the store's threads, each tile installed as it verifies (no assembled copy)
+            t0 = time.perf_counter()
             hit = self.store.restore(s, toks)
+            restore_s = time.perf_counter() - t0  # host side: device copies may still be queued
             r = hit.n_tokens if hit is not None else 0
             end = (len(toks) - 1) // ch * ch  # last chunk boundary that leaves a token to prefill
             tail = None
@@ -112,7 +115,7 @@ class WarmSession:
             s.restore(empty)
             raise
         self.last = {"restored": r, "prefilled": len(toks) - r, "reuse": True,
-                     "hit_names": list(hit.names) if hit else []}
+                     "hit_names": list(hit.names) if hit else [], "restore_s": restore_s}
         if tail is not None:
             planes = s.cache.planes  # the live planes: rows [0, end) stay put until a rollback
             self._job = threading.Thread(target=self._persist, args=(toks[:end], r, planes, tail),
