@@ -272,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
         d = Path(args.dir) if args.dir else Path(tmp := tempfile.mkdtemp(prefix="muser-kvpack-bench-"))
         tok = m.tokenizer
         fns, results, plans = {}, {}, {}
-        restore_s: dict[str, list[float]] = {}  # warm cell -> the restore's share of each run (warm-ups first)
+        restore_s: dict[str, list[float]] = {}  # warm cell -> seconds its restore took in each run (warm-ups first)
         store = None
         for n in lengths:
             pl = plans[n] = plan(tok, n, q, CHUNK_TOKENS)
