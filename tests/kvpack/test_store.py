@@ -209,3 +209,34 @@ def test_cli_ls_verify_gc(seeded, tmp_path, capsys):
     assert summary["bytes"] == 0 and not list(DirectoryBackend(d).list())
     assert main(["kvpack", "ls", str(tmp_path / "nothing")]) == 2
     assert "not a kvpack directory" in capsys.readouterr().err
+
+
+def test_restore_installs_as_tiles_verify_and_falls_back_whole(models, prompt, tmp_path, caplog):
+    """Store.restore (the warm path: tiles installed as they verify) leaves the state lookup +
+    install_tiles leaves; an entry that fails verification after earlier tiles were installed
+    abandons that install (nothing committed) and the next shorter prefix is served whole."""
+    from muser.kv.serial import encode_tiles, install_tiles
+
+    d = tmp_path / "store"
+    for n in (20, P):  # SWA tails at 16 and 32, NoPE chunks 0 and 1
+        w = warm_session(sess(models), d, chunk_tokens=CH)
+        w.prefill(prompt[:n])
+        w.wait()
+    store, ids = w.store, prompt[:P]
+    a, b = sess(models), sess(models)
+    hit, ref = store.restore(a, ids), store.lookup(ids)
+    assert hit is not None and ref is not None and hit.n_tokens == ref.n_tokens == 32 and hit.names == ref.names
+    install_tiles(b, ref.tiles, store.binding.layout, ref.n_tokens)
+    assert a.n_past == 32 and encode_tiles(a.snapshot()) == encode_tiles(b.snapshot())
+    # chunk 1's NoPE entry damaged: chunk 0's tile is installed before it is met
+    name = store.name(store.binding.addresses(ids)[1], "nope")
+    path = next(d.rglob(name))
+    data = bytearray(path.read_bytes())
+    data[-40] ^= 1  # a payload byte: the tile's SHA-256 no longer matches
+    path.write_bytes(bytes(data))
+    c = sess(models)
+    with caplog.at_level(logging.WARNING, logger="muser.kvpack"):
+        hit = store.restore(c, ids)
+    assert any("kvpack miss" in r.message and name in r.message for r in caplog.records)
+    assert hit is not None and hit.n_tokens == 16 and c.n_past == 16
+    assert np.array_equal(c.prefill(ids[16:]), sess(models).prefill(ids))

@@ -173,9 +173,12 @@ def plot_kvpack(plt, bodies: list[dict]):
         ns = sorted(lengths, key=int)
         xs = [int(n) for n in ns]
         kv = b["results"].get("kv", "?")
+        bench_mode = b["results"].get("mode") or {"name": "replay", "suffix_tokens": 0}  # older receipts: replay
+        q = bench_mode.get("suffix_tokens") or 0
+        warm_label = f" ({bench_mode.get('name')}: kvpack restore + suffix{f', question {q} tokens' if q else ''})"
         for mode, style in (("cold", "o-"), ("warm", "s-")):
             ys = [_number(b, "results", "lengths", n, f"ttft_{mode}_mean_s") * 1e3 for n in ns]
-            line, = ax.plot(xs, ys, style, label=f"{mode}{' (kvpack restore + suffix)' if mode == 'warm' else ''}"
+            line, = ax.plot(xs, ys, style, label=f"{mode}{warm_label if mode == 'warm' else ''}"
                             f" KV {kv}" + _tag(b, many))
             cells = b.get("cells") or {}
             for x, n in zip(xs, ns):  # every counted repetition, faint, beside its mean
@@ -186,7 +189,8 @@ def plot_kvpack(plt, bodies: list[dict]):
                         (x, _number(b, "results", "lengths", n, "ttft_warm_mean_s") * 1e3), xytext=(4, -10),
                         textcoords="offset points", fontsize=7)
     ax.set_yscale("log")
-    ax.set_xlabel("prompt tokens")
+    questions = any((b["results"].get("mode") or {}).get("suffix_tokens") for b in bodies)
+    ax.set_xlabel("document tokens (the timed prompt adds the question)" if questions else "prompt tokens")
     ax.set_ylabel("TTFT (ms, log scale)")
     ax.set_title(f"kvpack: TTFT cold vs warm, {_where(bodies[-1])}", fontsize=9)
     ax.grid(which="both", alpha=0.3)

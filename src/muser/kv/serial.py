@@ -323,7 +323,7 @@ def decode_tile(data: bytes | bytearray | memoryview, layout: KvLayout, kind: in
     return Tile(k, start, rows, n_tokens, layers, tuple(keys), tuple(values), digest.hex(), len(buf))
 
 
-def _cover(tiles: Sequence[Tile], layout: KvLayout, n_tokens: int) -> tuple[list[Tile], Tile | None]:
+def cover(tiles: Sequence[Tile], layout: KvLayout, n_tokens: int) -> tuple[list[Tile], Tile | None]:
     """NOPE chunk tiles covering [0, n) in order and the one SWA tile at n; refuses gaps,
     overlaps, a tail of another length, or missing kinds."""
     nope = sorted((t for t in tiles if t.kind == KIND_NOPE), key=lambda t: t.start)
@@ -349,7 +349,7 @@ def assemble(tiles: Sequence[Tile], layout: KvLayout, tokens: Sequence[int] | No
         if tokens is None:
             raise KvFormatError("assemble needs tokens or n_tokens", field="n_tokens")
         n_tokens = len(tokens)
-    nope, swa_tile = _cover(tiles, layout, n_tokens)
+    nope, swa_tile = cover(tiles, layout, n_tokens)
     swa = [swa_tile] if swa_tile is not None else []
     planes = []
     for pl in layout.planes():
@@ -369,22 +369,29 @@ def assemble(tiles: Sequence[Tile], layout: KvLayout, tokens: Sequence[int] | No
     return KvSnapshot(n_tokens, tuple(planes), None if tokens is None else tuple(int(t) for t in tokens))
 
 
+def install_tile(inst: Any, tile: Tile) -> None:
+    """Put one verified tile's rows into a DetachedInstall: a NOPE chunk's rows as they are, the
+    SWA tail's only from where each ring's live window starts (rows before it are not needed)."""
+    if tile.kind == KIND_NOPE:
+        for j, layer in enumerate(tile.layers):
+            inst.put(layer, tile.start, tile.keys[j], tile.values[j])  # [rows, kv_dim] views of the entry
+        return
+    origin = tile.start  # the tile's explicit origin (book 15.6)
+    for j, layer in enumerate(tile.layers):
+        a, _ = inst.expected(layer)
+        if a < inst.n_tokens:
+            inst.put(layer, a, tile.keys[j][a - origin:], tile.values[j][a - origin:])
+
+
 def install_tiles(target: Any, tiles: Sequence[Tile], layout: KvLayout, n_tokens: int) -> None:
     """Restore `tiles` (the state after n_tokens tokens) into `target` (a KvCache or a session:
     anything with begin_install/commit) tile by tile: each tile's rows go from the entry's bytes
     straight into detached planes, swapped in whole at the end (book 10.7). Same result as
     target.restore(assemble(...)) without the assembled copy of every NoPE plane on the host."""
-    nope, swa = _cover(tiles, layout, n_tokens)
+    nope, swa = cover(tiles, layout, n_tokens)
     inst = target.begin_install(n_tokens)
-    for t in nope:
-        for j, layer in enumerate(t.layers):
-            inst.put(layer, t.start, t.keys[j], t.values[j])  # [rows, kv_dim] views of the entry
-    if swa is not None:
-        origin = swa.start  # the tile's explicit origin (book 15.6)
-        for j, layer in enumerate(swa.layers):
-            a, _ = inst.expected(layer)  # rows before the ring's live window are not needed
-            if a < n_tokens:
-                inst.put(layer, a, swa.keys[j][a - origin:], swa.values[j][a - origin:])
+    for t in nope + ([swa] if swa is not None else []):
+        install_tile(inst, t)
     target.commit(inst)
 
 
@@ -465,6 +472,8 @@ __all__ = [
     "encode_snapshot",
     "encode_tile",
     "encode_tiles",
+    "install_tile",
+    "install_tiles",
     "nope_tile",
     "swa_tile",
 ]

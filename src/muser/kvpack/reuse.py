@@ -2,11 +2,11 @@
 
     warm = WarmSession(session, store)     # any engine or oracle session (same protocol)
     logits = warm.prefill(ids)             # restore <= len(ids)-1 stored tokens, prefill the rest
-    warm.last                              # {"restored": r, "prefilled": n - r, ...}
+    warm.last                              # {"restored": r, "prefilled": n - r, "restore_s": ..., ...}
     warm.wait()                            # background persistence of the new chunks finished
 
-On a hit the stored tiles (verified on read) are installed tile by tile into detached planes
-(muser.kv.serial.install_tiles), swapped in whole (book 10.7). The suffix
+On a hit the stored tiles (verified on read, on several threads) are installed tile by tile into
+detached planes as each one verifies (Store.restore), swapped in whole (book 10.7). The suffix
 is prefilled from the restored chunk boundary, so its chunk boundaries are the ones a cold
 prefill of the whole prompt uses; with row-invariant kernels the logits are bitwise the cold
 ones (Gate 3). At L, the last chunk boundary before the final token, the SWA rings are copied
@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..errors import LaneError
-from ..kv.serial import CHUNK_TOKENS, KIND_NOPE, KIND_SWA, encode_tile, install_tiles
+from ..kv.serial import CHUNK_TOKENS, KIND_NOPE, KIND_SWA, encode_tile
 from ..sequence import check_span, check_tokens
 from .entry import encode_entry
 from .store import Store
@@ -95,13 +96,13 @@ class WarmSession:
         if len(toks) < 2:
             return s.prefill(toks)
         ch = self.store.binding.layout.chunk_tokens
-        hit = self.store.lookup(toks)
         empty = s.snapshot()  # an empty state (no rows): the undo point if anything below fails
-        r = 0
         try:
-            if hit is not None:
-                install_tiles(s, hit.tiles, self.store.binding.layout, hit.n_tokens)  # no assembled copy
-                r = hit.n_tokens
+            # read + verify on the store's threads, each tile installed as it verifies (no assembled copy)
+            t0 = time.perf_counter()
+            hit = self.store.restore(s, toks)
+            restore_s = time.perf_counter() - t0  # host side: device copies may still be queued
+            r = hit.n_tokens if hit is not None else 0
             end = (len(toks) - 1) // ch * ch  # last chunk boundary that leaves a token to prefill
             tail = None
             if end > r:
@@ -114,7 +115,7 @@ class WarmSession:
             s.restore(empty)
             raise
         self.last = {"restored": r, "prefilled": len(toks) - r, "reuse": True,
-                     "hit_names": list(hit.names) if hit else []}
+                     "hit_names": list(hit.names) if hit else [], "restore_s": restore_s}
         if tail is not None:
             planes = s.cache.planes  # the live planes: rows [0, end) stay put until a rollback
             self._job = threading.Thread(target=self._persist, args=(toks[:end], r, planes, tail),

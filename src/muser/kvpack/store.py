@@ -3,6 +3,7 @@ embedded backend (docs/kvpack.md says how an object store would back the same in
 
     store = Store.open(path, binding, budget_bytes=8 << 30)
     hit = store.lookup(ids)          # the longest verified stored prefix (< len(ids)), or None
+    hit = store.restore(session, ids)  # the same, installed into the session as its tiles verify
     store.put(name, blob, verify)    # durable and verified before visible; never raises OSError
 
 Directory layout: `KVPACK` (marker), `lock` (fcntl lock for eviction and gc), `objects/aa/NAME`
@@ -27,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..errors import IdentityMismatch, KvStateError, MuserError
-from ..kv.serial import Tile
+from ..kv.serial import Tile, cover, install_tile
 from .entry import Binding, decode_entry, read_manifest
 
 LOAD_THREADS = 8  # entries of one lookup read and verified at once
@@ -258,9 +259,10 @@ class Store:
                 self.backend.delete(name)
             return None
 
-    def lookup(self, ids: Sequence[int]) -> Hit | None:
-        """The longest stored prefix of `ids` that leaves at least one token to prefill: NOPE
-        tiles of chunks 0..c and the SWA tail at the end of chunk c, all verified."""
+    def _candidates(self, ids: Sequence[int]) -> Iterator[tuple[int, list[str], list[tuple]]]:
+        """Stored prefixes of `ids` that leave at least one token to prefill, longest first, whose
+        entries all exist: (tokens, names, load() jobs), NOPE chunks 0..c in order, then the SWA
+        tail at the end of chunk c."""
         ch = self.binding.layout.chunk_tokens
         addrs = self.binding.addresses(list(ids)[: len(ids) - 1])  # ends <= len(ids) - 1
         layout = self.binding.layout
@@ -275,12 +277,18 @@ class Store:
                 addr, kind = n.split(".")
                 k = j if kind == "nope" else c
                 jobs.append((addr, kind, ids[k * ch:(k + 1) * ch] if kind == "nope" else None))
+            yield (c + 1) * ch, names, jobs
+
+    def lookup(self, ids: Sequence[int]) -> Hit | None:
+        """The longest stored prefix of `ids` that leaves at least one token to prefill: NOPE
+        tiles of chunks 0..c and the SWA tail at the end of chunk c, all verified."""
+        for n_tokens, names, jobs in self._candidates(ids):
             tiles = self._load_all(jobs)
             if any(t is None for t in tiles):
                 continue
             for n in names:
                 self.backend.touch(n)
-            return Hit((c + 1) * ch, tuple(tiles), tuple(names))
+            return Hit(n_tokens, tuple(t for t in tiles if t is not None), tuple(names))
         return None
 
     def _load_all(self, jobs: Sequence[tuple]) -> list[Tile | None]:
@@ -290,6 +298,35 @@ class Store:
             return [self.load(*j) for j in jobs]
         with ThreadPoolExecutor(min(LOAD_THREADS, len(jobs)), thread_name_prefix="kvpack-load") as ex:
             return list(ex.map(lambda j: self.load(*j), jobs))
+
+    def restore(self, target: Any, ids: Sequence[int]) -> Hit | None:
+        """lookup(ids), installed into `target` (a session or a KvCache: begin_install / commit).
+        The entries are read and verified on LOAD_THREADS threads while this thread installs each
+        verified tile, in order, into detached planes, so the copies overlap the reads and the
+        SHA-256s. Nothing is committed unless every entry of the prefix verified (otherwise the
+        next shorter prefix is tried, as lookup does); the live planes change only at the commit."""
+        layout = self.binding.layout
+        for n_tokens, names, jobs in self._candidates(ids):
+            inst = target.begin_install(n_tokens)
+            tiles: list[Tile] = []
+            with ThreadPoolExecutor(min(LOAD_THREADS, len(jobs)), thread_name_prefix="kvpack-load") as ex:
+                futures = [ex.submit(self.load, *j) for j in jobs]
+                for f in futures:
+                    t = f.result()
+                    if t is None:  # a logged miss: abandon this install (never committed)
+                        for rest in futures:
+                            rest.cancel()
+                        break
+                    install_tile(inst, t)
+                    tiles.append(t)
+            if len(tiles) < len(jobs):
+                continue
+            cover(tiles, layout, n_tokens)  # NOPE chunks [0, n) without gap, the SWA tail at n
+            target.commit(inst)
+            for n in names:
+                self.backend.touch(n)
+            return Hit(n_tokens, tuple(tiles), tuple(names))
+        return None
 
     def put(self, name: str, blob: bytes, address: str, kind: str) -> bool:
         """Write one entry (verified from disk before it becomes visible). A failed write (full
