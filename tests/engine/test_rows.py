@@ -140,3 +140,17 @@ def test_the_plan_runs_and_leaves_nothing_behind(eng):
     run_plan(eng, calls, bar)
     assert bar.done == len(calls) and "warm-up: 100.0%" in out.getvalue()
     assert eng._graphs == {}
+
+
+def test_the_drafter_warm_up_runs_and_leaves_nothing_behind():
+    """Model._warm_drafter (what a CUDA load runs for a drafter) on the shipped pair, on the CPU."""
+    from muser.api import shipped_drafter
+
+    m = muser.load(device="cpu")
+    try:
+        d = m.drafter(shipped_drafter(m.path))
+        assert m.warm_record is None  # the CPU load warmed nothing, so neither did the drafter's load
+        m._warm_drafter(d)
+        assert m.engine._graphs == {}
+    finally:
+        m.close()
