@@ -157,3 +157,21 @@ def test_non_finite_row_is_refused_at_the_first_readback():
     row2 = DeviceRow(t, torch.isfinite(t).all(), fail)
     with pytest.raises(NonFiniteLogits):
         row2.host()
+
+
+def test_survivors_alone_do_not_fix_the_tie_order():
+    """Why a tied pick goes to the whole row: std::partial_sort's heap starts from the first k ids
+    of the whole array, so even every id tied with the k-th value, sorted by the same algorithm,
+    comes out in another order than in the full chain."""
+    from muser.sample.sorting import partial_sort_desc
+
+    x = np.array([2, 3, 2, 2, 3, 2, 2, 2, 2, 3], np.float32)
+    assert partial_sort_desc(x, np.arange(10), 3, True).tolist() == [9, 1, 4]
+    surv = np.flatnonzero(x >= 3)
+    assert surv[partial_sort_desc(x[surv], np.arange(surv.size), 3, True)].tolist() == [1, 4, 9]
+    for P in (SamplingParams(temperature=0.0, top_k=3, seed=2), SamplingParams(top_k=3, seed=2)):
+        a, b = Sampler(P, 10), Sampler(P, 10)
+        stats = {"filtered": 0, "full": 0}
+        assert filtered_sample(b, DeviceFilter(b), x, stats) == a.sample(x)
+        assert stats == {"filtered": 0, "full": 1}
+    assert Sampler(SamplingParams(temperature=0.0, top_k=3, seed=2), 10).sample(x) == 9  # not the lowest id

@@ -15,6 +15,9 @@ sample_top: with active penalties, top_k = 0 outside greedy decoding, a tied pic
 top_logprobs requested, the caller reads the row in full (DeviceRow.host) and samples it as on
 the CPU. The same code runs on CPU tensors (the parity tests).
 
+The speculative driver's rows come back whole from its verify forward (one readback of k + 1
+rows a round, muser.spec.session) and go through the same Emitter as host arrays.
+
 The logprob is float64 log-softmax as muser.generation.raw_logprobs computes it on the host; the
 sum of exponentials runs on the device, in the device's order (the last bits may differ from
 the host sum's).
