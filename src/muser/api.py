@@ -1,7 +1,8 @@
 """The public surface (DESIGN.md "Public surface"):
 
     import muser
-    m = muser.load(path=None, device="cpu" | "cuda", lane="exact" | "fast", kv="f16" | "f32", pin=None)
+    m = muser.load(path=None, device="cpu" | "cuda", lane="exact" | "fast", kv="f16" | "f32", pin=None,
+                   warm_up=True)             # CUDA: kernels compiled, graphs captured at load
     m.config, m.identity, m.tokenizer, m.chat(messages, add_generation_prompt=True)
     s = m.session(max_context=...)        # prefill / decode / verify / checkpoint / rollback
     for piece in m.generate(prompt, max_tokens=None, sampling=muser.SamplingParams(...)): ...
@@ -107,6 +108,7 @@ class Model:
     def __init__(self, engine, path: Path):
         self.engine = engine
         self.path = path
+        self.warm_record: dict | None = None  # Model.warm_up's record once it ran
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -230,7 +232,10 @@ class Model:
         key = str(Path(path).resolve())
         cache = self.__dict__.setdefault("_drafters", {})
         if key not in cache:
-            cache[key] = Drafter.load(path, self.engine, receipts=default_receipts_dir())
+            d = Drafter.load(path, self.engine, receipts=default_receipts_dir())
+            if self.engine.device.type == "cuda" and self.warm_record is not None:
+                self._warm_drafter(d)  # a warmed engine gets a warmed drafter
+            cache[key] = d
         return cache[key]
 
     def spec_session(self, draft: str | os.PathLike, max_context: int, verify_len: int = 7, gate: Any = None):
@@ -250,13 +255,47 @@ class Model:
             if ev.text:
                 yield ev.text
 
+    def warm_up(self, enabled: bool = True) -> dict:
+        """Compile the engine's CUDA kernels and capture its step graphs now (muser.engine.warmup)
+        and load the device sampler's kernels (muser.sample.candidates); `load` does this on CUDA.
+        A progress line goes to stderr (`enabled=False`: none). CUDA only."""
+        from .engine.warmup import warm_up
+        from .sample.candidates import warm_up as warm_sampler
+
+        rec = warm_up(self.engine, enabled=enabled)
+        warm_sampler(self.engine.device, self.config.vocab)
+        self.warm_record = rec
+        return rec
+
+    def _warm_drafter(self, d) -> None:
+        """One speculative round per verify length on a throwaway session (CUDA): the drafter's
+        kernels and the target's capturing verify graphs are built before the first request."""
+        from .engine.warmup import release
+        from .spec.format import VERIFY_LENGTHS
+        from .spec.session import SpecSession
+
+        made = []
+        try:
+            for k in [k for k in VERIFY_LENGTHS if k <= d.cfg.max_proposals]:
+                t = self.session(max_context=min(self.config.context_length, 4 * (k + 1) + 16),
+                                 capture=d.cfg.target_layers)
+                made.append(t)
+                s = SpecSession(t, d, k)
+                row = s.prefill([0] * 8)
+                for _ in range(3):
+                    row = s.decode(int(row.argmax()))
+        finally:
+            release(self.engine, made)
+
     def close(self) -> None:
         self.engine.model_file.close()
 
 
 def load(path: str | os.PathLike | None = None, device: str = "cpu", lane: str = "exact",
-         kv: str = "f16", pin: Any = None) -> Model:
-    """Open, validate and upload a model (fails closed; see module doc)."""
+         kv: str = "f16", pin: Any = None, warm_up: bool = True) -> Model:
+    """Open, validate and upload a model (fails closed; see module doc). On CUDA, `warm_up`
+    compiles the kernels and captures the step graphs now (Model.warm_up, a progress line on
+    stderr), not inside the first request; on the CPU there is nothing to warm."""
     from .engine import Engine
     from .engine.lanes import Lane, parse_device, parse_kv
 
@@ -271,7 +310,10 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", lane: str =
                 pin = shipped_pin  # the embedded model is held to the identity shipped beside it
     else:
         p = Path(path)
-    return Model(Engine.open(p, device=device, lane=lane, kv=kv, pin=pin), p)
+    m = Model(Engine.open(p, device=device, lane=lane, kv=kv, pin=pin), p)
+    if warm_up and m.engine.device.type == "cuda":
+        m.warm_up()
+    return m
 
 
 __all__ = ["Model", "load", "default_model_path", "cache_dir", "model_search_path", "shipped_model",

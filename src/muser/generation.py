@@ -32,8 +32,14 @@ Rules
 * `logprob` is log p(token) under the model's raw distribution (float64 log-softmax of the
   logits the token was drawn from), before any sampling step reshapes it; `top_logprobs` the
   n most likely tokens under that distribution (ties: lower id first).
-* TTFT = from the call to the first sampled token (prefill included); decode tokens/s counts the
-  tokens after the first over the time after the first.
+* TTFT = from the request's start to the first sampled token (prefill included): `t_start` when
+  given (the CLI passes the moment after the model is loaded, so tokenizing the prompt and making
+  the session count), else the first event's request; decode tokens/s counts the tokens after the
+  first over the time after the first.
+* Logits may be a DeviceRow (an engine session's prefill_row / decode_row on CUDA): the sampler
+  then reads back only the candidates its chain can keep, and the whole row only when it needs
+  it (muser.sample.candidates); the tokens are the same as from the host row, and the logprob's
+  sum of exponentials runs on the device.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -116,6 +122,8 @@ class Emitter:
         self._eog = tokenizer.eog_ids
         self._pending = ""  # released by the detokenizer, not yet emitted (may start a stop string)
         self._out: list[str] = []
+        self._filter: Any = None  # muser.sample.candidates.DeviceFilter, made for a first DeviceRow
+        self._reduced: tuple[Any, Any] | None = None  # (row, what its reduction read back)
         # The sampler sees the prompt (llama.cpp's server and CLI accept it before the first draw).
         for t in prompt_ids:
             sampler.accept(t)
@@ -128,23 +136,50 @@ class Emitter:
     def text(self) -> str:
         return "".join(self._out)
 
-    def check_logits(self, logits: Any) -> np.ndarray:
+    def check_logits(self, logits: Any) -> Any:
+        """float32 [vocab] on the host, or a DeviceRow (muser.engine.rows) of that vocab."""
         V = self.tokenizer.vocab_size
-        if not isinstance(logits, np.ndarray) or logits.shape != (V,):
-            raise TokenizerError(f"the session's logits have shape {getattr(logits, 'shape', None)}, "
-                                 f"the tokenizer's vocab is {V}")
+        shape = getattr(logits, "shape", None) if isinstance(logits, np.ndarray) else \
+            tuple(getattr(getattr(logits, "logits", None), "shape", ()))
+        if shape != (V,):
+            raise TokenizerError(f"the session's logits have shape {shape}, the tokenizer's vocab is {V}")
         return logits
 
-    def sample(self, logits: np.ndarray) -> int:
-        """Draw the next token from `logits` (the sampler chain; nothing is accepted yet)."""
+    def sample(self, logits: Any) -> int:
+        """Draw the next token from `logits` (the sampler chain; nothing is accepted yet). A
+        DeviceRow is reduced on the device to the candidates the chain can keep and only those
+        are read back, whenever that gives the chain's own pick (muser.sample.candidates)."""
         self._refuse_if_done()
-        return self.sampler.sample(self.check_logits(logits))
+        logits = self.check_logits(logits)
+        if isinstance(logits, np.ndarray):
+            return self.sampler.sample(logits)
+        if not self.top_logprobs:  # the n most likely tokens need the whole row
+            if self._filter is None:
+                from .sample.candidates import DeviceFilter
 
-    def step(self, logits: np.ndarray) -> GenEvent:
+                self._filter = DeviceFilter(self.sampler)
+            red = self._filter.read(logits)
+            if red is not None:
+                tok = self.sampler.sample_top(red.ids, red.logit)
+                if tok is not None:
+                    self._reduced = (logits, red)
+                    return tok
+        return self.sampler.sample(logits.host())
+
+    def step(self, logits: Any) -> GenEvent:
         """sample(logits), then push the drawn token."""
         return self.push(self.sample(logits), logits)
 
-    def push(self, token: int, logits: np.ndarray) -> GenEvent:
+    def _logprobs(self, logits: Any, token: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+        if isinstance(logits, np.ndarray):
+            return raw_logprobs(logits, token, self.top_logprobs)
+        red = self._reduced[1] if self._reduced is not None and self._reduced[0] is logits else None
+        lp = None if red is None or self.top_logprobs else red.logprob(token)
+        if lp is not None:
+            return lp, ()
+        return raw_logprobs(logits.host(), token, self.top_logprobs)
+
+    def push(self, token: int, logits: Any) -> GenEvent:
         """Emit `token`, drawn from (or verified against) `logits` [vocab]: the sampler accepts
         it; its text is released, held (a possible stop-string start) or cut at a stop string;
         the event carries finish_reason when this token ends the generation."""
@@ -154,7 +189,8 @@ class Emitter:
         if not 0 <= token < self.tokenizer.vocab_size:
             raise TokenizerError(f"token {token} is outside the vocab [0, {self.tokenizer.vocab_size})")
         self.sampler.accept(token)
-        lp, top = raw_logprobs(logits, token, self.top_logprobs)
+        lp, top = self._logprobs(logits, token)
+        self._reduced = None
         i = len(self.tokens)
         self.tokens.append(token)
         if token in self._eog:  # reported, not rendered
@@ -235,9 +271,10 @@ class Generation:
     `session` is any object with the Session surface (DESIGN.md): `prefill(ids) ->
     float32[vocab]` (the last row), `decode(token) -> float32[vocab]`."""
 
-    def __init__(self, session: Any, em: Emitter):
+    def __init__(self, session: Any, em: Emitter, t_start: float | None = None):
         self.session = session
         self.emitter = em
+        self.t_start = t_start  # time.perf_counter() at the request's start (None: the first event's)
         self.ttft_s: float | None = None
         self.total_s: float | None = None
         self.decode_s: float | None = None
@@ -288,8 +325,9 @@ class Generation:
 
     def _run(self) -> Iterator[GenEvent]:
         em = self.emitter
-        t0 = time.perf_counter()
-        logits = self.session.prefill(em.prompt_ids)
+        prefill, decode = row_calls(self.session)
+        t0 = time.perf_counter() if self.t_start is None else self.t_start
+        logits = prefill(em.prompt_ids)
         t_first = None
         while True:
             ev = em.step(logits)
@@ -302,16 +340,24 @@ class Generation:
                 yield ev
                 return
             yield ev
-            logits = self.session.decode(ev.token)
+            logits = decode(ev.token)
+
+
+def row_calls(session: Any) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """(prefill, decode) of `session`, returning next-token logits: an engine session's
+    prefill_row / decode_row (DeviceRows on CUDA, host arrays on the CPU), else the Session
+    surface's prefill / decode (any other session: the oracle's, a speculative or warm one)."""
+    return (getattr(session, "prefill_row", session.prefill), getattr(session, "decode_row", session.decode))
 
 
 def generate(session: Any, tokenizer: Tokenizer, prompt_ids: Sequence[int], sampling: SamplingParams,
              max_tokens: int | None = None, stop: Sequence[str] | None = None,
-             render_special: bool = False, top_logprobs: int = 0) -> Generation:
-    """Start generating (lazily: nothing runs until the first event is asked for)."""
+             render_special: bool = False, top_logprobs: int = 0, t_start: float | None = None) -> Generation:
+    """Start generating (lazily: nothing runs until the first event is asked for); `t_start`: the
+    request's start (time.perf_counter()) for TTFT."""
     return Generation(session, emitter(tokenizer, prompt_ids, sampling, max_tokens, stop, render_special,
-                                       top_logprobs))
+                                       top_logprobs), t_start)
 
 
-__all__ = ["Emitter", "GenEvent", "Generation", "emitter", "generate", "raw_logprobs", "FINISH_EOG",
+__all__ = ["Emitter", "GenEvent", "Generation", "emitter", "generate", "raw_logprobs", "row_calls", "FINISH_EOG",
            "FINISH_STOP", "FINISH_LENGTH", "MAX_TOP_LOGPROBS"]

@@ -74,6 +74,12 @@ def test_kind_writes_receipt(kind, lane, tiny_gguf, tmp_path):
         assert b40["kv_read_mean"] > b0["kv_read_mean"]
         st = r["results"]["per_depth"]["40"]["muser"]["tok_s"]
         assert st["achieved_gbps"]["samples"] == pytest.approx([b40["total"] * x / 1e9 for x in st["samples"]])
+        for d in ("0", "40"):  # the end-to-end generate loop beside the engine's decode
+            res = r["results"]["per_depth"][d]
+            g = r["cells"][f"muser generate d{d}"]
+            assert res["muser_generate"]["tok_s"]["samples"] == pytest.approx([n / s for s in g["samples_s"]])
+            assert res["ratio_generate_over_decode"] == pytest.approx(
+                res["muser_generate"]["tok_s"]["mean"] / res["muser"]["tok_s"]["mean"])
     if lane == "fast":
         assert r["gate"]["lane_gated"] == "exact"
         assert r["gate"]["fast_lane_drift"]["argmax_agreement"] > 0.9

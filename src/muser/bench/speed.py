@@ -9,6 +9,9 @@ ratio compares like with like:
   checkpoint rolled back; llama.cpp: llama_memory_clear + llama_state_seq_set_data, as
   llama-bench's cstate does).
 * decode (tg N @ d): N single-token forwards, each with its logits, timed together; tok/s = N / s.
+  Beside it, `muser generate`'s own loop over the same N positions (generate tok/s: the
+  decode_row call, the sampler chain at llama.cpp's defaults over the candidates read back, the
+  emitter) and its ratio to the engine's figure (DESIGN.md target: >= 95%).
 * prefill (pp N @ d): one prompt of N ids in batches of n_batch 2048 / n_ubatch 512 (llama-bench
   defaults; Muser's prefill chunk is 512 rows, book 10.10); tok/s = N / s.
 * verify (N rows @ d): one forward of N <= 16 rows with every row's logits (the speculative
@@ -238,6 +241,7 @@ class MuserCells:
 
     def __init__(self, model, depth_ids: np.ndarray, work_ids: np.ndarray, block: int):
         n_ctx = len(depth_ids) + block
+        self.model = model
         self.s = model.session(max_context=n_ctx)
         if len(depth_ids):
             self.s.prefill(depth_ids)  # [d] ids, not timed
@@ -271,6 +275,25 @@ class MuserCells:
         self._reset()
         t0 = time.perf_counter()
         self.s.decode(int(self.ids[0]))
+        return time.perf_counter() - t0
+
+    def generate(self) -> float:
+        """N tokens the way `muser generate` makes them after its first: the generation loop's
+        decode (decode_row: the row stays on the device on CUDA), llama.cpp's default sampler
+        chain (seed 0) over the candidates read back, the emitter's detokenizing; end-of-
+        generation tokens are banned so every repetition makes N tokens."""
+        from ..generation import emitter, row_calls
+        from ..sample import SamplingParams
+
+        self._reset()
+        tok = self.model.tokenizer
+        ban = {int(t): float("-inf") for t in tok.eog_ids}
+        em = emitter(tok, [int(self.ids[0])], SamplingParams(seed=0, logit_bias=ban), max_tokens=len(self.ids) + 1)
+        _, decode = row_calls(self.s)
+        t = int(self.ids[0])
+        t0 = time.perf_counter()
+        for _ in range(len(self.ids)):
+            t = em.step(decode(t)).token
         return time.perf_counter() - t0
 
 
@@ -699,6 +722,8 @@ def run(args: argparse.Namespace, kind: str) -> int:
                 fns[f"muser decode1 d{d}"] = mc.decode1
             else:
                 fns[f"muser d{d}"] = getattr(mc, kind)
+            if kind == "decode":
+                fns[f"muser generate d{d}"] = mc.generate
             if isinstance(llama, LlamaCpuCells):
                 llama.set_depth(depth_ids)
                 if kind == "verify":
@@ -770,6 +795,11 @@ DEFINITIONS = {
 }
 
 
+GENERATE_DEFINITION = ("N tokens sampled and fed back as `muser generate` does after its first (decode_row, "
+                       "llama.cpp's default chain, seed 0, end-of-generation tokens banned, detokenized); "
+                       "tok/s = N / seconds, beside the engine's decode (the DESIGN.md target: >= 95% of it)")
+
+
 def summarize(kind: str, cells: dict[str, Cell], d: int, n: int, cfg, mf, kv: str, copy_bw, cuda: bool) -> dict:
     out: dict = {}
     sides = ("muser", "llama.cpp")
@@ -793,6 +823,11 @@ def summarize(kind: str, cells: dict[str, Cell], d: int, n: int, cfg, mf, kv: st
                 if copy_bw is not None and side == "muser":
                     st["fraction_of_copy_bandwidth"] = statistics.fmean(gb) / copy_bw["gbps_mean"]
             out[side] = {"tok_s": st}
+        g = cells.get(f"muser generate d{d}")
+        if g is not None and "muser" in out:
+            out["muser_generate"] = {"tok_s": rate_stats([n / s for s in g.samples]) | {"seconds_mean": g.mean},
+                                     "definition": GENERATE_DEFINITION}
+            out["ratio_generate_over_decode"] = out["muser_generate"]["tok_s"]["mean"] / out["muser"]["tok_s"]["mean"]
         if "llama.cpp" in out:
             out["ratio_muser_over_llamacpp"] = out["muser"]["tok_s"]["mean"] / out["llama.cpp"]["tok_s"]["mean"]
     else:
@@ -820,6 +855,9 @@ def line_for(kind: str, d: int, r: dict) -> str:
         s = f"{kind} d{d}: muser {mu['mean']:.2f} tok/s (cv {mu['cv']:.3f})"
         if "achieved_gbps" in mu:
             s += f" {mu['achieved_gbps']['mean']:.2f} GB/s"
+        if "muser_generate" in r:
+            s += (f" | generate {r['muser_generate']['tok_s']['mean']:.2f} tok/s "
+                  f"({r['ratio_generate_over_decode']:.3f} of decode)")
         if "llama.cpp" in r:
             ll = r["llama.cpp"]["tok_s"]
             s += f" | llama.cpp {ll['mean']:.2f} tok/s (cv {ll['cv']:.3f}) | ratio {r['ratio_muser_over_llamacpp']:.3f}"

@@ -6,7 +6,8 @@
     muser generate --messages @conversation.json --json
 
 The model comes from `muser.load(path, device, lane, kv)` (default: the embedded model). Text is
-written to stdout as it is produced; time to first token and decode tokens/s go to stderr. With
+written to stdout as it is produced; time to first token (from the moment the model is loaded:
+the prompt's tokenizing, the session and the prefill count) and decode tokens/s go to stderr. With
 --json, one JSON object per generated token (id, text piece, logprob) is written per line, then
 a summary object.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from ..prompt import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, DEFAULT_TEMPERATURE
@@ -185,16 +187,6 @@ def run(args: argparse.Namespace) -> int:
     path = args.model if args.model is not None else default_model_path()
     model = load_model(args)
     try:
-        tok = model.tokenizer
-        params.check_vocab(tok.vocab_size)
-        if messages is not None:
-            rendered = model.chat(messages, add_generation_prompt=True)
-            ids = P.encode_rendered(tok, rendered)
-        else:
-            rendered = DEFAULT_PROMPT if text is None else text
-            ids = P.encode_text(tok, rendered, parse_special=args.special)
-        n_ctx = P.context_size(len(ids), args.max_tokens, model.config.context_length, args.max_context,
-                               name="--max-context")
         from ..api import shipped_drafter
 
         if args.kvpack and args.draft:
@@ -203,10 +195,23 @@ def run(args: argparse.Namespace) -> int:
             raise SamplingError("--kvpack with --draft: restored prefixes are not served to the speculative "
                                 "lane (drop one of them)")
         draft = None if (args.no_draft or args.kvpack) else (args.draft or shipped_drafter(path))
+        if draft is not None:
+            model.drafter(draft)  # loaded (and on CUDA warmed) with the model, before the request
+        tok = model.tokenizer  # read from the GGUF once, with the model
+        params.check_vocab(tok.vocab_size)
+        t_start = time.perf_counter()  # the request starts once the model is loaded (TTFT)
+        if messages is not None:
+            rendered = model.chat(messages, add_generation_prompt=True)
+            ids = P.encode_rendered(tok, rendered)
+        else:
+            rendered = DEFAULT_PROMPT if text is None else text
+            ids = P.encode_text(tok, rendered, parse_special=args.special)
+        n_ctx = P.context_size(len(ids), args.max_tokens, model.config.context_length, args.max_context,
+                               name="--max-context")
         session = (model.spec_session(draft, n_ctx, args.verify_len) if draft is not None
                    else model.session(max_context=n_ctx, kvpack=args.kvpack))
         gen = generate(session, tok, ids, params, args.max_tokens, tuple(args.stop),
-                       render_special=args.render_special)
+                       render_special=args.render_special, t_start=t_start)
         out = sys.stdout
         if args.echo and not args.json:
             out.write(rendered)

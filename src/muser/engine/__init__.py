@@ -71,10 +71,11 @@ class Engine:
             g = self._graphs[key] = StepGraph(self, shape, capture)
         return g
 
-    def step(self, batch: list[StepItem]) -> list[StepResult]:
+    def step(self, batch: list[StepItem], device_rows: bool = False) -> list[StepResult]:
         """Advance several sessions in one forward (engine/step.py): per item its tokens and
-        which rows' logits to return; all-or-nothing across the batch."""
-        return _step(self, batch)
+        which rows' logits to return; all-or-nothing across the batch. `device_rows`: on CUDA
+        each item's last row stays on the device (StepResult.row)."""
+        return _step(self, batch, device_rows)
 
 
 __all__ = ["Engine", "Lane", "Session", "SessionCheckpoint", "StepItem", "StepResult", "MAX_VERIFY",

@@ -7,6 +7,8 @@ is one Engine.step forward (engine/step.py) with this session as its only item.
 Prefill streams the prompt through 512-row chunks, 64 when decoders are waiting (book 10.10);
 results do not depend on the chunking beyond f32 summation order. On CUDA, decode (1 row) and
 verify (<= 16 rows) run as captured CUDA graphs (engine/graphs.py); prefill runs eagerly.
+prefill_row / decode_row leave the next-token logits on the device (engine/rows.py) for the
+sampler to reduce there (muser.sample.candidates).
 """
 
 from __future__ import annotations
@@ -18,9 +20,19 @@ import torch
 
 from ..errors import LaneError, NonFiniteLogits
 from ..kv.torch_backend import TORCH_KV, device_cache, resident_bytes
-from ..sequence import MAX_VERIFY, WAITING_CHUNK, Sequence, SessionCheckpoint, check_chunk, check_max_context
+from ..sequence import (
+    MAX_VERIFY,
+    WAITING_CHUNK,
+    Sequence,
+    SessionCheckpoint,
+    check_chunk,
+    check_max_context,
+    first_non_finite,
+    non_finite_error,
+)
 from .forward import Forward
 from .kernels.attention import AttnScratch, attend_ref, attend_triton, pick_splits
+from .rows import DeviceRow
 
 PREFILL_CHUNK = 512  # PREFILL_BATCH_TOKENS (book 10.10)
 
@@ -127,6 +139,56 @@ class Session(Sequence):
         return host_rows(lg), cap
 
     # -- public calls beyond the protocol ------------------------------------------------------
+    def prefill_row(self, ids, decoders_waiting: bool = False) -> DeviceRow | np.ndarray:
+        """prefill(ids) with the last row's logits left on the device when the session runs on
+        CUDA (a DeviceRow, engine/rows.py); elsewhere prefill(ids) itself."""
+        if self.device.type != "cuda":
+            return self.prefill(ids, decoders_waiting=decoders_waiting)
+        a = self.check(ids, "prefill")
+        return self._row_call(a, min(self.chunk, WAITING_CHUNK) if decoders_waiting else self.chunk)
+
+    def decode_row(self, token) -> DeviceRow | np.ndarray:
+        """decode(token) with the logits left on the device when the session runs on CUDA (a
+        DeviceRow); elsewhere decode(token) itself."""
+        if self.device.type != "cuda":
+            return self.decode(token)
+        return self._row_call(self.check(token, "decode"), 1)
+
+    def _row_call(self, ids: np.ndarray, chunk: int) -> DeviceRow:
+        """ids through chunks of <= chunk rows as one transaction; the last row's logits copied
+        on the device with their finiteness flag (read with the row's first readback, which
+        rolls this call back when the row is not finite)."""
+        from .step import StepWork, run_rows
+
+        n0 = self.n_past
+        lg = None
+        cp = self.cache.checkpoint(block=max(1, len(ids)))
+        parts: list[dict[int, np.ndarray]] = []
+        try:
+            for c0 in range(0, len(ids), chunk):
+                c1 = min(len(ids), c0 + chunk)
+                rows = "last" if c1 == len(ids) else "none"
+                (lg, cap), = run_rows(self.engine, [StepWork(self, ids[c0:c1], rows, self.capture_layers)])
+                parts.append(cap)
+            assert lg is not None
+            with torch.inference_mode():
+                row = lg[-1].clone()  # [vocab]; a graph's buffer is overwritten by its next replay
+                finite = torch.isfinite(row).all()
+        except BaseException:
+            self.cache.rollback(cp)
+            raise
+        self.captured = {il: np.concatenate([p[il] for p in parts], 0) for il in self.capture_layers}
+        self.logits = None  # the row stays on the device
+
+        def fail(host: np.ndarray) -> NonFiniteLogits:
+            self.cache.rollback(cp)
+            self.logits = None
+            bad = first_non_finite(host[None])
+            assert bad is not None
+            return non_finite_error(host[None], bad, 0, len(ids) - 1, n0)
+
+        return DeviceRow(row, finite, fail)
+
     def decode_greedy(self, token, position: int | None = None) -> int:
         """decode(token) and its argmax (first maximal index). On CUDA graphs only the argmax
         and a finiteness flag are read back, not the vocabulary row."""

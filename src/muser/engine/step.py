@@ -62,6 +62,7 @@ class StepResult:
     logits: np.ndarray | None  # float32 [len(rows), vocab], None when no row was asked for
     rows: tuple[int, ...]  # the item's rows these logits belong to, in order
     captured: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [T, hidden]
+    row: Any = None  # with device_rows on CUDA: the last row, a DeviceRow (logits is then None)
 
 
 @dataclass
@@ -219,24 +220,45 @@ def host_rows(lg: torch.Tensor | None) -> np.ndarray | None:
     return None if lg is None else lg.to("cpu", torch.float32).numpy()
 
 
-def step(engine, batch: Sequence[StepItem]) -> list[StepResult]:
-    """Advance every item's session by its tokens in one forward (see module doc)."""
+def _check_finite(works: list[StepWork], lgs: list[np.ndarray | None], n0: list[int]) -> None:
+    for i, (w, lg) in enumerate(zip(works, lgs)):
+        bad = None if lg is None else first_non_finite(lg)
+        if lg is not None and bad is not None:
+            raise non_finite_error(lg, bad, i, int(w.row_indices()[bad[0]]), n0[i])
+
+
+def step(engine, batch: Sequence[StepItem], device_rows: bool = False) -> list[StepResult]:
+    """Advance every item's session by its tokens in one forward (see module doc). With
+    `device_rows` on CUDA, each item's last row stays on the device (StepResult.row, a
+    DeviceRow, its finiteness checked here in one readback for the batch) and logits is None."""
     works = validate(engine, batch)
     n0 = [w.session.n_past for w in works]
+    keep = device_rows and engine.device.type == "cuda" and all(w.row_indices().size for w in works)
 
-    def work() -> list[tuple[np.ndarray | None, dict[int, np.ndarray]]]:
-        res = [(host_rows(lg), cap) for lg, cap in run_rows(engine, works)]
-        for i, (w, (lg, _)) in enumerate(zip(works, res)):
-            bad = None if lg is None else first_non_finite(lg)
-            if lg is not None and bad is not None:
-                raise non_finite_error(lg, bad, i, int(w.row_indices()[bad[0]]), n0[i])
-        return res
+    def work() -> list[tuple[Any, dict[int, np.ndarray]]]:
+        if not keep:
+            res = [(host_rows(lg), cap) for lg, cap in run_rows(engine, works)]
+            _check_finite(works, [lg for lg, _ in res], n0)
+            return res
+        from .rows import DeviceRow
+
+        out = run_rows(engine, works)
+        with torch.inference_mode():
+            last = [lg[-1].clone() for lg, _ in out]  # [vocab] each, their own storage
+            ok = torch.stack([torch.isfinite(r).all() for r in last])
+        if not bool(ok.all()):  # the one readback of the batch; the rows name the offender
+            _check_finite(works, [host_rows(lg) for lg, _ in out], n0)
+        return [(DeviceRow(r, None), cap) for r, (_, cap) in zip(last, out)]
 
     res = transaction([w.session.cache for w in works], [w.T for w in works], work)
     out = []
     for w, (lg, cap) in zip(works, res):
         rows = w.row_indices()
         w.session.captured = cap
+        if keep:
+            w.session.logits = None  # the row stays on the device
+            out.append(StepResult(None, tuple(int(x) for x in rows), cap, lg))
+            continue
         w.session.logits = lg[-1].copy() if lg is not None and rows[-1] == w.T - 1 else None
         out.append(StepResult(lg, tuple(int(x) for x in rows), cap))
     return out

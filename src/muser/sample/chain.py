@@ -290,17 +290,71 @@ class Sampler:
         # so the pick is exact unless the picked value is shared by another token (then which of
         # them sits where is libstdc++'s call): replay with the real algorithms and the same draw.
         state = self.rng.getstate()
-        c, sel = self._run(base, exact=False)
+        c, sel = self._run(Candidates(self._all_ids, base.copy(), None), exact=False)
         v = base[c.ids[sel]]
         if int(np.count_nonzero(base == v)) > 1:
             self.rng.setstate(state)
-            c, sel = self._run(base, exact=True)
+            c, sel = self._run(Candidates(self._all_ids, base.copy(), None), exact=True)
         self.last = c
         return int(c.ids[sel])
 
-    def _run(self, base: np.ndarray, exact: bool) -> tuple[Candidates, int]:
+    # -- the pick from the largest logits alone (muser.sample.candidates) --------------------------
+
+    def filter_width(self) -> int | None:
+        """How many of the largest biased logits decide this chain's pick (sample_top), or None
+        when it needs the whole vocabulary: active penalties rewrite the logits of the tokens
+        seen; with top_k = 0 (and not greedy) top-p's softmax, typical's entropy and dist's sum
+        run over every id."""
+        if self._penalties_on:
+            return None
+        if self._temp <= 0 and self._typ_p >= 1.0:
+            return min(2, self.vocab_size)  # the maximum and whether it is tied
+        if 0 < self.params.top_k < self.vocab_size:
+            return self.params.top_k + 1  # the top k and the next value (a tie past the k-th)
+        return None
+
+    def sample_top(self, ids: np.ndarray, logit: np.ndarray) -> int | None:
+        """The chain's pick given only the filter_width() largest biased logits of the row (ids
+        int [m], logit float32 [m], largest first, ties in any order), or None (the stream
+        rewound) when the row decides it: sample(row) then gives the pick.
+
+        Greedy: every step before temperature keeps the maximum (top-k and top-p keep the first
+        sorted candidate, min-p every candidate at the maximum) and temperature keeps the first
+        maximal candidate, so a unique maximum is the pick; dist draws once. top_k = k: the
+        chain's values after top-k are the row's k largest, largest first, and every later step
+        decides on values alone (pass 1 of sample), so the pick's value and the stream position
+        are the full chain's; a value held by one id names the pick. A tied value (or a zero draw
+        where the greedy order may be unsorted) is the row's: the full chain then orders ties the
+        way libstdc++ does over the whole vocabulary (std::partial_sort's heap starts from the
+        first k ids, whatever their values), which the largest logits alone do not fix."""
+        m = self.filter_width()
+        if m is None or ids.shape != (m,) or logit.shape != (m,) or logit.dtype != F32:
+            raise SamplingError(f"sample_top takes the {m} largest float32 logits and their ids, got "
+                                f"{logit.dtype} {logit.shape} and {ids.shape}")
+        if self._temp <= 0 and self._typ_p >= 1.0:
+            v = logit[0]
+            if v == -np.inf or (m > 1 and logit[1] == v):
+                return None  # all banned (the chain's error) or a tied maximum
+            state = self.rng.getstate()
+            if self.rng.uniform() == 0.0:  # dist's target 0 picks the first candidate in the order
+                self.rng.setstate(state)
+                return None
+            self.last = Candidates(ids[:1].astype(np.int32), logit[:1].copy(), np.ones(1, dtype=F32), True)
+            return int(ids[0])
+        k = self.params.top_k
+        top_ids, top_l = ids[:k], logit[:k]
+        order = np.argsort(top_ids, kind="stable")  # id order, as the full array starts
+        state = self.rng.getstate()
+        c, sel = self._run(Candidates(top_ids[order].astype(np.int32), top_l[order].copy(), None), exact=False)
+        v = top_l[order][np.flatnonzero(top_ids[order] == c.ids[sel])[0]]
+        if int(np.count_nonzero(top_l == v)) + int(logit[k] == v) > 1:
+            self.rng.setstate(state)
+            return None
+        self.last = c
+        return int(c.ids[sel])
+
+    def _run(self, c: Candidates, exact: bool) -> tuple[Candidates, int]:
         P = self.params
-        c = Candidates(self._all_ids, base.copy(), None)
         top_k(c, P.top_k, exact)
         if self._typ_p < 1.0:
             typical(c, self._typ_p, P.min_keep, exact)

@@ -167,7 +167,7 @@ class SessionStore:
 class StepBackend:
     """The engine side of the loop: sessions and one Engine.step per iteration (engine/step.py).
     `step(items)` takes (session, tokens) pairs and gives each item its last row's float32
-    logits [vocab], or the exception that item raised: a step that fails is all-or-nothing in
+    logits [vocab] (on CUDA left on the device: a muser.engine.rows.DeviceRow), or the exception that item raised: a step that fails is all-or-nothing in
     the engine (every session back where it was), so its items are re-run one by one and only
     the ones that fail alone are failed."""
 
@@ -232,17 +232,18 @@ class StepBackend:
             sess.muser_empty = None  # a failed install or restore may have swapped planes
             raise
 
-    def _run(self, items: list[tuple[Any, list[int]]]) -> list[np.ndarray]:
-        res = self.engine.step([self._item(sess, toks, "last") for sess, toks in items])
-        return [r.logits[-1] for r in res]  # [vocab] each
+    def _run(self, items: list[tuple[Any, list[int]]]) -> list[Any]:
+        # on CUDA each row stays on the device (a DeviceRow): the emitter reads back its candidates
+        res = self.engine.step([self._item(sess, toks, "last") for sess, toks in items], device_rows=True)
+        return [r.logits[-1] if r.row is None else r.row for r in res]  # [vocab] each
 
-    def step(self, items: list[tuple[Any, list[int]]]) -> list[np.ndarray | BaseException]:
+    def step(self, items: list[tuple[Any, list[int]]]) -> list[Any]:
         try:
             return list(self._run(items))
         except Exception as e:  # noqa: BLE001 - isolate the failing items below
             if len(items) == 1:
                 return [e]
-        out: list[np.ndarray | BaseException] = []
+        out: list[Any] = []
         for it in items:
             try:
                 out.append(self._run([it])[0])
@@ -505,7 +506,7 @@ class EngineLoop:
         s.todo = list(job.prompt[s.cached:])
         s.ready_at = job.t_submit
 
-    def _advance(self, s: Slot, logits: np.ndarray) -> None:
+    def _advance(self, s: Slot, logits: Any) -> None:
         job = s.job
         piece: GenEvent = s.emitter.step(logits)
         if job.t_first is None:

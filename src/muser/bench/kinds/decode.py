@@ -3,7 +3,9 @@ and lane, side by side with the pinned llama.cpp (--against llama.cpp), interlea
 
 Reports tok/s per repetition, mean and CV, and achieved GB/s = bytes streamed per decoded token
 (the GGUF weight bytes one token streams, plus the K/V bytes attention reads at that depth) x
-tok/s; on CUDA also the run's measured copy bandwidth and the fraction reached. The exactness
+tok/s; on CUDA also the run's measured copy bandwidth and the fraction reached. Beside the
+engine's figure, the end-to-end `muser generate` loop's tok/s over the same positions (sampling
+included) and its ratio to the engine's. The exactness
 gate (Gate 2) runs first; a failing gate marks the figures "not a result". Definitions and the
 comparator settings: muser.bench.speed.
 """

@@ -1,0 +1,125 @@
+"""Warm-up at load on CUDA: every kernel a request will launch is compiled, and the step graphs
+captured once, before the first request rather than inside it (DESIGN.md: TTFT of a 16-token
+prompt after load <= 50 ms).
+
+Triton compiles a kernel per specialization: the matvec per row bucket (1, 2, 4, 8, 16 rows:
+qmatvec._rows_bucket), the decode attention's reduction per power-of-two split count
+(pick_splits gives 1..64 splits, one per 64 slots of a plane's capacity). So the warm-up runs,
+on throwaway sessions, one decode per capacity class 64 * 2^i up to the context length (capped
+at 64 splits), verify-shaped steps of each row bucket (graphs: eager run, then capture), and an
+eager prefill chunk of more than 16 rows (the cuBLAS path). What the first request still does
+is capture its own graphs (a graph bakes in its session's plane addresses: engine/graphs.py),
+with every kernel already built. The sessions and their graphs are released afterwards.
+
+On the CPU nothing runs (no compilation, no graphs): muser.load calls this for CUDA only.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..errors import LaneError
+from ..progress import Progress
+from ..sequence import MAX_VERIFY
+
+SPLIT_ROWS = 64  # slots per decode split (kernels.attention.pick_splits)
+MAX_SPLIT_CLASS = 64  # attention.MAX_SPLITS: capacities past 64 * 64 share the last class
+ROW_BUCKETS = (2, 4, 8, MAX_VERIFY)  # verify-shaped steps, one per matvec row bucket past 1
+EAGER_ROWS = MAX_VERIFY + 8  # a prefill chunk past the graph shapes (cuBLAS)
+
+
+def capacities(context_length: int) -> list[int]:
+    """One session capacity per decode split class, up to the context length."""
+    out = []
+    c = SPLIT_ROWS
+    while c < context_length and c <= SPLIT_ROWS * MAX_SPLIT_CLASS:
+        out.append(c)
+        c *= 2
+    if context_length <= SPLIT_ROWS * MAX_SPLIT_CLASS:
+        out.append(context_length)
+    return out
+
+
+def plan(context_length: int) -> list[tuple[int, str, int]]:
+    """The warm-up's calls, in order: (session capacity, 'decode' | 'verify' | 'prefill', rows);
+    each session starts with one prefilled token, each shape runs twice (eager + capture, then
+    the replay)."""
+    caps = capacities(context_length)
+    big = caps[-1]
+    shapes = [(c, "decode", 1) for c in caps[:-1]]
+    shapes.append((big, "prefill", EAGER_ROWS))
+    shapes += [(big, "verify", t) for t in ROW_BUCKETS]
+    shapes.append((big, "decode", 1))
+    out = []
+    used: dict[int, int] = {}
+    for cap, what, rows in shapes:
+        for _ in range(2):
+            n = used.get(cap, 1)
+            if n + rows <= cap:
+                out.append((cap, what, rows))
+                used[cap] = n + rows
+    return out
+
+
+def warm_up(engine, stream=None, enabled: bool = True) -> dict:
+    """Compile and capture on `engine` (CUDA only), with a progress line on stderr. Returns a
+    record {seconds, calls}."""
+    if engine.device.type != "cuda":
+        raise LaneError(f"warm-up compiles CUDA kernels and graphs; the engine runs on {engine.device.type!r}")
+    import torch
+
+    calls = plan(engine.cfg.context_length)
+    bar = Progress("warm-up", len(calls), stream=stream, enabled=enabled)
+    t0 = time.perf_counter()
+    run_plan(engine, calls, bar)
+    torch.cuda.synchronize(engine.device)
+    bar.close()
+    return {"seconds": time.perf_counter() - t0, "calls": len(calls)}
+
+
+def run_plan(engine, calls: list[tuple[int, str, int]], bar: Progress) -> None:
+    """The calls of `plan` on throwaway sessions (random ids), released afterwards."""
+    rng = np.random.default_rng(0)
+    vocab = engine.cfg.vocab
+    sessions: dict[int, object] = {}
+    made: list = []
+    try:
+        for cap, what, rows in calls:
+            s = sessions.get(cap)
+            if s is None:
+                s = sessions[cap] = engine.session(max_context=cap)
+                made.append(s)
+                s.prefill(rng.integers(0, vocab, 1))
+            ids = rng.integers(0, vocab, rows)
+            if what == "prefill":
+                s.prefill(ids)
+            elif what == "verify":
+                s.verify(ids)
+            else:
+                row = s.decode_row(ids[0])  # the generation loop's call (the row kept on the device)
+                if not isinstance(row, np.ndarray):
+                    row.host()
+            bar.advance(1, f"{what} {rows} row{'s' * (rows > 1)}, context {cap}")
+    finally:
+        release(engine, made)
+        sessions.clear()
+        made.clear()
+
+
+def release(engine, sessions: list) -> None:
+    """Drop the graphs captured for `sessions` (throwaway warm-up sessions): their memory pools
+    and the sessions' planes are freed; graphs of other sessions stay."""
+    ids = {id(s) for s in sessions}
+    for key in list(engine._graphs):
+        g = engine._graphs[key]
+        for k in [k for k in g.graphs if any(part[0] in ids for part in k)]:
+            del g.graphs[k]
+        if any(id(s) in ids for s in g.sessions):
+            g.sessions = []
+        if not g.graphs:
+            del engine._graphs[key]
+
+
+__all__ = ["capacities", "plan", "release", "run_plan", "warm_up"]
