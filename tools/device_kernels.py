@@ -48,7 +48,7 @@ def invariance_case(dtype: str, kv: str, device: str, work: Path, smoke: bool) -
     from muser.engine import Engine, StepItem
     from muser.model.synth import SynthSpec, write_fixture
 
-    spec = SynthSpec(dtype=dtype)
+    spec = SynthSpec(dtype=dtype, source="blocks") if dtype.startswith("nvfp4") else SynthSpec(dtype=dtype)
     path = work / f"inv-{dtype}.gguf"
     if not path.exists():
         write_fixture(path, spec)
@@ -145,6 +145,28 @@ def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -
         r[f"T{T}"] = {"us": mean * 1e6, "cv": float(np.std(samples) / mean) if len(samples) > 1 else None,
                       "samples_s": samples, "GBps": nbytes / mean / 1e9}
     r["T16_over_T1"] = r["T16"]["us"] / r["T1"]["us"]
+    if device == "cuda" and w.packed is not None:  # the 16-row tiling (BN, num_warps): speed only
+        sweep = {}
+        for cfg in ((2, 4, False), (4, 4, False), (4, 8, False), (8, 8, False), (8, 4, False), (16, 8, False)):
+            try:
+                xt, out = x.contiguous(), torch.empty(16, n_out, device=device)
+                got = qmatvec_v3.matvec_v3(w.packed, xt, out, config=cfg)
+                same = bool(torch.equal(got.view(torch.int32), y16.view(torch.int32)))
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(20):
+                        qmatvec_v3.matvec_v3(w.packed, xt, out, config=cfg)
+                graph.replay()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                graph.replay()
+                b.record()
+                b.synchronize()
+                sweep[str(list(cfg))] = {"us": a.elapsed_time(b) * 1e3 / 20, "bitwise_equal_default": same}
+            except Exception as e:  # noqa: BLE001
+                sweep[str(list(cfg))] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        r["T16_sweep"] = sweep
     return r
 
 

@@ -20,8 +20,10 @@
 #            --depths (default 0,8192), prefill and verify at the first depth; llama-bench's figures
 #            on the same file beside them (pp512/pp16/tg128/tg1 at the first depth, tg128 deeper;
 #            read as --llama-bench-json), a PNG of tok/s vs depth for both engines
-#   kvpack   muser bench kvpack --device cuda --model FULL, prompt lengths --kv-lengths (default
-#            2048,8192,32768), one repetition, exact lane
+#   kvpack   muser bench kvpack --device cuda --model FULL, documents of --kv-lengths tokens (default
+#            2048,8192,32768) + a new 64-token question (--suffix-tokens 64), one repetition, exact lane
+#   sampling python3 tools/device_sampling.py: device-filtered candidates vs the full chain on CUDA,
+#            the load-time warm-up, `muser generate` TTFT and tok/s on the micro model
 #   nvfp4    the same Gate 2 for the NVFP4 mix (background from t = 0), the speed kinds on the NVFP4 full file,
 #            llama-bench (type 40) on that file beside them; the Q4_K receipts of the speed stage
 #            are the K-quant side (same geometry, random valid blocks of each format)
@@ -49,7 +51,7 @@ while [ $# -gt 0 ]; do
     --nvfp4-mix) NVFP4_MIX=${2:?--nvfp4-mix nvfp4|nvfp4-ggml}; shift ;;
     --kv-lengths) KV_LENGTHS=${2:?--kv-lengths LIST}; shift ;;
     --llama-server) LLAMA_SERVER=${2:?--llama-server PATH}; shift ;;
-    build|fixture|kernels|gate|speed|kvpack|nvfp4|serve) STAGES+=("$1") ;;
+    build|fixture|kernels|gate|speed|kvpack|nvfp4|serve|sampling) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
   shift
@@ -210,6 +212,9 @@ for st in "${STAGES[@]}"; do
         else run_stage kernels 200 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 180; fi
       else record kernels - 0 "tools/device_kernels.py is absent"; fi ;;
     gate) ;;  # in the background from t = 0 (wide_gate_bg)
+    sampling)
+      mkdir -p "$R/sampling"
+      run_stage sampling 120 30 $PY tools/device_sampling.py --out "$R/sampling" ;;
     speed|nvfp4)
       if [ $st = speed ]; then model=$FULL mix=q4_k_xl done_file=$W/full.done
       else model=$NV mix=$NVFP4_MIX done_file=$W/nv.done; fi
@@ -225,8 +230,8 @@ for st in "${STAGES[@]}"; do
       if ! wait_for "$W/full.done" $(( DEADLINE - 120 )) || [ ! -s "$FULL" ]; then
         record kvpack - 0 "no $FULL"; continue; fi
       plot=(); plot_flag kvpack && plot=(--plot)
-      run_stage kvpack 300 60 $PY -m muser bench kvpack --model "$FULL" --device $DEV --lengths $KV_LENGTHS \
-          --reps 1 --warmup 0 --gate-tokens 16 --dir "$W/kvpack-store" --out-dir "$R" "${plot[@]}" ;;
+      run_stage kvpack 240 60 $PY -m muser bench kvpack --model "$FULL" --device $DEV --lengths $KV_LENGTHS \
+          --suffix-tokens 64 --reps 1 --warmup 0 --gate-tokens 16 --dir "$W/kvpack-store" --out-dir "$R" "${plot[@]}" ;;
     serve)
       model=(); [ -s "$FULL" ] && model=(--model "$FULL")
       ls_=(); [ -x $SERVER ] && ls_=(--llama-server $SERVER)
@@ -270,7 +275,7 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
               + f"  {res['status']}")
 EOF
 }
-{ echo "session $(el) s, stages: ${STAGES[*]} (dry=$DRY)"; column -t -s $'\t' "$W/stages.tsv"
+{ echo "session $(el) s, stages: ${STAGES[*]} (dry=$DRY)"; cat "$W/stages.tsv"
   cat "$W"/*.done 2>/dev/null | sed 's/^/background: /'; speed_table; ls -la "$R"; df -h "$W" | tail -1
 } >"$OUT/summary.txt"
 bundle
