@@ -205,7 +205,7 @@ def stage_kernels(run: Run) -> dict:
         ref = att.attend_ref(q, kn, vn, kp, vp, hm, ol, op, ln, cap, p0, win, 0.0883883)
         meta = torch.tensor([ol, op, ln, cap], dtype=torch.int64, device=dev)
         pos = torch.tensor([p0], dtype=torch.int64, device=dev)
-        sc = att.AttnScratch(T, H, D, att.pick_splits(cap), dev)
+        sc = att.AttnScratch(T, H, D, att.split_count(T, cap, win), dev)
         got = att.attend_triton(q, kn, vn, kp, vp, hm, meta, pos, win, 0.0883883, sc)
         err = float((got - ref).abs().max())
         out["attention"].append({"T": T, "cap": cap, "len": ln, "head_major": hm, "dtype": str(dt),

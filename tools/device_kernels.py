@@ -20,6 +20,17 @@ kernels/qmatvec_v3.load_tuning reads (MUSER_V3_TUNING). Every case is in its own
 
 Output: DIR/device_kernels.json and a table on stdout. --device cpu --smoke runs tiny shapes
 under the Triton interpreter (TRITON_INTERPRET=1), as tests/engine does.
+
+    python3 tools/device_kernels.py --attn-invariance [--out DIR] [--device cuda|cpu] [--smoke]
+
+checks the row invariance of decode attention (kernels/attention.attend_triton; DESIGN.md
+"Exactness contract") with the full geometry's heads (32 query heads, 2 KV heads, head_dim 128):
+per layer kind (sliding: a token-major ring of the window; full: a head-major plane), KV dtype
+and depth (0, 4,096, 32,768 plane rows before a block of 16), every row of the block against the
+same row decoded alone with everything before it in the plane, bitwise, plus the largest
+difference from attend_ref; then times one decode attention call (T = 1, grid sized for the
+capacity as in a captured step, inside a CUDA graph, rotating plane copies past the L2) at depth
+0 and 32,768. Prints one JSON line (also DIR/attn_invariance.json with --out).
 """
 
 from __future__ import annotations
@@ -332,9 +343,130 @@ def copy_bandwidth(ctx: Ctx) -> dict:
             "cv": t["cv"], "samples_s": t["samples_s"]}
 
 
+def attn_invariance(ctx: Ctx) -> dict:
+    """Decode alone vs row j of a 16-row block, bitwise, and decode attention timing (see the
+    module docstring)."""
+    torch = ctx.torch
+    from muser.engine.kernels import attention as att
+    from muser.model.config import COLLAR
+    from muser.model.synth import FULL_GEOMETRY as FG
+
+    dev = ctx.dev
+    if ctx.smoke:  # interpreter-sized
+        H, n_kv, D, W, depths, timed, cap_full = 4, 2, 16, 80, (0, 40, 300), (0, 300), 512
+    else:
+        H, n_kv, D, W = FG.n_heads, FG.n_kv_heads, FG.head_dim, FG.sliding_window
+        depths, timed, cap_full = (0, 4096, 32768), (0, 32768), 32768 + 64
+    T, scale = 16, 1.0 / math.sqrt(D)
+    res: dict = {"mode": "attn-invariance", "device": dev, "heads": [H, n_kv, D], "window": W,
+                 "split_sliding": att.SPLIT_SLIDING, "split_full": att.SPLIT_FULL, "block": att.BLOCK,
+                 "reduce_chunk": att.REDUCE_CHUNK, "cases": [], "timing_us": {}}
+    g = ctx.gen
+
+    def planes(kind: str, dt, n: int):
+        """History of n positions; the plane layout of the layer kind."""
+        hm, cap, win = (True, cap_full, 0) if kind == "full" else (False, W, W)
+        k = torch.randn(n, n_kv, D, device=dev, generator=g).to(dt)
+        v = torch.randn(n, n_kv, D, device=dev, generator=g).to(dt)
+        return hm, cap, win, k, v
+
+    def fill(hm: bool, cap: int, k, v, p0: int):
+        """A plane as muser.kv leaves it before position p0: [ol, p0) at slot pos % cap."""
+        ol = max(0, p0 - cap)
+        shape = (n_kv, cap, D) if hm else (cap, n_kv * D)
+        kp = torch.zeros(shape, dtype=k.dtype, device=dev)
+        vp = torch.zeros_like(kp)
+        if p0 > ol:
+            slots = torch.arange(ol, p0, device=dev) % cap
+            if hm:
+                kp[:, slots] = k[ol:p0].transpose(0, 1)
+                vp[:, slots] = v[ol:p0].transpose(0, 1)
+            else:
+                kp[slots] = k[ol:p0].reshape(p0 - ol, -1)
+                vp[slots] = v[ol:p0].reshape(p0 - ol, -1)
+        meta = torch.tensor([ol, ol % cap, p0 - ol, cap], dtype=torch.int64, device=dev)
+        return kp, vp, meta
+
+    def call(q, k, v, hm, cap, win, p0, rows, kp, vp, meta, sc, out=None):
+        pos = torch.tensor([p0], dtype=torch.int64, device=dev)
+        return att.attend_triton(q, k[p0:p0 + rows].contiguous(), v[p0:p0 + rows].contiguous(), kp, vp, hm,
+                                 meta, pos, win, scale, sc, out=out)
+
+    ok = True
+    for kind in ("sliding", "full"):
+        for dt in (torch.float16, torch.float32):
+            for depth in depths:
+                c: dict = {"kind": kind, "kv": str(dt).replace("torch.", ""), "depth": depth}
+                res["cases"].append(c)
+                if ctx.left() < 5:
+                    c["skipped"] = "budget"
+                    continue
+                try:
+                    hm, cap, win, k, v = planes(kind, dt, depth + T)
+                    q = torch.randn(depth + T, H, D, device=dev, generator=g)
+                    sc = att.AttnScratch(T, H, D, att.split_count(T, cap, win), dev)
+                    kp, vp, meta = fill(hm, cap, k, v, depth)
+                    blk = call(q[depth:depth + T], k, v, hm, cap, win, depth, T, kp, vp, meta, sc)
+                    ol = int(meta[0])
+                    ref = att.attend_ref(q[depth:depth + T], k[depth:depth + T], v[depth:depth + T], kp, vp, hm, ol,
+                                         int(meta[1]), depth - ol, cap, depth, win, scale)
+                    c["max_abs_vs_ref"] = float((blk - ref).abs().max())
+                    same = 0
+                    for j in range(T):
+                        kp, vp, meta = fill(hm, cap, k, v, depth + j)
+                        alone = call(q[depth + j:depth + j + 1], k, v, hm, cap, win, depth + j, 1, kp, vp, meta, sc)
+                        same += bool(torch.equal(alone[0].view(torch.int32), blk[j].view(torch.int32)))
+                    c["rows_bitwise_equal"] = f"{same}/{T}"
+                    c["ok"] = same == T and c["max_abs_vs_ref"] < 1e-4
+                    ok &= c["ok"]
+                    del k, v, kp, vp, q
+                except Exception as e:
+                    c["error"] = repr(e)[:300]
+                    c["traceback"] = traceback.format_exc()[-2000:]
+                    ok = False
+    res["invariance"] = "pass" if ok else "fail"
+    # decode attention at depth 0 vs 32,768, T = 1, grid sized for the capacity (a captured step)
+    l2_avoid = 0 if ctx.smoke else 256 << 20
+    per_step = {}
+    for kind in ("sliding", "full"):
+        for depth in timed:
+            key = f"{kind}_d{depth}"
+            try:
+                hm, cap, win, k, v = planes(kind, torch.float16, depth + 1)
+                kv_bytes = 2 * k[:depth].numel() * k.element_size()  # K and V rows a call reads
+                n_copies = 1 if depth == 0 else max(1, min(16, -(-l2_avoid // kv_bytes)))
+                pl = [fill(hm, cap, k, v, depth) for _ in range(n_copies)]
+                sc = att.AttnScratch(1, H, D, att.split_count(1, cap, win), dev)
+                q = torch.randn(1, H, D, device=dev, generator=g)
+                kn, vn = k[depth:depth + 1].contiguous(), v[depth:depth + 1].contiguous()
+                pos = torch.tensor([depth], dtype=torch.int64, device=dev)
+                o = torch.empty(1, H, D, device=dev)
+
+                def fn(i, pl=pl, sc=sc, q=q, kn=kn, vn=vn, pos=pos, o=o, hm=hm, win=win):
+                    kp, vp, meta = pl[i % len(pl)]
+                    att.attend_triton(q, kn, vn, kp, vp, hm, meta, pos, win, scale, sc, out=o)
+
+                t = timeit(ctx, fn, n_copies)
+                res["timing_us"][key] = {"us": t["mean_s"] * 1e6, "cv": t["cv"], "copies": n_copies,
+                                         "cuda_graph": ctx.graph}
+                del pl, k, v
+            except Exception as e:
+                res["timing_us"][key] = {"error": repr(e)[:300]}
+    n_full = FG.n_layers // COLLAR  # one full layer per collar of the full geometry
+    n_layers = {"sliding": FG.n_layers - n_full, "full": n_full}
+    for depth in timed:
+        ts = [res["timing_us"].get(f"{kd}_d{depth}", {}).get("us") for kd in ("sliding", "full")]
+        if None not in ts:
+            per_step[f"d{depth}"] = {"layers": n_layers, "ms": (ts[0] * n_layers["sliding"]
+                                                                 + ts[1] * n_layers["full"]) / 1e3}
+    res["attention_per_decode_step"] = per_step
+    res["wall_s"] = time.time() - ctx.t0
+    return res
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="output folder (required unless --attn-invariance)")
     ap.add_argument("--budget", type=float, default=90.0)
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check)")
@@ -344,7 +476,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--gate-receipt", default=None, help="Gate 2 receipt of this tree on this machine")
     ap.add_argument("--v2-sweep", action="store_true", help="also sweep v2 configs")
     ap.add_argument("--jobs", type=int, default=12, help="worker processes compiling the v3 sweep")
+    ap.add_argument("--attn-invariance", action="store_true",
+                    help="only the attention row-invariance check and decode attention timing")
     args = ap.parse_args(argv)
+    if args.out is None and not args.attn_invariance:
+        ap.error("--out is required")
     if args.device is None:
         import torch
 
@@ -363,6 +499,14 @@ def main(argv=None) -> dict:
 
     ctx = Ctx(args)
     ctx.v3 = v3
+    if args.attn_invariance:
+        ctx.graph = args.device == "cuda"  # the engine replays its steps as CUDA graphs
+        r = attn_invariance(ctx)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "attn_invariance.json").write_text(json.dumps(r, indent=1) + "\n")
+        print(json.dumps(r, default=str), flush=True)
+        return r
     if args.device == "cuda" and not args.no_sweep and not args.smoke:
         t = time.time()
         ctx.precompiled = precompile_v3(args.jobs)

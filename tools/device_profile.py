@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Where a decode step's time goes on the GPU: the full-geometry engine (default kernels), a
 session filled to each depth, eager decode steps under the torch profiler (GPU time per kernel
-name, per step), and graph-replayed decode tok/s beside them, for each attention split cap.
+name, per step), and graph-replayed decode tok/s beside them, for each full-layer split length
+(kernels/attention.SPLIT_FULL; other than the shipped one it changes the exact lane's bits, so
+those cells are timings only).
 
-    python3 tools/device_profile.py FULL.gguf OUT [--depths 0,32768] [--splits 64,256]
+    python3 tools/device_profile.py FULL.gguf OUT [--depths 0,32768] [--split-full 256,128]
 
 Writes OUT/device_profile.json and prints the per-step breakdown.
 """
@@ -44,17 +46,17 @@ def group(name: str) -> str:
 
 
 def main() -> int:
+    from muser.engine import Engine
+    from muser.engine.kernels import attention
+
     ap = argparse.ArgumentParser()
     ap.add_argument("full")
     ap.add_argument("out")
     ap.add_argument("--depths", default="0,32768")
-    ap.add_argument("--splits", default="64,256")
+    ap.add_argument("--split-full", default=str(attention.SPLIT_FULL))
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--gate-receipt", default=None, help="Gate 2 receipt of this tree on this machine")
     a = ap.parse_args()
-    from muser.engine import Engine
-    from muser.engine.kernels import attention
-
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cells": []}
@@ -63,9 +65,10 @@ def main() -> int:
     res["load_s"] = round(time.time() - t, 1)
     rng = np.random.default_rng(0)
     for depth in [int(d) for d in a.depths.split(",")]:
-        for cap in [int(v) for v in a.splits.split(",")]:
-            attention.MAX_SPLITS = cap
-            cell: dict = {"depth": depth, "max_splits": cap}
+        for split in [int(v) for v in a.split_full.split(",")]:
+            attention.SPLIT_FULL = split
+            eng._graphs.clear()  # captured graphs hold scratch sized for the split length
+            cell: dict = {"depth": depth, "split_full": split}
             res["cells"].append(cell)
             try:
                 s = eng.session(max_context=C, graphs=False)
@@ -115,7 +118,7 @@ def main() -> int:
                 cell["error"] = repr(e)[:300]
                 cell["traceback"] = traceback.format_exc()[-2000:]
             torch.cuda.empty_cache()
-            print(f"depth {depth} splits<= {cap}: graph {cell.get('graph_tok_s', 0):.1f} tok/s, eager GPU "
+            print(f"depth {depth} split_full {split}: graph {cell.get('graph_tok_s', 0):.1f} tok/s, eager GPU "
                   f"{cell.get('gpu_ms_per_step', 0)} ms/step", flush=True)
             for k, ms in list(cell.get("per_step_ms", {}).items())[:14]:
                 print(f"   {ms:8.3f} ms  x{cell['launches_per_step'][k]:6.1f}  {k}", flush=True)
