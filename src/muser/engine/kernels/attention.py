@@ -165,11 +165,11 @@ if HAVE_TRITON:
         r = tl.program_id(0)  # row of this launch (row r0 + r of the call)
         g = tl.program_id(1)  # KV head
         k = tl.program_id(2)  # split, counted from the launch's first
-        ol = tl.load(meta + 0)
-        op = tl.load(meta + 1)
-        ln = tl.load(meta + 2)
-        cap = tl.load(meta + 3)
-        p0 = tl.load(pos)
+        ol = tl.load(meta + 0).to(tl.int32)  # positions and offsets fit int32 (asserted by the host)
+        op = tl.load(meta + 1).to(tl.int32)
+        ln = tl.load(meta + 2).to(tl.int32)
+        cap = tl.load(meta + 3).to(tl.int32)
+        p0 = tl.load(pos).to(tl.int32)
         pt = p0 + r0 + r  # this row's position
         # the lowest visible key position: of this row, and of the launch's first row
         lo = tl.where(window > 0, tl.maximum(ol, pt - window + 1), ol)
@@ -195,14 +195,14 @@ if HAVE_TRITON:
                 valid = (kpos >= a) & (kpos < b) & ((kpos < pend) | (kpos >= p0))
                 old = valid & (kpos < p0)
                 new = valid & (kpos >= p0)
-                slot = ((op + tl.where(old, kpos - ol, 0)) % cap).to(tl.int64)
-                j = tl.where(new, kpos - p0, 0).to(tl.int64)
+                slot = (op + tl.where(old, kpos - ol, 0)) % cap
+                j = tl.where(new, kpos - p0, 0)
                 po = slot[:, None] * s_slot + g * s_head + dd[None, :]
                 pn = j[:, None] * s_nt + g * s_nh + dd[None, :]
-                kt = tl.where(old[:, None], tl.load(kp + po, mask=old[:, None], other=0.0),
-                              tl.load(kn + pn, mask=new[:, None], other=0.0)).to(tl.float32)  # [BS, D]
-                vt = tl.where(old[:, None], tl.load(vp + po, mask=old[:, None], other=0.0),
-                              tl.load(vn + pn, mask=new[:, None], other=0.0)).to(tl.float32)
+                kt = tl.load(tl.where(old[:, None], kp + po, kn + pn), mask=valid[:, None],
+                             other=0.0).to(tl.float32)  # [BS, D]
+                vt = tl.load(tl.where(old[:, None], vp + po, vn + pn), mask=valid[:, None],
+                             other=0.0).to(tl.float32)
                 # the block into the running softmax (book 16.2); masked keys weigh exactly 0
                 sc = tl.dot(qv, tl.trans(kt), input_precision="ieee") * scale  # [HP, BS]
                 sc = tl.where(valid[None, :], sc, float("-inf"))
@@ -223,8 +223,8 @@ if HAVE_TRITON:
                      D: tl.constexpr, S: tl.constexpr, SC: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
-        ol = tl.load(meta + 0)
-        p0 = tl.load(pos)
+        ol = tl.load(meta + 0).to(tl.int32)
+        p0 = tl.load(pos).to(tl.int32)
         pt = p0 + r0 + r
         lo = tl.where(window > 0, tl.maximum(ol, pt - window + 1), ol)
         lo_first = tl.where(window > 0, tl.maximum(ol, p0 + r0 - window + 1), ol)
@@ -290,13 +290,14 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     s_slot, s_head = plane_strides(k_plane, head_major, n_kv, D)
     assert plane_strides(v_plane, head_major, n_kv, D) == (s_slot, s_head)
     capacity = k_plane.shape[1] if head_major else k_plane.shape[0]
+    assert k_plane.numel() < 2**31 and k_new.numel() < 2**31, "the kernel indexes in int32"
     rows_bound = capacity if plane_len is None else plane_len
     assert 0 <= rows_bound <= capacity, f"plane_len {plane_len} outside [0, {capacity}]"
     S = split_len(window)
     assert S % BLOCK == 0
     units = scratch.rows * scratch.splits
     need = _splits_over(_span(0, T, rows_bound, window), S)
-    assert need <= units and scratch.m.numel() >= units * H, (
+    assert need <= units and scratch.m.numel() >= units * H and scratch.o.numel() < 2**31, (
         f"attention scratch of {scratch.rows} x {scratch.splits} partials per head is too small for "
         f"{need} splits per row")
     if out is None:
