@@ -295,15 +295,22 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     assert 0 <= rows_bound <= capacity, f"plane_len {plane_len} outside [0, {capacity}]"
     S = split_len(window)
     assert S % BLOCK == 0
-    units = scratch.rows * scratch.splits
-    need = _splits_over(_span(0, T, rows_bound, window), S)
-    assert need <= units and scratch.m.numel() >= units * H and scratch.o.numel() < 2**31, (
+    units = scratch.rows * scratch.splits  # (row, split) partials per head the scratch holds
+    assert scratch.m.numel() >= units * H and scratch.o.numel() < 2**31
+
+    def per_row(g: int) -> int:  # splits per row of any launch of g consecutive rows (>= _span's)
+        return _splits_over(min(rows_bound + T, window - 1 + g) if window > 0 else rows_bound + T, S)
+
+    group = min(T, units)
+    while group > 1 and group * per_row(group) > units:
+        group = max(1, min(group - 1, units // per_row(group)))
+    assert group * per_row(group) <= units, (
         f"attention scratch of {scratch.rows} x {scratch.splits} partials per head is too small for "
-        f"{need} splits per row")
+        f"{per_row(1)} splits per row")
     if out is None:
         out = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
+    assert out.shape == (T, H, D) and out.dtype == torch.float32 and out.stride(2) == 1
     hp = max(16, triton.next_power_of_2(hpk))
-    group = min(T, units // need)
     for r0 in range(0, T, group):
         r1 = min(T, r0 + group)
         nsp = _splits_over(_span(r0, r1, rows_bound, window), S)
