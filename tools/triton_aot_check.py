@@ -134,18 +134,20 @@ def drive(rec: Recorder) -> None:
         fused.qk_norm_rope(y, 0, 4096, 32, 2, 128, torch.ones(128), torch.ones(128), 1e-5, cs, cs)
         fused.qk_norm_rope(y, 0, 4096, 32, 2, 128, torch.ones(128), torch.ones(128), 1e-5, None, None)
     H, n_kv, D = 32, 2, 128
-    for hm in (False, True):
+    for hm in (False, True):  # the engine's planes: token-major sliding rings, head-major full planes
         for dt in (torch.float16, torch.float32):
-            for T in (1, 16):
-                cap = 4096
+            for T in (1, 16, 512):  # decode, verify, a prefill chunk (row groups)
+                cap, win = (32768, 0) if hm else (2048, 2048)
                 q = torch.zeros(T, H, D)
                 kn = torch.zeros(T, n_kv, D, dtype=dt)
                 shape = (n_kv, cap, D) if hm else (cap, n_kv * D)
                 kp = torch.zeros(shape, dtype=dt)
                 meta = torch.tensor([0, 0, 100, cap], dtype=torch.int64)
                 pos = torch.tensor([100], dtype=torch.int64)
-                sc = att.AttnScratch(T, H, D, att.pick_splits(cap), "cpu")
-                att.attend_triton(q, kn, kn, kp, kp, hm, meta, pos, 0 if hm else 2048, 0.0883883, sc)
+                rows = min(T, 16)
+                sc = att.AttnScratch(rows, H, D, att.split_count(rows, cap, win), "cpu")
+                att.attend_triton(q, kn, kn, kp, kp, hm, meta, pos, win, 0.0883883, sc,
+                                  plane_len=100 if T > 16 else None)
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .kernels.attention import AttnScratch, attend_triton, pick_splits
+from .kernels.attention import AttnScratch, attend_triton, split_count
 from ..kv.torch_backend import TorchBackend
 
 MAX_CAPTURES = 32  # captured graphs kept per shape (least recently used go first)
@@ -49,7 +49,7 @@ class _GraphKv:
             T = b - a
             outs.append(attend_triton(q[a:b], kq, vq, plane.keys, plane.values, geo.head_major, g.meta[i][il],
                                       g.pos0[i], geo.window if geo.sliding else 0, s.cfg.attn_scale,
-                                      g.scratch[i], splits=g.splits[i][il]))
+                                      g.scratch[i]))
             TorchBackend.write_rows_at(plane.keys, g.widx[i][il], kq.reshape(T, geo.kv_dim), geo.head_major,
                                        geo.n_kv_heads, geo.head_dim)
             TorchBackend.write_rows_at(plane.values, g.widx[i][il], vq.reshape(T, geo.kv_dim), geo.head_major,
@@ -116,12 +116,13 @@ class StepGraph:
         self.top = torch.empty((R,), dtype=torch.int64, device=dev)
         self.finite = torch.empty((), dtype=torch.bool, device=dev)
         self.captured = {il: torch.empty((N, cfg.hidden), dtype=torch.float32, device=dev) for il in capture}
-        # attention splits and partials per item, from its planes' capacities (max_context)
-        self.splits, self.scratch = [], []
+        # attention partials per item, sized for its planes' capacities (max_context)
+        self.scratch = []
         for T, _, max_context in shape:
-            caps = [min(max_context, cfg.sliding_window) if sl else max_context for sl in cfg.swa_pattern]
-            self.splits.append([pick_splits(c) for c in caps])
-            self.scratch.append(AttnScratch(T, cfg.n_heads, cfg.head_dim, max(self.splits[-1]), dev))
+            W = cfg.sliding_window
+            splits = max(split_count(T, min(max_context, W), W) if sl else split_count(T, max_context, 0)
+                         for sl in cfg.swa_pattern)
+            self.scratch.append(AttnScratch(T, cfg.n_heads, cfg.head_dim, splits, dev))
         self.sessions: list = []
         self.graphs: OrderedDict = OrderedDict()  # storage key -> torch.cuda.CUDAGraph
         self.copied = torch.cuda.Event() if self.cuda else None

@@ -31,7 +31,7 @@ from ..sequence import (
     non_finite_error,
 )
 from .forward import Forward
-from .kernels.attention import AttnScratch, attend_ref, attend_triton, pick_splits
+from .kernels.attention import AttnScratch, attend_ref, attend_triton, split_count
 from .rows import DeviceRow
 
 PREFILL_CHUNK = 512  # PREFILL_BATCH_TOKENS (book 10.10)
@@ -50,7 +50,7 @@ class _EagerKv:
                              for p in sess.cache.planes], dtype=np.int64)
             self.meta = torch.from_numpy(meta).to(sess.device)
             self.pos = torch.tensor([p0], dtype=torch.int64, device=sess.device)
-            self.scratch = sess._scratch(T)
+            self.scratch = sess._scratch()
 
     def attend(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s, cfg = self.s, self.s.cfg
@@ -60,9 +60,8 @@ class _EagerKv:
         vq = v.to(s.kv_torch)
         window = g.window if g.sliding else 0
         if self.cuda:
-            splits = pick_splits(plane.capacity) if self.T <= MAX_VERIFY else 1
             out = attend_triton(q, kq, vq, plane.keys, plane.values, g.head_major, self.meta[il],
-                                self.pos, window, cfg.attn_scale, self.scratch, splits=splits)
+                                self.pos, window, cfg.attn_scale, self.scratch, plane_len=plane.len)
         elif s.device.type == "cpu":  # the C kernel: fixed order per row, any T (row-invariant)
             from .kernels import cpu_native
 
@@ -98,27 +97,21 @@ class Session(Sequence):
         if self.use_graphs and self.device.type != "cuda":
             raise LaneError("CUDA graphs need device 'cuda'")
         self._graphs: dict = {}  # (rows, output) -> the engine's StepGraph this session ran alone
-        self._scratches: dict[bool, AttnScratch] = {}
+        self._attn_scratch: AttnScratch | None = None
 
     @property
     def kv_bytes(self) -> int:
         return resident_bytes(self.cache)
 
     # -- forward -------------------------------------------------------------------------------
-    def _scratch(self, T: int) -> AttnScratch:
-        """Attention partials: one buffer for verify-shaped calls (<= 16 rows, split sequence)
-        and one for prefill chunks (one split per row), each allocated once per session."""
-        narrow = T <= MAX_VERIFY
-        sc = self._scratches.get(narrow)
-        if sc is None:
-            if narrow:
-                sc = AttnScratch(MAX_VERIFY, self.cfg.n_heads, self.cfg.head_dim,
-                                 max(pick_splits(p.capacity) for p in self.cache.planes), self.device)
-            else:
-                sc = AttnScratch(max(self.chunk, MAX_VERIFY + 1), self.cfg.n_heads, self.cfg.head_dim, 1,
-                                 self.device)
-            self._scratches[narrow] = sc
-        return sc
+    def _scratch(self) -> AttnScratch:
+        """Attention partials for MAX_VERIFY rows at any position, allocated once per session;
+        longer chunks run through it in groups of rows (kernels/attention.attend_triton)."""
+        if self._attn_scratch is None:
+            splits = max(split_count(MAX_VERIFY, p.capacity, p.geometry.window if p.geometry.sliding else 0)
+                         for p in self.cache.planes)
+            self._attn_scratch = AttnScratch(MAX_VERIFY, self.cfg.n_heads, self.cfg.head_dim, splits, self.device)
+        return self._attn_scratch
 
     def _graph_ok(self, T: int, out_rows: str, capture: tuple[int, ...]) -> bool:
         return (self.use_graphs and T <= MAX_VERIFY and out_rows in ("last", "all")

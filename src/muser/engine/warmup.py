@@ -3,11 +3,11 @@ captured once, before the first request rather than inside it (DESIGN.md: TTFT o
 prompt after load <= 50 ms).
 
 Triton compiles a kernel per specialization: the matvec per row bucket (1, 2, 4, 8, 16 rows:
-qmatvec._rows_bucket), the decode attention's reduction per power-of-two split count
-(pick_splits gives 1..64 splits, one per 64 slots of a plane's capacity). So the warm-up runs,
-on throwaway sessions, one decode per capacity class 64 * 2^i up to the context length (capped
-at 64 splits), verify-shaped steps of each row bucket (graphs: eager run, then capture), and an
-eager prefill chunk of more than 16 rows (the cuBLAS path). What the first request still does
+qmatvec._rows_bucket); the attention kernels split keys at fixed absolute positions and take
+the split count as a runtime argument (kernels/attention.py), so one session capacity covers
+every depth. The warm-up runs, on a throwaway session, decodes, verify-shaped steps of each row
+bucket (graphs: eager run, then capture), and an eager prefill chunk of more than 16 rows (the
+cuBLAS path). What the first request still does
 is capture its own graphs (a graph bakes in its session's plane addresses: engine/graphs.py),
 with every kernel already built. The sessions and their graphs are released afterwards.
 
@@ -24,22 +24,14 @@ from ..errors import LaneError
 from ..progress import Progress
 from ..sequence import MAX_VERIFY
 
-SPLIT_ROWS = 64  # slots per decode split (kernels.attention.pick_splits)
-MAX_SPLIT_CLASS = 64  # attention.MAX_SPLITS: capacities past 64 * 64 share the last class
+WARM_CAPACITY = 4096  # the warm-up session's capacity (at most the context length)
 ROW_BUCKETS = (2, 4, 8, MAX_VERIFY)  # verify-shaped steps, one per matvec row bucket past 1
 EAGER_ROWS = MAX_VERIFY + 8  # a prefill chunk past the graph shapes (cuBLAS)
 
 
 def capacities(context_length: int) -> list[int]:
-    """One session capacity per decode split class, up to the context length."""
-    out = []
-    c = SPLIT_ROWS
-    while c < context_length and c <= SPLIT_ROWS * MAX_SPLIT_CLASS:
-        out.append(c)
-        c *= 2
-    if context_length <= SPLIT_ROWS * MAX_SPLIT_CLASS:
-        out.append(context_length)
-    return out
+    """The warm-up sessions' capacities: one, since no kernel specializes on the depth."""
+    return [min(context_length, WARM_CAPACITY)]
 
 
 def plan(context_length: int) -> list[tuple[int, str, int]]:

@@ -6,19 +6,43 @@ llama.cpp LLAMA_SWA_TYPE_STANDARD; no limit on full layers) and new rows j <= t 
 rule. The engine stores the new rows afterwards, so a ring chunk never overwrites a row a
 later row of the same chunk still needs (the book's staging shadow, 10.10, without a copy).
 New K/V arrive already rounded to the plane's element type (f16 by default), because llama.cpp
-reads the current token back from its f16 cache.
+reads the current token back from its f16 cache. The plane's rows end where the new rows start
+(p0 = origin_logical + len, muser.kv's next_position).
 
 Math (f32): s = (q . k) * scale, masked softmax over all visible rows, weighted sum of V.
 
-* `attend_ref`  - torch; plane metadata as host ints; used by eager CUDA prefill chunks, and the
-  reference of the CPU lane's C kernel (kernels/cpu_native.attend, same arguments).
-* `attend_triton` - split-sequence online softmax (16.2), plane metadata read from device
+* `attend_ref`  - torch; plane metadata as host ints; the reference of the Triton kernel and of
+  the CPU lane's C kernel (kernels/cpu_native.attend, same arguments), and the path of devices
+  with neither.
+* `attend_triton` - split softmax (flash-decoding): a worker's (max, sum, acc) triple summarises
+  the keys it saw, so pieces merge exactly (book 16.2); plane metadata is read from device
   tensors, so one captured CUDA graph serves every position (book 10.3, CUDA graphs).
+
+Row invariance (DESIGN.md "Exactness contract", Gate 3): in the exact lane a row's output at
+position p is bitwise the same whether it is decoded alone, verified as row j of a block,
+prefilled in any chunking or stepped beside other sequences' rows. So every reduction order of
+`attend_triton` is fixed by absolute logical positions, never by T, the plane's length or its
+capacity:
+
+* keys go in blocks of BLOCK positions [16b, 16b + 16) (one tl.dot each) inside splits of S
+  positions [S*s, S*(s+1)), S = SPLIT_SLIDING on sliding layers and SPLIT_FULL on full ones;
+* a key position below p0 is read from the plane at slot (origin_physical + pos -
+  origin_logical) % capacity, one at or above p0 from the new rows (row pos - p0): the same
+  value either way, so it does not matter which side of p0 a key fell in a given call;
+* visibility depends on the row position and origin_logical only: pos <= p_t, p_t - pos < W on
+  sliding layers, pos >= origin_logical;
+* one program per (row, KV head, split) runs the online softmax over that row's visible blocks
+  of the split in ascending order; the reduce takes the (order-free) max over the row's splits,
+  then accumulates l and o weighted by exp(m - max) per lane of REDUCE_CHUNK splits aligned at
+  absolute split indices, chunks in ascending order, and sums the lanes in one fixed-size tree.
+  Only splits holding a key the row sees take part; masked keys and lanes weigh exactly 0.
+
+The grid is sized from bounds (the plane's capacity, or its length where the host knows it) and
+programs whose split holds nothing the row sees exit at once, so the launch shape never reaches
+the arithmetic. Rows are launched in groups that fit the scratch (AttnScratch, allocated once).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -94,110 +118,148 @@ def attend_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     return out
 
 
-MAX_SPLITS = 64  # module attribute so device profiles can try others (tools/device_profile.py)
+# Split lengths in positions (multiples of BLOCK). Sliding layers: 64, so a 2,048 window spreads
+# over ~33 programs per KV head (64-position splits took the depth-32,768 decode attention from
+# 3.85 to 2.21 ms: bench/NOTES.md item 9). Full layers: 256, so a depth-32,768 decode still runs
+# 258 programs (H200: 132 SMs) while a 131,072 context needs 514 partials per row, not 2,050.
+# Changing either changes the exact lane's bits (they fix the reduction order).
+SPLIT_SLIDING = 64
+SPLIT_FULL = 256
+BLOCK = 16  # keys per tl.dot step
+REDUCE_CHUNK = 32  # split partials merged per step of the reduce
 
 
-def pick_splits(capacity: int) -> int:
-    """Sequence splits for the decode kernel: ~64 rows each, at most MAX_SPLITS (flash-decoding).
-    64-row splits give a 2,560-slot sliding ring 40 programs per KV head rather than 10 (the
-    full-geometry profile at depth 32,768: bench/NOTES.md); a split only changes how the softmax
-    sums are partitioned (ulp level)."""
-    return max(1, min(MAX_SPLITS, math.ceil(capacity / 64)))
+def split_len(window: int) -> int:
+    """Positions per split of a layer: SPLIT_SLIDING with a window, SPLIT_FULL without."""
+    return SPLIT_SLIDING if window > 0 else SPLIT_FULL
+
+
+def _span(r0: int, r1: int, plane_rows: int, window: int) -> int:
+    """A bound on how many key positions rows [r0, r1) of a call can see together: from row
+    r0's first visible position to p0 + r1 - 1, where p0 - origin_logical <= plane_rows."""
+    n = plane_rows + r1
+    if window > 0:
+        n = min(n, window - 1 + r1 - r0)
+    return n
+
+
+def _splits_over(n: int, s: int) -> int:
+    """Splits of s positions that a run of n >= 1 consecutive positions can touch."""
+    return (n + s - 2) // s + 1
+
+
+def split_count(rows: int, capacity: int, window: int) -> int:
+    """Split programs per row that a call of `rows` rows over a plane of `capacity` can launch:
+    the grid bound, and what AttnScratch's `splits` must cover (not part of the arithmetic)."""
+    return _splits_over(_span(0, rows, capacity, window), split_len(window))
 
 
 if HAVE_TRITON:
 
-    @triton.jit
-    def _online_step(qv, kt, vt, valid, scale, m_i, l_i, acc):
-        """One block of keys into the running softmax: qv [HP, D], kt/vt [BS, D] f32, valid [BS]
-        -> updated (max [HP], sum [HP], acc [HP, D]); masked keys weigh exactly 0."""
-        sc = tl.dot(qv, tl.trans(kt), input_precision="ieee") * scale  # [HP, BS]
-        sc = tl.where(valid[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(sc - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
-        return m_new, l_i, acc
-
-    @triton.jit(do_not_specialize=["T", "NS", "window"])
+    @triton.jit(do_not_specialize=["r0", "NSP", "window"])
     def _attn_partial(q, kn, vn, kp, vp, meta, pos, m_out, l_out, o_out,
-                      T, H, NS, window, scale,
+                      r0, H, NSP, window, scale,
                       s_qt, s_qh, s_nt, s_nh, s_slot, s_head,
-                      HPK: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
-        t = tl.program_id(0)
+                      HPK: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                      S: tl.constexpr):
+        r = tl.program_id(0)  # row of this launch (row r0 + r of the call)
         g = tl.program_id(1)  # KV head
-        s = tl.program_id(2)  # split; s == NS handles the new rows
-        hh = tl.arange(0, HP)
-        hmask = hh < HPK
-        dd = tl.arange(0, D)
-        head = g * HPK + hh
-        qv = tl.load(q + t * s_qt + head[:, None] * s_qh + dd[None, :], mask=hmask[:, None], other=0.0)
-        ol = tl.load(meta + 0)
-        op = tl.load(meta + 1)
-        ln = tl.load(meta + 2)
-        cap = tl.load(meta + 3)
-        pt = tl.load(pos) + t  # this row's position
-        m_i = tl.full([HP], float("-inf"), tl.float32)
-        l_i = tl.zeros([HP], tl.float32)
-        acc = tl.zeros([HP, D], tl.float32)
-        cc = tl.arange(0, BS)
-        if s < NS:
-            chunk = (ln + NS - 1) // NS
-            i0 = s * chunk
-            i1 = tl.minimum(ln, i0 + chunk)
-            for start in range(i0, i1, BS):
-                i = start + cc
-                valid = i < i1
-                qpos = ol + i
-                if window > 0:
-                    valid = valid & ((pt - qpos) < window)
-                slot = ((op + i) % cap).to(tl.int64)
-                kv_off = slot[:, None] * s_slot + g * s_head + dd[None, :]
-                kt = tl.load(kp + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)  # [BS, D]
-                vt = tl.load(vp + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
-                m_i, l_i, acc = _online_step(qv, kt, vt, valid, scale, m_i, l_i, acc)
-        else:
-            for jstart in range(0, t + 1, BS):  # distinct name: an int32 loop beside the int64 one
-                j = jstart + cc
-                valid = j <= t
-                if window > 0:
-                    valid = valid & ((t - j) < window)
-                off = j[:, None] * s_nt + g * s_nh + dd[None, :]
-                kt = tl.load(kn + off, mask=valid[:, None], other=0.0).to(tl.float32)
-                vt = tl.load(vn + off, mask=valid[:, None], other=0.0).to(tl.float32)
-                m_i, l_i, acc = _online_step(qv, kt, vt, valid, scale, m_i, l_i, acc)
-        row = (t * H + head) * (NS + 1) + s  # [HP]
-        tl.store(m_out + row, m_i, mask=hmask)
-        tl.store(l_out + row, l_i, mask=hmask)
-        tl.store(o_out + row[:, None] * D + dd[None, :], acc, mask=hmask[:, None])
+        k = tl.program_id(2)  # split, counted from the launch's first
+        ol = tl.load(meta + 0).to(tl.int32)  # positions and offsets fit int32 (asserted by the host)
+        op = tl.load(meta + 1).to(tl.int32)
+        ln = tl.load(meta + 2).to(tl.int32)
+        cap = tl.load(meta + 3).to(tl.int32)
+        p0 = tl.load(pos).to(tl.int32)
+        pt = p0 + r0 + r  # this row's position
+        # the lowest visible key position: of this row, and of the launch's first row
+        lo = tl.where(window > 0, tl.maximum(ol, pt - window + 1), ol)
+        lo_first = tl.where(window > 0, tl.maximum(ol, p0 + r0 - window + 1), ol)
+        s = lo_first // S + k  # absolute split index
+        a = tl.maximum(lo, s * S)
+        b = tl.minimum(pt + 1, s * S + S)  # [a, b): what this row sees of split s
+        if a < b:
+            hh = tl.arange(0, HP)
+            hmask = hh < HPK
+            dd = tl.arange(0, D)
+            head = g * HPK + hh
+            qv = tl.load(q + (r0 + r) * s_qt + head[:, None] * s_qh + dd[None, :], mask=hmask[:, None],
+                         other=0.0)
+            m_i = tl.full([HP], float("-inf"), tl.float32)
+            l_i = tl.zeros([HP], tl.float32)
+            acc = tl.zeros([HP, D], tl.float32)
+            cc = tl.arange(0, BS)
+            pend = ol + ln  # the plane holds [ol, pend); the new rows start at p0
+            blk0 = a // BS
+            for i in range(0, (b - 1) // BS + 1 - blk0):
+                kpos = (blk0 + i) * BS + cc  # [BS] absolute key positions of block blk0 + i
+                valid = (kpos >= a) & (kpos < b) & ((kpos < pend) | (kpos >= p0))
+                old = valid & (kpos < p0)
+                new = valid & (kpos >= p0)
+                slot = (op + tl.where(old, kpos - ol, 0)) % cap
+                j = tl.where(new, kpos - p0, 0)
+                po = slot[:, None] * s_slot + g * s_head + dd[None, :]
+                pn = j[:, None] * s_nt + g * s_nh + dd[None, :]
+                kt = tl.load(tl.where(old[:, None], kp + po, kn + pn), mask=valid[:, None],
+                             other=0.0).to(tl.float32)  # [BS, D]
+                vt = tl.load(tl.where(old[:, None], vp + po, vn + pn), mask=valid[:, None],
+                             other=0.0).to(tl.float32)
+                # the block into the running softmax (book 16.2); masked keys weigh exactly 0
+                sc = tl.dot(qv, tl.trans(kt), input_precision="ieee") * scale  # [HP, BS]
+                sc = tl.where(valid[None, :], sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(sc - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+                m_i = m_new
+            row = (r * H + head) * NSP + k  # [HP]
+            tl.store(m_out + row, m_i, mask=hmask)
+            tl.store(l_out + row, l_i, mask=hmask)
+            tl.store(o_out + row[:, None] * D + dd[None, :], acc, mask=hmask[:, None])
 
-    @triton.jit(do_not_specialize=["NS"])
-    def _attn_reduce(m_in, l_in, o_in, out, H, NS, s_ot, s_oh, D: tl.constexpr, SP: tl.constexpr):
-        t = tl.program_id(0)
+    @triton.jit(do_not_specialize=["r0", "NSP", "window"])
+    def _attn_reduce(m_in, l_in, o_in, out, meta, pos, r0, H, NSP, window, s_ot, s_oh,
+                     D: tl.constexpr, S: tl.constexpr, SC: tl.constexpr):
+        r = tl.program_id(0)
         h = tl.program_id(1)
-        ss = tl.arange(0, SP)
-        smask = ss < NS + 1
-        base = (t * H + h) * (NS + 1)
-        m = tl.load(m_in + base + ss, mask=smask, other=float("-inf"))
-        l = tl.load(l_in + base + ss, mask=smask, other=0.0)
+        ol = tl.load(meta + 0).to(tl.int32)
+        p0 = tl.load(pos).to(tl.int32)
+        pt = p0 + r0 + r
+        lo = tl.where(window > 0, tl.maximum(ol, pt - window + 1), ol)
+        lo_first = tl.where(window > 0, tl.maximum(ol, p0 + r0 - window + 1), ol)
+        s_lo = lo // S  # the row's splits [s_lo, s_hi], none empty
+        s_hi = pt // S
+        base = (r * H + h) * NSP - lo_first // S  # + s: split s's partial
+        c0 = s_lo // SC
+        n_chunks = s_hi // SC + 1 - c0
+        cc = tl.arange(0, SC)
         dd = tl.arange(0, D)
-        o = tl.load(o_in + (base + ss)[:, None] * D + dd[None, :], mask=smask[:, None], other=0.0)
-        mx = tl.max(m, 0)  # finite: row t always sees itself
-        w = tl.exp(m - mx)
-        w = tl.where(smask, w, 0.0)
-        den = tl.sum(l * w, 0)
-        num = tl.sum(o * w[:, None], 0)
-        tl.store(out + t * s_ot + h * s_oh + dd, num / den)
+        mx = tl.full([SC], float("-inf"), tl.float32)
+        for i in range(0, n_chunks):
+            s = (c0 + i) * SC + cc  # lane i of chunk c holds split c * SC + i
+            ok = (s >= s_lo) & (s <= s_hi)
+            mx = tl.maximum(mx, tl.load(m_in + base + s, mask=ok, other=float("-inf")))
+        m_row = tl.max(mx, 0)  # finite: row t always sees itself
+        den = tl.zeros([SC], tl.float32)
+        num = tl.zeros([SC, D], tl.float32)
+        for i2 in range(0, n_chunks):
+            s = (c0 + i2) * SC + cc
+            ok = (s >= s_lo) & (s <= s_hi)
+            w = tl.where(ok, tl.exp(tl.load(m_in + base + s, mask=ok, other=float("-inf")) - m_row), 0.0)
+            den += tl.load(l_in + base + s, mask=ok, other=0.0) * w
+            num += tl.load(o_in + (base + s)[:, None] * D + dd[None, :], mask=ok[:, None], other=0.0) * w[:, None]
+        tl.store(out + (r0 + r) * s_ot + h * s_oh + dd, tl.sum(num, 0) / tl.sum(den, 0))
 
 
 class AttnScratch:
-    """Partial-softmax buffers for up to T rows and `splits` splits, allocated once (graph-safe)."""
+    """Partial-softmax buffers for `rows` rows x `splits` split programs per row (or any grouping
+    of the same size), allocated once (graph-safe)."""
 
-    def __init__(self, T: int, H: int, D: int, splits: int, device):
+    def __init__(self, rows: int, H: int, D: int, splits: int, device):
+        self.rows = rows
         self.splits = splits
-        n = T * H * (splits + 1)
+        n = rows * H * splits
         self.m = torch.empty(n, dtype=torch.float32, device=device)
         self.l = torch.empty(n, dtype=torch.float32, device=device)
         self.o = torch.empty(n * D, dtype=torch.float32, device=device)
@@ -206,11 +268,14 @@ class AttnScratch:
 def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                   k_plane: torch.Tensor, v_plane: torch.Tensor, head_major: bool,
                   meta: torch.Tensor, pos: torch.Tensor, window: int, scale: float,
-                  scratch: AttnScratch, splits: int | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  scratch: AttnScratch, out: torch.Tensor | None = None,
+                  plane_len: int | None = None) -> torch.Tensor:
     """As attend_ref, with the plane metadata in device memory: meta int64 [4] =
     (origin_logical, origin_physical, len, capacity) before the append; pos int64 [1] = p0.
-    `splits` sequence splits of the plane (<= scratch.splits)."""
+
+    plane_len: an upper bound on len known on the host (eager calls), which only sizes the grid;
+    None sizes it for the plane's capacity (graph-captured calls, any position). Rows go in
+    launches of as many as the scratch holds; neither choice changes a bit of the result."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     T, H, D = q.shape
@@ -218,24 +283,46 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     hpk = H // n_kv
     assert q.dtype == torch.float32 and q.stride(2) == 1
     assert k_new.shape == v_new.shape == (T, n_kv, D) and k_new.stride() == v_new.stride()
+    assert k_new.stride(2) == 1
     assert k_new.dtype == k_plane.dtype == v_plane.dtype
     assert meta.dtype == torch.int64 and meta.numel() >= 4 and pos.dtype == torch.int64
     assert D >= 16 and (D & (D - 1)) == 0, f"head_dim {D} must be a power of two >= 16"
     s_slot, s_head = plane_strides(k_plane, head_major, n_kv, D)
     assert plane_strides(v_plane, head_major, n_kv, D) == (s_slot, s_head)
-    ns = scratch.splits if splits is None else splits
-    assert 1 <= ns and scratch.m.numel() >= T * H * (ns + 1), "attention scratch too small"
+    capacity = k_plane.shape[1] if head_major else k_plane.shape[0]
+    assert k_plane.numel() < 2**31 and k_new.numel() < 2**31, "the kernel indexes in int32"
+    rows_bound = capacity if plane_len is None else plane_len
+    assert 0 <= rows_bound <= capacity, f"plane_len {plane_len} outside [0, {capacity}]"
+    S = split_len(window)
+    assert S % BLOCK == 0
+    units = scratch.rows * scratch.splits  # (row, split) partials per head the scratch holds
+    assert scratch.m.numel() >= units * H and scratch.o.numel() < 2**31
+
+    def per_row(g: int) -> int:  # splits per row of any launch of g consecutive rows (>= _span's)
+        return _splits_over(min(rows_bound + T, window - 1 + g) if window > 0 else rows_bound + T, S)
+
+    group = min(T, units)
+    while group > 1 and group * per_row(group) > units:
+        group = max(1, min(group - 1, units // per_row(group)))
+    assert group * per_row(group) <= units, (
+        f"attention scratch of {scratch.rows} x {scratch.splits} partials per head is too small for "
+        f"{per_row(1)} splits per row")
     if out is None:
         out = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
+    assert out.shape == (T, H, D) and out.dtype == torch.float32 and out.stride(2) == 1
     hp = max(16, triton.next_power_of_2(hpk))
-    _attn_partial[(T, n_kv, ns + 1)](
-        q, k_new, v_new, k_plane, v_plane, meta, pos, scratch.m, scratch.l, scratch.o,
-        T, H, ns, window, scale,
-        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), s_slot, s_head,
-        HPK=hpk, HP=hp, D=D, BS=16, num_warps=4)
-    _attn_reduce[(T, H)](scratch.m, scratch.l, scratch.o, out, H, ns, out.stride(0), out.stride(1),
-                         D=D, SP=triton.next_power_of_2(ns + 1), num_warps=4)
+    for r0 in range(0, T, group):
+        r1 = min(T, r0 + group)
+        nsp = _splits_over(_span(r0, r1, rows_bound, window), S)
+        _attn_partial[(r1 - r0, n_kv, nsp)](
+            q, k_new, v_new, k_plane, v_plane, meta, pos, scratch.m, scratch.l, scratch.o,
+            r0, H, nsp, window, scale,
+            q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), s_slot, s_head,
+            HPK=hpk, HP=hp, D=D, BS=BLOCK, S=S, num_warps=4)
+        _attn_reduce[(r1 - r0, H)](scratch.m, scratch.l, scratch.o, out, meta, pos, r0, H, nsp, window,
+                                   out.stride(0), out.stride(1), D=D, S=S, SC=REDUCE_CHUNK, num_warps=4)
     return out
 
 
-__all__ = ["HAVE_TRITON", "AttnScratch", "attend_ref", "attend_triton", "pick_splits", "plane_strides"]
+__all__ = ["BLOCK", "HAVE_TRITON", "REDUCE_CHUNK", "SPLIT_FULL", "SPLIT_SLIDING", "AttnScratch", "attend_ref",
+           "attend_triton", "plane_strides", "split_count", "split_len"]

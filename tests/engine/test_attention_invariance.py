@@ -1,0 +1,189 @@
+"""Row invariance of the Triton attention kernel (kernels/attention.py; DESIGN.md "Exactness
+contract", Gate 3), run by the Triton interpreter on tiny shapes: a row's output at position p is
+bitwise the same computed (a) alone with everything before it in the plane, (b) as row j of a
+block of T = 2..16 rows whose earlier rows are new rows, (c) over planes holding different
+amounts of history, rotations and capacities (as long as the keys the row sees are the same),
+and for any grouping of the rows into launches; across a sliding-window ring wrap, f16 and f32
+planes, token-major and head-major layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+H, N_KV, D = 4, 2, 16
+SCALE = 0.21
+
+
+class History:
+    """K/V of positions [0, n) (plane dtype) and one query per position, from a seed."""
+
+    def __init__(self, n: int, dtype: torch.dtype, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.k = torch.randn(n, N_KV, D, generator=g).to(dtype)
+        self.v = torch.randn(n, N_KV, D, generator=g).to(dtype)
+        self.q = torch.randn(n, H, D, generator=g)
+        self.dtype = dtype
+
+    def plane(self, head_major: bool, cap: int, ol: int, ln: int, op: int):
+        """Planes holding positions [ol, ol + ln) at slots (op + pos - ol) % cap; every other slot
+        is NaN, so a read outside the live rows poisons the result."""
+        shape = (N_KV, cap, D) if head_major else (cap, N_KV * D)
+        kp = torch.full(shape, float("nan"), dtype=self.dtype)
+        vp = torch.full(shape, float("nan"), dtype=self.dtype)
+        for pos in range(ol, ol + ln):
+            s = (op + pos - ol) % cap
+            if head_major:
+                kp[:, s], vp[:, s] = self.k[pos], self.v[pos]
+            else:
+                kp[s], vp[s] = self.k[pos].reshape(-1), self.v[pos].reshape(-1)
+        return kp, vp
+
+
+def _attend(att, hist: History, head_major: bool, window: int, p0: int, T: int, cap: int, ol: int,
+            op: int, scratch_rows: int | None = None, plane_len: bool = True):
+    """Rows [p0, p0 + T) over a plane holding [ol, p0); K/V of the rows from the history."""
+    ln = p0 - ol
+    kp, vp = hist.plane(head_major, cap, ol, ln, op)
+    meta = torch.tensor([ol, op, ln, cap], dtype=torch.int64)
+    pos = torch.tensor([p0], dtype=torch.int64)
+    rows = T if scratch_rows is None else scratch_rows
+    sc = att.AttnScratch(rows, H, D, att.split_count(rows, cap, window), "cpu")
+    q = hist.q[p0:p0 + T].clone()
+    return att.attend_triton(q, hist.k[p0:p0 + T].clone(), hist.v[p0:p0 + T].clone(), kp, vp, head_major,
+                             meta, pos, window, SCALE, sc, plane_len=ln if plane_len else None)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+def _ring_ol(p0: int, cap: int) -> int:
+    return max(0, p0 - cap)  # a full ring keeps the last `cap` positions
+
+
+# (window, head_major, dtype, target position p, ring capacity (sliding) or plane capacity)
+SETUPS = [
+    (48, False, torch.float16, 150, 48),  # sliding ring wrapped three times, f16
+    (48, False, torch.float32, 131, 48),  # the same in f32, target at a split boundary + 3
+    (40, True, torch.float16, 97, 40),  # head-major ring (the kernel takes either layout)
+    (0, True, torch.float16, 75, 96),  # full plane, f16
+    (0, False, torch.float32, 70, 80),  # full plane, token-major f32
+]
+
+
+@pytest.fixture
+def small_splits(kernels, monkeypatch):
+    """Splits of 16 / 32 positions and reduce chunks of 2 splits, so tiny positions cross many
+    splits and chunk boundaries."""
+    _, att = kernels
+    monkeypatch.setattr(att, "SPLIT_SLIDING", 16)
+    monkeypatch.setattr(att, "SPLIT_FULL", 32)
+    monkeypatch.setattr(att, "REDUCE_CHUNK", 2)
+    return att
+
+
+@pytest.mark.parametrize("setup", SETUPS, ids=lambda s: f"W{s[0]}-{'hm' if s[1] else 'tm'}-{str(s[2])[6:]}-p{s[3]}")
+def test_row_alone_equals_row_of_block(small_splits, setup):
+    """(a) vs (b): rows decoded alone vs the same rows inside blocks of T = 16, 5 and 2 (first,
+    middle and last row of a block; the plane holds what precedes each call)."""
+    att = small_splits
+    window, hm, dt, p, cap = setup
+    hist = History(p + 16, dt, seed=p)
+    ol_at = (lambda p0: _ring_ol(p0, cap)) if window else (lambda p0: 0)
+    alone = {x: _attend(att, hist, hm, window, x, 1, cap, ol_at(x), (7 * x) % cap)[0]
+             for x in (p - 15, p - 7, p - 3, p)}
+    for x, a in alone.items():
+        assert torch.isfinite(a).all(), x
+    for T, p0 in ((16, p - 15), (5, p - 4), (2, p - 1)):
+        blk = _attend(att, hist, hm, window, p0, T, cap, ol_at(p0), (3 * T) % cap)
+        for x, a in alone.items():
+            if p0 <= x < p0 + T:
+                assert torch.equal(_bits(blk[x - p0]), _bits(a)), f"T={T} row {x - p0} (position {x})"
+
+
+@pytest.mark.parametrize("setup", SETUPS[:2] + SETUPS[3:4], ids=lambda s: f"W{s[0]}-{str(s[2])[6:]}")
+def test_row_invariant_to_history_rotation_and_capacity(small_splits, setup):
+    """(c): the same visible keys held by planes of other capacities, rotations and amounts of
+    history beyond the window, and the grid sized from the capacity (graph calls) or the length."""
+    att = small_splits
+    window, hm, dt, p, cap = setup
+    hist = History(p + 16, dt, seed=p + 1)
+    want = _attend(att, hist, hm, window, p, 1, cap, _ring_ol(p, cap) if window else 0, 0)
+    variants = [(cap, 5, True), (cap, cap - 1, False), (cap + 37, 11, True), (2 * cap + 3, 0, False)]
+    for c, op, plane_len in variants:
+        ol = max(0, p - c) if window else 0  # a bigger ring holds more history than the window
+        got = _attend(att, hist, hm, window, p, 1, c, ol, op % c, plane_len=plane_len)
+        assert torch.equal(_bits(got), _bits(want)), f"cap={c} op={op} plane_len={plane_len}"
+
+
+@pytest.mark.parametrize("setup, rows", [(SETUPS[0], 1), (SETUPS[4], 3)], ids=["sliding", "full"])
+def test_block_rows_invariant_to_launch_grouping(small_splits, setup, rows):
+    """An 8-row block through a scratch of 8 rows (one launch) and of 1 or 3 rows (launches of
+    1 row each, or of 3, 3 and 2, as prefill chunks run): every row bitwise equal. One row of a
+    sliding layer needs fewer splits than the block together: the 1-row scratch holds only that."""
+    att = small_splits
+    window, hm, dt, p, cap = setup
+    hist = History(p + 16, dt, seed=p + 2)
+    p0 = p - 7
+    ol = _ring_ol(p0, cap) if window else 0
+    one = _attend(att, hist, hm, window, p0, 8, cap, ol, 1)
+    got = _attend(att, hist, hm, window, p0, 8, cap, ol, 1, scratch_rows=rows)
+    assert torch.equal(_bits(got), _bits(one))
+
+
+def test_default_splits_invariance_and_reference(kernels):
+    """With the shipped split lengths: a full-layer row past two 256-position splits and a
+    sliding row over a wrapped 80-position ring (two 64-position splits), alone vs row j of a
+    block; and both against attend_ref."""
+    _, att = kernels
+    for window, hm, dt, p, cap in ((0, True, torch.float16, 530, 600), (80, False, torch.float32, 200, 80)):
+        hist = History(p + 4, dt, seed=p)
+        ol = _ring_ol(p, cap) if window else 0
+        alone = _attend(att, hist, hm, window, p, 1, cap, ol, 3)
+        blk = _attend(att, hist, hm, window, p - 2, 4, cap, _ring_ol(p - 2, cap) if window else 0, 9)
+        assert torch.equal(_bits(blk[2]), _bits(alone[0]))
+        kp, vp = hist.plane(hm, cap, ol, p - ol, 3)
+        ref = att.attend_ref(hist.q[p:p + 1], hist.k[p:p + 1], hist.v[p:p + 1], kp, vp, hm, ol, 3, p - ol, cap,
+                             p, window, SCALE)
+        assert (alone - ref).abs().max().item() < 2e-6
+
+
+def test_scratch_too_small_is_refused(kernels):
+    _, att = kernels
+    hist = History(40, torch.float16, seed=0)
+    kp, vp = hist.plane(False, 64, 0, 20, 0)
+    sc = att.AttnScratch(1, H, D, 1, "cpu")
+    with pytest.raises(AssertionError, match="too small"):
+        att.attend_triton(hist.q[20:22], hist.k[20:22], hist.v[20:22], kp, vp, False,
+                          torch.tensor([0, 0, 20, 64]), torch.tensor([20]), 0, SCALE, sc)
+
+
+def test_graph_step_logits_row_invariant(tiny_gguf, kernels):
+    """End to end through the graph step's path (device metadata, Triton attention; on the CPU
+    its matvec and tails are the C kernels, which are row-invariant): tokens decoded one by one,
+    the same tokens verified as one 5-row block, and that block stepped beside another session's
+    rows give bitwise identical logits per position, across the 32-position ring wrap, f16 K/V."""
+    import numpy as np
+
+    from muser.engine import Engine
+
+    eng = Engine.open(tiny_gguf, device="cpu", lane="exact", kv="f16")
+    prompt = [6 + (i * 37) % 370 for i in range(28)]
+    blk = np.array([11, 305, 42, 7, 199])
+    mc = 64
+
+    def fresh(toks):
+        s = eng.session(max_context=mc)
+        s.prefill(toks)
+        return s
+
+    one = fresh(prompt)
+    alone = np.concatenate([eng.graph(((1, "all", mc),), ()).run([one], [blk[i:i + 1]]).numpy().copy()
+                            for i in range(len(blk))])
+    blocked = eng.graph(((5, "all", mc),), ()).run([fresh(prompt)], [blk]).numpy().copy()
+    other = fresh(prompt[:20])
+    g = eng.graph(((2, "all", mc), (5, "all", mc)), ())
+    beside = g.split(g.run([other, fresh(prompt)], [np.array([9, 10]), blk]))[1].numpy().copy()
+    assert np.array_equal(alone.view(np.int32), blocked.view(np.int32))
+    assert np.array_equal(alone.view(np.int32), beside.view(np.int32))
