@@ -230,16 +230,15 @@ def main(argv: list[str] | None = None) -> int:
         t = time.time()
         try:
             ids = lambda s: s.detach().cpu().long()  # noqa: E731
-            arrs, drec = td.distill(model, g, ids(data.train), ids(data.heldout), mask_id,
-                                    max(10.0, left() - 10.0), smoke=a.smoke,
-                                    log=lambda m: print(m, flush=True))
-            td.save_weights(a.out, arrs)
+            _, drec = td.distill(model, g, ids(data.train), ids(data.heldout), mask_id,
+                                 max(10.0, left() - 10.0), smoke=a.smoke, log=lambda m: print(m, flush=True),
+                                 on_trained=lambda arrs: td.save_weights(a.out, arrs))
             run["drafter"] = drec
         except Exception as e:
             run["drafter_error"] = "".join(traceback.format_exception(e))[-4000:]
             print(run["drafter_error"], flush=True)
         stage("drafter", t)
-    ok = "weights" in run and "drafter" in run and "error" not in run["main"]
+    ok = "weights" in run and run.get("drafter", {}).get("status") == "done" and "error" not in run["main"]
     run["status"] = "done" if ok else "partial"
     run["stop"] = tm.STOP["why"]
     save()

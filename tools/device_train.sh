@@ -18,7 +18,7 @@
 #
 # The drafter alone, for the shipped target (tools/train_drafter.py distill-device): the tree's own
 # tools/ and src/ and models/muse-glimmer-micro-q8_0.gguf (+ .pin.json), with one folder carried:
-#   .device/drafter   tools/train_drafter.py carry (train.xz, heldout.xz, drafter-carry.json; ~3 MiB)
+#   .device/drafter   tools/train_drafter.py carry (train.xz, heldout.xz, drafter-carry.json; 2.3 MB)
 # Needs only the machine's torch, numpy and tokenizers. Writes into $OUT: drafter-weights.npz,
 # drafter-run.json, device-stdout.txt. The script keeps its own deadline (DEADLINE_S, default 380 s);
 # `timeout` sends SIGTERM at 398 s (the script evaluates briefly and saves) and SIGKILL 12 s later, so one

@@ -172,13 +172,13 @@ def generate_groups(target, stream, cfg: DistillConfig, n_groups: int, batch: in
                     log=print) -> list[tuple[int, object]]:
     """Up to n_groups greedy groups (prompt length p, sequences [batch, p + gen_new] int64 on the target's
     device): prompts cut at random offsets of `stream` (int64 CPU), one p per group, drawn uniformly from
-    [prompt_min, prompt_max]. Stops early at wall time stop_at or on SIGTERM (at least one group)."""
+    [prompt_min, prompt_max]. Stops early at wall time stop_at (after at least one group) or on SIGTERM."""
     import torch
 
     dev = next(target.parameters()).device
     out: list[tuple[int, object]] = []
     for _ in range(n_groups):
-        if out and (time.time() > stop_at or STOP["why"]):
+        if STOP["why"] or (out and time.time() > stop_at):
             break
         p = int(torch.randint(cfg.prompt_min, cfg.prompt_max + 1, (1,), generator=gen))
         starts = torch.randint(0, stream.numel() - p, (batch,), generator=gen)
@@ -227,6 +227,10 @@ def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smo
     pool = generate_groups(target, train_ids, cfg, max(1, -(-cfg.gen_seqs // cfg.gen_batch)), cfg.gen_batch, gen,
                            t_start + cfg.gen_frac * budget_s, log)
     t_gen = time.time() - t0
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    if not (held and check and pool):  # SIGTERM during generation: nothing to train on
+        rec.update(status=f"stopped during generation ({STOP['why']})", gen={"s": round(t_gen, 2)})
+        return {}, rec
     n_pool = sum(int(s.shape[0]) for _, s in pool)
     rec["gen"] = {"s": round(t_gen, 2), "train_sequences": n_pool, "train_groups": len(pool),
                   "prompt_lengths": [p for p, _ in pool], "new_tokens": cfg.gen_new,
@@ -359,6 +363,10 @@ def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smo
     rec["sequences_seen"] = step * cfg.batch
     rec["blocks_seen"] = step * cfg.batch * cfg.anchors
     tensors = {k: v.detach().float().cpu().numpy() for k, v in gguf_names(W).items()}
+    if step == 0:  # stopped before training: nothing worth keeping or exporting
+        rec["status"] = f"no training step ({STOP['why'] or 'no time left'})"
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        return tensors, rec
     if on_trained is not None:
         on_trained(tensors)
     t_eval = time.time()
@@ -543,7 +551,7 @@ def distill_device(a: argparse.Namespace) -> int:
         run["drafter_error"] = "".join(traceback.format_exception(e))[-4000:]
         print(run["drafter_error"], flush=True)
     stage("drafter", t)
-    run["status"] = "done" if "weights" in run else "partial"
+    run["status"] = "done" if "weights" in run and run.get("drafter", {}).get("status") == "done" else "partial"
     run["stop"] = STOP["why"]
     save()
     print(f"distill-device: {run['status']} in {run['wall_s']}s", flush=True)

@@ -145,3 +145,37 @@ def test_smoke_run_records_and_exports(td, smoke_out, tmp_path):
     (smoke_out / "drafter-weights.npz").write_bytes(b"x" + (smoke_out / "drafter-weights.npz").read_bytes()[1:])
     with pytest.raises(SystemExit, match="sha256"):
         td.export(smoke_out, target, tmp_path / "e.gguf")
+
+
+def test_sigterm_before_generation_trains_and_keeps_nothing(td):
+    mn = _load("micro_net")
+    g = mn.Geometry(vocab=64, **mn.SMOKE)
+    m = mn.MicroGlimmer(g)
+    m.reset(2)
+    stream = torch.randint(6, 64, (4096,), generator=torch.Generator().manual_seed(1))
+    kept = []
+    td.STOP["why"] = "signal 15"
+    try:
+        arrs, rec = td.distill(m, g, stream, stream, 3, 60.0, smoke=True, log=lambda *_: None,
+                               on_trained=kept.append)
+    finally:
+        td.STOP["why"] = None
+    assert rec["status"] == "stopped during generation (signal 15)" and arrs == {} and kept == []
+
+
+def test_distill_trains_a_tiny_target(td):
+    """A smoke distillation of a random 8-layer target: the drafter's geometry follows the target's, the
+    weights arrive through on_trained before the evaluation, and every count in the record adds up."""
+    mn = _load("micro_net")
+    g = mn.Geometry(vocab=64, **mn.SMOKE)
+    m = mn.MicroGlimmer(g)
+    m.reset(2)
+    stream = torch.randint(6, 64, (4096,), generator=torch.Generator().manual_seed(1))
+    kept = []
+    arrs, rec = td.distill(m, g, stream, stream, 3, 60.0, smoke=True, log=lambda *_: None, on_trained=kept.append)
+    assert rec["status"] == "done" and rec["steps"] == 3 and kept and kept[0].keys() == arrs.keys()
+    assert rec["draft"]["target_layers"] == [1, 4, 7] and rec["draft"]["ffn"] == g.ffn
+    assert arrs["fc.weight"].shape == (g.hidden, 3 * g.hidden)
+    assert rec["n_params"] == sum(a.size for a in arrs.values())
+    assert rec["blocks_seen"] == 3 * rec["config"]["batch"] * rec["config"]["anchors"]
+    assert rec["gen"]["prompt_lengths"] and all(8 <= p <= 24 for p in rec["gen"]["prompt_lengths"])
