@@ -190,6 +190,67 @@ def generate_groups(target, stream, cfg: DistillConfig, n_groups: int, batch: in
     return out
 
 
+def target_features(target, layers: list[int], ids):
+    """ids [B, T] -> the target's input residuals at `layers` (what the engine captures), concatenated
+    [B, T, n_cap*H] f32; no gradient."""
+    import torch
+    import torch.nn.functional as F
+
+    import micro_net as mn
+
+    g = target.g
+    with torch.no_grad():
+        x = mn.rms(F.embedding(ids, target.token_embd), g.rms_eps)
+        caps = []
+        for il, b in enumerate(target.blocks[: max(layers) + 1]):
+            if il in layers:
+                caps.append(x)
+            if il < max(layers):
+                x = b(x, target.cos, target.sin, target.mask)
+        return torch.cat(caps, -1)
+
+
+def drafter_context(W: dict, ng, target, layers: list[int], ids) -> list:
+    """The drafter's injected K/V, per draft layer, for every position of ids [B, T] (bf16 on CUDA)."""
+    import torch
+
+    from muser.spec.net import context_kv, fuse
+
+    feats = target_features(target, layers, ids)
+    B, T = ids.shape
+    pos = torch.arange(T, device=ids.device)[None].expand(B, T)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
+        fz = fuse(W, feats, ng)
+        return [context_kv(W, il, fz, pos, ng) for il in range(ng.n_layers)]
+
+
+def draft_blocks(W: dict, ng, target, ctx: list, ids, anchors, mask_id: int, K: int):
+    """Blocks [x_n, <mask> x (K-1)] at anchors [B, A] (n + K - 1 < T), each seeing context positions < n
+    and its own block (muser.spec.Drafter.propose, batched) -> (logits [B, A, K, vocab] f32, labels
+    [B, A, K]: ids at n..n+K-1; row 0 is the known token)."""
+    import torch
+    import torch.nn.functional as F
+
+    from muser.spec.net import block_hidden
+
+    dev = ids.device
+    B, T = ids.shape
+    A = anchors.shape[1]
+    qpos = (anchors[:, :, None] + torch.arange(K, device=dev)).reshape(B, A * K)  # [B, A*K]
+    toks = torch.full((B, A, K), mask_id, dtype=torch.long, device=dev)
+    toks[:, :, 0] = torch.gather(ids, 1, anchors)
+    labels = torch.gather(ids, 1, qpos).view(B, A, K)
+    ctx_vis = torch.arange(T, device=dev)[None, None, :] < anchors.view(B, A, 1)  # [B, A, T]: positions < n
+    ctx_vis = ctx_vis[:, :, None, :].expand(B, A, K, T).reshape(B, A * K, T)
+    blk = torch.arange(A, device=dev).repeat_interleave(K)
+    blk_vis = (blk[:, None] == blk[None, :])[None].expand(B, A * K, A * K)  # within its own block only
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+        emb = F.embedding(toks.view(B, A * K), target.token_embd)
+        hid = block_hidden(W, emb, qpos, ctx, ng, torch.cat((ctx_vis, blk_vis), -1))
+        logits = F.linear(hid, target.output).float().view(B, A, K, -1)
+    return logits, labels
+
+
 def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smoke: bool = False,
             log=print, cfg: DistillConfig | None = None, extra: dict | None = None,
             baseline: str | Path | None = None, on_progress=None, on_trained=None) -> tuple[dict, dict]:
@@ -200,9 +261,6 @@ def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smo
     final evaluation, so a run cut short during it still keeps the weights)."""
     import torch
     import torch.nn.functional as F
-    import micro_net as mn
-
-    from muser.spec.net import block_hidden, context_kv, fuse
 
     t_start = time.time()
     cfg = cfg or (SMOKE_DISTILL if smoke else DistillConfig())
@@ -249,47 +307,12 @@ def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smo
     log(f"drafter: {rec['n_params']:,} params, geometry {D}")
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     row_w = torch.tensor([0.0] + [0.9 ** (i - 1) for i in range(1, K)], device=dev)
-    amp = dev.type == "cuda"
-
-    def features(ids):
-        """ids [B, T] -> the target's input residuals at `layers`, concatenated [B, T, n_cap*H] f32."""
-        x = mn.rms(F.embedding(ids, target.token_embd), geo.rms_eps)
-        caps = []
-        for il, b in enumerate(target.blocks[: max(layers) + 1]):
-            if il in layers:
-                caps.append(x)
-            if il < max(layers):
-                x = b(x, target.cos, target.sin, target.mask)
-        return torch.cat(caps, -1)
 
     def context(Wd, ids):
-        """The drafter's injected K/V for every position of ids [B, T]."""
-        with torch.no_grad():
-            feats = features(ids)
-        B, T = ids.shape
-        pos = torch.arange(T, device=dev)[None].expand(B, T)
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-            fz = fuse(Wd, feats, ng)
-            return [context_kv(Wd, il, fz, pos, ng) for il in range(ng.n_layers)]
+        return drafter_context(Wd, ng, target, layers, ids)
 
     def blocks(Wd, ctx, ids, anchors):
-        """Blocks [x_n, <mask> x 15] at anchors [B, A] (n + K - 1 < T) -> (logits [B, A, K, vocab] f32,
-        labels [B, A, K]: ids at n..n+K-1; row 0, the known token, is weighted 0)."""
-        B, T = ids.shape
-        A = anchors.shape[1]
-        qpos = (anchors[:, :, None] + torch.arange(K, device=dev)).reshape(B, A * K)  # [B, A*K]
-        toks = torch.full((B, A, K), mask_id, dtype=torch.long, device=dev)
-        toks[:, :, 0] = torch.gather(ids, 1, anchors)
-        labels = torch.gather(ids, 1, qpos).view(B, A, K)
-        ctx_vis = torch.arange(T, device=dev)[None, None, :] < anchors.view(B, A, 1)  # [B, A, T]: positions < n
-        ctx_vis = ctx_vis[:, :, None, :].expand(B, A, K, T).reshape(B, A * K, T)
-        blk = torch.arange(A, device=dev).repeat_interleave(K)
-        blk_vis = (blk[:, None] == blk[None, :])[None].expand(B, A * K, A * K)  # within its own block only
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-            emb = F.embedding(toks.view(B, A * K), target.token_embd)
-            hid = block_hidden(Wd, emb, qpos, ctx, ng, torch.cat((ctx_vis, blk_vis), -1))
-            logits = F.linear(hid, target.output).float().view(B, A, K, -1)
-        return logits, labels
+        return draft_blocks(Wd, ng, target, ctx, ids, anchors, mask_id, K)
 
     def weighted_ce(logits, labels):
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")

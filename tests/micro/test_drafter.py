@@ -156,7 +156,7 @@ def test_sigterm_before_generation_trains_and_keeps_nothing(td):
     kept = []
     td.STOP["why"] = "signal 15"
     try:
-        arrs, rec = td.distill(m, g, stream, stream, 3, 60.0, smoke=True, log=lambda *_: None,
+        arrs, rec = td.distill(m, g, stream, stream, 3, 1e4, smoke=True, log=lambda *_: None,
                                on_trained=kept.append)
     finally:
         td.STOP["why"] = None
@@ -172,10 +172,44 @@ def test_distill_trains_a_tiny_target(td):
     m.reset(2)
     stream = torch.randint(6, 64, (4096,), generator=torch.Generator().manual_seed(1))
     kept = []
-    arrs, rec = td.distill(m, g, stream, stream, 3, 60.0, smoke=True, log=lambda *_: None, on_trained=kept.append)
+    arrs, rec = td.distill(m, g, stream, stream, 3, 1e4, smoke=True, log=lambda *_: None, on_trained=kept.append)
     assert rec["status"] == "done" and rec["steps"] == 3 and kept and kept[0].keys() == arrs.keys()
     assert rec["draft"]["target_layers"] == [1, 4, 7] and rec["draft"]["ffn"] == g.ffn
     assert arrs["fc.weight"].shape == (g.hidden, 3 * g.hidden)
     assert rec["n_params"] == sum(a.size for a in arrs.values())
     assert rec["blocks_seen"] == 3 * rec["config"]["batch"] * rec["config"]["anchors"]
     assert rec["gen"]["prompt_lengths"] and all(8 <= p <= 24 for p in rec["gen"]["prompt_lengths"])
+
+
+def test_training_blocks_propose_what_the_runtime_proposes(td, export_mod):
+    """The training graph (tools/micro_net.py features, draft_blocks) against Muser's runtime (engine
+    captures, muser.spec.Drafter.propose) on the shipped pair, first round after a held-out prompt: the
+    same 15 proposals (the features differ only by Q8_0 activation rounding)."""
+    import muser
+    from muser.gguf.reader import read_gguf
+    from muser.text import Tokenizer
+
+    path, draft = SHIPPED / "muse-glimmer-micro-q8_0.gguf", SHIPPED / "muse-glimmer-micro-dflash.gguf"
+    f = read_gguf(path)
+    try:
+        tok = Tokenizer.from_gguf(f)
+    finally:
+        f.close()
+    ids = [0] + tok.encode(export_mod.prompt_text("secrets.py", 34), add_special=False)
+    m = muser.load(path, device="cpu")
+    try:
+        s = m.spec_session(draft, max_context=512)
+        x = int(np.argmax(np.asarray(s.prefill(ids))[-1]))
+        runtime = s.d.propose(s.ctx, x, 15)
+    finally:
+        m.close()
+    target, geo, facts = td.load_target(path, "cpu")
+    D = td.draft_geometry(geo)
+    ng = td.net_geometry(D, geo.hidden)
+    W = td.drafter_from_gguf(draft, D, geo.hidden, "cpu")
+    full = torch.tensor([ids + [x] + [facts["ids"]["mask"]] * 15])  # positions after n are never read
+    with torch.no_grad():
+        ctx = td.drafter_context(W, ng, target, D["target_layers"], full)
+        logits, labels = td.draft_blocks(W, ng, target, ctx, full, torch.tensor([[len(ids)]]), 3, 16)
+    assert int(labels[0, 0, 0]) == x
+    assert logits[0, 0, 1:].argmax(-1).tolist() == runtime
