@@ -20,7 +20,7 @@
   1. greedy continuations of the target, KV-cached and batched (MicroGlimmer.greedy, f32 matmuls with
      TF32 off, so the labels are the target's own argmax up to the rare flip that dequantized f32
      arithmetic against ggml's Q8_0 activation rounding can cause): groups of sequences, one prompt
-     length per group (prompts cut at random offsets of the train stream), GEN_NEW new tokens each;
+     length per group (prompts cut at random offsets of the train stream), DistillConfig.gen_new each;
   2. the drafter trained on them: the drafter sees the target's layer-input residuals at its target
      layers for every context position (TF32 matmuls) and learns to fill the block [x_n, <mask> x 15] at
      positions n..n+15 with the target's greedy tokens n+1..n+15; anchors n lie in the generated part
