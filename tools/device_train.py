@@ -12,7 +12,8 @@ Stages, each inside one wall-clock deadline (a stage that runs long shortens the
      deadline leaves after the drafter's share; the best-val checkpoint, rounded to the F16 master,
      measured on the full val and held-out streams and, per file, on the stdlib held-out files (bits
      per byte, f32, for comparison across tokenizers);
-  4. the DFlash drafter distilled on that master (tools/train_drafter.py distill).
+  4. the DFlash drafter distilled on that master (tools/train_drafter.py distill; a drafter alone, for a
+     shipped target GGUF, is `tools/device_train.sh drafter`).
 Outputs in OUT (8 files at most, each <= 16 MiB): micro-weights-N.npz (F16 master), drafter-weights.npz,
 micro-run.json (geometry, sweep curve, losses, the drafter's record, provenance; rewritten after each
 stage, so a run cut short still returns what it finished). SIGTERM winds the current stage down and
@@ -229,19 +230,15 @@ def main(argv: list[str] | None = None) -> int:
         t = time.time()
         try:
             ids = lambda s: s.detach().cpu().long()  # noqa: E731
-            arrs, drec = td.distill(model, g, ids(data.train), ids(data.heldout), mask_id,
-                                    max(10.0, left() - 10.0), smoke=a.smoke,
-                                    log=lambda m: print(m, flush=True))
-            path = os.path.join(a.out, "drafter-weights.npz")
-            with open(path + ".tmp", "wb") as f:  # 2-D F16 (what the sidecar GGUF stores), norms F32
-                np.savez(f, **{k: v.astype("<f2") if v.ndim == 2 else v.astype("<f4") for k, v in arrs.items()})
-            os.replace(path + ".tmp", path)
+            _, drec = td.distill(model, g, ids(data.train), ids(data.heldout), mask_id,
+                                 max(10.0, left() - 10.0), smoke=a.smoke, log=lambda m: print(m, flush=True),
+                                 on_trained=lambda arrs: td.save_weights(a.out, arrs))
             run["drafter"] = drec
         except Exception as e:
             run["drafter_error"] = "".join(traceback.format_exception(e))[-4000:]
             print(run["drafter_error"], flush=True)
         stage("drafter", t)
-    ok = "weights" in run and "drafter" in run and "error" not in run["main"]
+    ok = "weights" in run and run.get("drafter", {}).get("status") == "done" and "error" not in run["main"]
     run["status"] = "done" if ok else "partial"
     run["stop"] = tm.STOP["why"]
     save()

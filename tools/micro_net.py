@@ -147,7 +147,8 @@ class Block(nn.Module):
                 w = getattr(self, n)
                 w.copy_(torch.randn(w.shape, generator=gen) / math.sqrt(w.shape[1]))
 
-    def forward(self, x: torch.Tensor, cos, sin, mask) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, cos, sin):
+        """x [B, T, h] -> q [B, T, H, hd], k, v [B, T, H_kv, hd] (normed, roped on sliding layers), gate [B, T, a]."""
         g = self.g
         B, T, _ = x.shape
         hn = rms(x, g.rms_eps) * self.attn_norm  # [B, T, h] f32
@@ -159,6 +160,22 @@ class Block(nn.Module):
         k = rms(k, g.rms_eps)  # k scale 1
         if self.use_rope:
             q, k = rope_interleaved(q, cos, sin), rope_interleaved(k, cos, sin)
+        return q, k, v, gate
+
+    def _finish(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o [B, T, a] (head-major attention output) -> the block's output residual [B, T, h]."""
+        g = self.g
+        o = o * torch.sigmoid(gate).to(o.dtype)  # gate before o_proj
+        o = F.linear(o, self.attn_output)
+        x = x + rms(o, g.post_norm_eps) * self.post_attention_norm
+        fn = rms(x, g.rms_eps) * self.ffn_norm
+        f = F.linear(F.silu(F.linear(fn, self.ffn_gate)) * F.linear(fn, self.ffn_up), self.ffn_down)
+        return x + rms(f, g.post_norm_eps) * self.post_ffw_norm
+
+    def forward(self, x: torch.Tensor, cos, sin, mask) -> torch.Tensor:
+        g = self.g
+        B, T, _ = x.shape
+        q, k, v, gate = self._project(x, cos, sin)
         dt = v.dtype  # bf16 under autocast, f32 otherwise
         q, k, v = (t.to(dt).transpose(1, 2) for t in (q, k, v))  # [B, H*, T, hd]
         rep = g.n_heads // g.n_kv_heads
@@ -168,13 +185,27 @@ class Block(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:T, :T], scale=scale)
         else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        o = o.transpose(1, 2).reshape(B, T, g.attn_dim)  # head-major, like ggml's [hd*H, T]
-        o = o * torch.sigmoid(gate).to(o.dtype)  # gate before o_proj
-        o = F.linear(o, self.attn_output)
-        x = x + rms(o, g.post_norm_eps) * self.post_attention_norm
-        fn = rms(x, g.rms_eps) * self.ffn_norm
-        f = F.linear(F.silu(F.linear(fn, self.ffn_gate)) * F.linear(fn, self.ffn_up), self.ffn_down)
-        return x + rms(f, g.post_norm_eps) * self.post_ffw_norm
+        return self._finish(x, o.transpose(1, 2).reshape(B, T, g.attn_dim), gate)  # head-major, like ggml's [hd*H, T]
+
+    def forward_cached(self, x: torch.Tensor, p0: int, K: torch.Tensor, V: torch.Tensor, cos, sin) -> torch.Tensor:
+        """x [B, T, h] at positions p0..p0+T-1; K, V [B, H_kv, L, hd] this layer's cache, filled below p0.
+        Writes the chunk's keys and values at p0..p0+T-1, then attends over positions 0..p0+T-1 (causal,
+        and the window on sliding layers): the same function as forward, one chunk at a time (f32)."""
+        g = self.g
+        B, T, _ = x.shape
+        q, k, v, gate = self._project(x, cos[p0:], sin[p0:])
+        n = p0 + T
+        K[:, :, p0:n], V[:, :, p0:n] = k.transpose(1, 2), v.transpose(1, 2)
+        rep = g.n_heads // g.n_kv_heads
+        # q head i reads kv head i // rep: fold the rep heads of a KV group into the query rows, no K/V copy
+        qg = q.transpose(1, 2).reshape(B, g.n_kv_heads, rep * T, g.head_dim)  # row r*T + t = head kv*rep+r, t
+        i = torch.arange(p0, n, device=x.device)[:, None]
+        j = torch.arange(n, device=x.device)[None, :]
+        vis = (j <= i) & (i - j < g.window) if self.swa else (j <= i)  # [T, n]
+        o = F.scaled_dot_product_attention(qg, K[:, :, :n], V[:, :, :n], attn_mask=vis.repeat(rep, 1),
+                                           scale=1.0 / math.sqrt(g.head_dim))  # [B, H_kv, rep*T, hd]
+        o = o.view(B, g.n_heads, T, g.head_dim).transpose(1, 2).reshape(B, T, g.attn_dim)
+        return self._finish(x, o, gate)
 
 
 class MicroGlimmer(nn.Module):
@@ -209,6 +240,32 @@ class MicroGlimmer(nn.Module):
         x = rms(x, g.rms_eps) * self.output_norm
         logits = F.linear(x, self.output).float() * g.logit_scale
         return g.softcap * torch.tanh(logits / g.softcap)
+
+    @torch.no_grad()
+    def greedy(self, prompt: torch.Tensor, n_new: int) -> torch.Tensor:
+        """prompt [B, p] int64 -> [B, p + n_new]: the greedy continuation, KV-cached (one prefill of the
+        prompt, then one position per step). The argmax is taken before logit scale and softcap (both
+        monotone), so a tie the f32 tanh would create cannot change it."""
+        g = self.g
+        B, p = prompt.shape
+        L = p + n_new
+        if L > g.seq_len:
+            raise ValueError(f"prompt {p} + {n_new} new tokens exceeds the context {g.seq_len}")
+        kv = [(torch.empty(B, g.n_kv_heads, L, g.head_dim, device=prompt.device, dtype=self.output.dtype),
+               torch.empty(B, g.n_kv_heads, L, g.head_dim, device=prompt.device, dtype=self.output.dtype))
+              for _ in self.blocks]
+        out = torch.empty(B, L, dtype=torch.long, device=prompt.device)
+        out[:, :p] = prompt
+        ids, p0 = prompt, 0
+        for _ in range(n_new):
+            x = rms(F.embedding(ids, self.token_embd), g.rms_eps)
+            for b, (K, V) in zip(self.blocks, kv):
+                x = b.forward_cached(x, p0, K, V, self.cos, self.sin)
+            last = rms(x[:, -1], g.rms_eps) * self.output_norm  # [B, h]
+            p0 += ids.shape[1]
+            out[:, p0] = F.linear(last, self.output).argmax(-1)
+            ids = out[:, p0:p0 + 1]
+        return out
 
     def gguf_state(self) -> dict[str, torch.Tensor]:
         """Every tensor under its GGUF name, numpy order; QK-norm constants synthesized (book 9.9)."""

@@ -1,45 +1,95 @@
 #!/usr/bin/env python3
-"""The micro model's DFlash drafter (book ch. 8): distilled from the target on the GPU machine, in the
-same call that trains the target (tools/device_train.py calls `distill`), exported here:
+"""The micro model's DFlash drafter (book ch. 8): distilled from the target on the GPU machine, exported here.
 
+    tools/train_drafter.py carry [--out .device/drafter]
+        here: the text the device run reads (a deterministic half of the stdlib train split and the whole
+        stdlib held-out split, muser.corpus rule), xz-framed, with drafter-carry.json (hashes, counts)
+    bash tools/device_train.sh drafter       (on one H200; runs `distill-device`, see that script)
+    tools/train_drafter.py distill-device --target models/muse-glimmer-micro-q8_0.gguf --carry .device/drafter \
+        --out OUT [--deadline-s 380] [--baseline models/muse-glimmer-micro-dflash.gguf] [--smoke]
+        the shipped Q8_0 target dequantized (muser.gguf + muser.quant) into tools/micro_net.py's graph,
+        the carried text tokenized with the GGUF's own vocabulary, then `distill`; writes
+        OUT/drafter-weights.npz and OUT/drafter-run.json (rewritten after each stage)
     tools/train_drafter.py export --weights RUN_OUT --target models/muse-glimmer-micro-q8_0.gguf \
         --out models/muse-glimmer-micro-dflash.gguf
         the sidecar GGUF (muser.spec.format.write_drafter, F16 weights) and its .pin.json, from
-        RUN_OUT/drafter-weights.npz and RUN_OUT/micro-run.json (its "drafter" record)
+        RUN_OUT/drafter-weights.npz and RUN_OUT/drafter-run.json (or, for a whole training run,
+        RUN_OUT/micro-run.json's "drafter" record)
 
-Distillation targets are the target model's own greedy outputs: (a) greedy continuations the target
-generates from prompts cut out of the train split (where the text IS the target's greedy path), and
-(b) train-split windows, each position labelled with the target's argmax there. The drafter sees the
-target's layer-input residuals at its target layers for every context position (the F16 master's
-values, TF32 matmuls, the graph of src/models/muse-glimmer.cpp via tools/micro_net.py) and learns to
-fill the block [x_n, <mask> x 15] at positions n..n+15 with the target's greedy tokens for positions
-n+1..n+15; the context of a block is every position before n (the drafter's context ABI: sink 64 +
-window 2048 covers the micro model's whole context). Loss: cross-entropy per block row, weighted
-0.9^(row-1) (acceptance is prefix-bound). Embedding and LM head are the target's (shared, frozen, not
-shipped).
+`distill` (also the last stage of tools/device_train.py, on a freshly trained master):
+  1. greedy continuations of the target, KV-cached and batched (MicroGlimmer.greedy, f32 matmuls with
+     TF32 off, so the labels are the target's own argmax up to the rare flip that dequantized f32
+     arithmetic against ggml's Q8_0 activation rounding can cause): groups of sequences, one prompt
+     length per group (prompts cut at random offsets of the train stream), DistillConfig.gen_new each;
+  2. the drafter trained on them: the drafter sees the target's layer-input residuals at its target
+     layers for every context position (TF32 matmuls) and learns to fill the block [x_n, <mask> x 15] at
+     positions n..n+15 with the target's greedy tokens n+1..n+15; anchors n lie in the generated part
+     (n >= prompt - 1), where those tokens ARE the target's greedy path from n; the context of a block
+     is every position before n (the drafter's context ABI: sink 64 + window 2048 covers the micro
+     model's whole context). Loss: cross-entropy per block row, weighted 0.9^(row-1) (acceptance is
+     prefix-bound). Embedding and LM head are the target's (shared, frozen, not shipped);
+  3. evaluation on greedy continuations of held-out prompts (the stdlib held-out split) and of train
+     prompts not trained on: mean accepted length of 15 (and of 7, the default verify length), top-1
+     per block row, every anchor of the generated part; optionally the same for a baseline drafter GGUF.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import lzma
 import math
+import os
+import signal
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "tools"))
 
-from train_micro import STOP  # noqa: E402
+from train_micro import STOP, on_signal, write_json  # noqa: E402
 
 # drafter geometry; hidden and FFN width are the target's, target_layers follow its depth
 DRAFT = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "block_size": 16,
          "window": 2048, "rope_base": 10000.0, "eps": 1e-6}
-SEQ = 512  # training sequence length (prompt + greedy continuation, or a train window)
-ANCHORS = 16  # blocks per sequence per step
+CARRY = REPO / ".device" / "drafter"
+CARRY_MANIFEST = "drafter-carry.json"
+RUN_RECORD = "drafter-run.json"
+WEIGHTS = "drafter-weights.npz"
+
+
+@dataclass
+class DistillConfig:
+    """Sizes of one distillation (the defaults are the H200 run's; SMOKE_DISTILL the CPU smoke's)."""
+    gen_new: int = 160  # greedy tokens generated after each prompt
+    prompt_min: int = 32  # prompt lengths drawn per group from [prompt_min, prompt_max]
+    prompt_max: int = 320
+    gen_batch: int = 2048  # sequences per group (one greedy call)
+    gen_seqs: int = 49152  # training sequences wanted (generation stops earlier at gen_frac of the budget)
+    gen_frac: float = 0.3
+    held_groups: int = 4  # held-out prompts: groups x held_batch sequences
+    held_batch: int = 128
+    check_batch: int = 256  # train prompts generated but never trained on (in-distribution check)
+    batch: int = 128  # sequences per step
+    anchors: int = 32  # blocks per sequence per step
+    lr: float = 1.5e-3
+    warmup: int = 100
+    eval_every_s: float = 30.0
+    eval_batch: int = 64  # sequences per evaluation chunk
+    max_steps: int = 10 ** 9
+    reserve_s: float = 20.0  # kept for the final evaluation
+
+
+SMOKE_DISTILL = DistillConfig(gen_new=24, prompt_min=8, prompt_max=24, gen_batch=4, gen_seqs=8, gen_frac=0.9,
+                              held_groups=1, held_batch=4, check_batch=4, batch=4, anchors=4, warmup=2,
+                              eval_every_s=0.0, eval_batch=4, max_steps=3, reserve_s=1.0)
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,64 +105,19 @@ def draft_geometry(target_geo) -> dict:
     return dict(DRAFT, ffn=target_geo.ffn, target_layers=capture_layers(target_geo.n_layers))
 
 
-def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smoke: bool = False,
-            log=print) -> tuple[dict, dict]:
-    """Train a drafter for `target` (a micro_net.MicroGlimmer on its device, eval mode) within budget_s
-    wall seconds on the int64 CPU streams train_ids / held_ids. Returns (tensors: GGUF name -> f32
-    numpy array in numpy order, record: geometry, curve, held-out acceptance)."""
+def net_geometry(D: dict, hidden: int):
+    from muser.spec.net import NetGeometry
+
+    return NetGeometry(hidden, D["n_layers"], D["n_heads"], D["n_kv_heads"], D["head_dim"], D["ffn"],
+                       len(D["target_layers"]), D["head_dim"], D["rope_base"], D["eps"],
+                       1.0 / math.sqrt(D["head_dim"]), 0.0, 0.0)
+
+
+def init_drafter(D: dict, hidden: int, dev, seed: int = 7) -> dict:
+    """Fresh drafter parameters (muser.spec.net's W layout): scaled normal matrices, unit norms."""
     import torch
-    import torch.nn.functional as F
-    import micro_net as mn
 
-    from muser.spec.net import NetGeometry, block_hidden, context_kv, fuse
-
-    t_start = time.time()
-    dev = next(target.parameters()).device
-    # TF32 matmuls for the target's features and greedy labels (fp32 storage and accumulation)
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    target.eval().requires_grad_(False)
-    D = draft_geometry(geo)
-    layers = list(D["target_layers"])
-    H = geo.hidden
-
-    def target_pass(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [B, T] -> (features [B, T, n_cap*H] f32, greedy labels [B, T]: argmax at each position)."""
-        x = mn.rms(F.embedding(ids, target.token_embd), geo.rms_eps)
-        caps = []
-        for il, b in enumerate(target.blocks):
-            if il in layers:
-                caps.append(x)
-            x = b(x, target.cos, target.sin, target.mask)
-        x = mn.rms(x, geo.rms_eps) * target.output_norm
-        logits = F.linear(x, target.output)  # scale and softcap are monotone: argmax unchanged
-        return torch.cat(caps, -1), logits.argmax(-1)
-
-    seq = 64 if smoke else SEQ
-    gen = torch.Generator().manual_seed(1234)
-
-    # (a) greedy continuations from train-split prompts (full recompute; the target is small)
-    n_gen_batches, gen_batch = (1, 4) if smoke else (8, 256)
-    gen_seqs = []
-    t0 = time.time()
-    with torch.no_grad():
-        for gb in range(n_gen_batches):
-            p = int(torch.randint(16, seq // 2, (1,), generator=gen))
-            starts = torch.randint(0, train_ids.numel() - p, (gen_batch,), generator=gen)
-            cur = torch.stack([train_ids[s:s + p] for s in starts.tolist()]).to(dev)
-            while cur.shape[1] < seq:
-                _, lab = target_pass(cur)
-                cur = torch.cat((cur, lab[:, -1:]), 1)
-            gen_seqs.append(cur.cpu())
-            log(f"drafter: gen batch {gb}: prompt {p}, {time.time() - t0:.1f}s")
-            if time.time() - t0 > budget_s * 0.2:  # keep most of the budget for training
-                break
-    gen_seqs = torch.cat(gen_seqs)
-    t_gen = time.time() - t0
-
-    ng = NetGeometry(H, D["n_layers"], D["n_heads"], D["n_kv_heads"], D["head_dim"], D["ffn"],
-                     len(layers), D["head_dim"], D["rope_base"], D["eps"], 1.0 / math.sqrt(D["head_dim"]), 0.0, 0.0)
-    pgen = torch.Generator().manual_seed(7)
+    pgen = torch.Generator().manual_seed(seed)
 
     def P(*shape, scale=None, ones=False):
         if ones:
@@ -120,115 +125,462 @@ def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smo
         w = torch.randn(*shape, generator=pgen) / math.sqrt(shape[1] if scale is None else scale)
         return torch.nn.Parameter(w.to(dev))
 
-    hd, nh, nkv, ff = D["head_dim"], D["n_heads"], D["n_kv_heads"], D["ffn"]
-    W = {"fc": P(H, len(layers) * H), "enc.output_norm": P(H, ones=True), "output_norm": P(H, ones=True),
-         "layers": []}
+    H, hd, nh, nkv, ff = hidden, D["head_dim"], D["n_heads"], D["n_kv_heads"], D["ffn"]
+    W: dict = {"fc": P(H, len(D["target_layers"]) * H), "enc.output_norm": P(H, ones=True),
+               "output_norm": P(H, ones=True), "layers": []}
     for _ in range(D["n_layers"]):
         W["layers"].append({"attn_norm": P(H, ones=True), "attn_q": P(nh * hd, H), "attn_k": P(nkv * hd, H),
                             "attn_v": P(nkv * hd, H), "attn_output": P(H, nh * hd, scale=nh * hd * 4),
                             "attn_q_norm": P(hd, ones=True), "attn_k_norm": P(hd, ones=True),
                             "ffn_norm": P(H, ones=True), "ffn_gate": P(ff, H), "ffn_up": P(ff, H),
                             "ffn_down": P(H, ff, scale=ff * 4)})
+    return W
+
+
+def gguf_names(W: dict) -> dict:
+    """W -> {GGUF tensor name: tensor} (muser.spec.format's names)."""
+    out = {"fc.weight": W["fc"], "enc.output_norm.weight": W["enc.output_norm"], "output_norm.weight": W["output_norm"]}
+    for il, L in enumerate(W["layers"]):
+        for n, p in L.items():
+            out[f"blk.{il}.{n}.weight"] = p
+    return out
+
+
+def drafter_from_gguf(path: str | Path, D: dict, hidden: int, dev) -> dict:
+    """A drafter GGUF's tensors in W's layout (f32 on dev), shapes checked against geometry D."""
+    import torch
+
+    from muser.quant import dequantize_tensor
+    from muser.spec.format import open_drafter
+
+    f, cfg = open_drafter(path)
+    try:
+        W = init_drafter(D, hidden, "cpu")
+        for name, p in gguf_names(W).items():
+            a = dequantize_tensor(f, name)
+            if tuple(a.shape) != tuple(p.shape):
+                raise SystemExit(f"{path}: tensor {name} has shape {list(a.shape)}, geometry {D} wants {list(p.shape)}")
+            p.data = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+    finally:
+        f.close()
+    if list(cfg.target_layers) != list(D["target_layers"]):
+        raise SystemExit(f"{path}: target layers {list(cfg.target_layers)}, geometry wants {D['target_layers']}")
+    return {k: (v.to(dev) if k != "layers" else [{n: t.to(dev) for n, t in L.items()} for L in v]) for k, v in W.items()}
+
+
+def generate_groups(target, stream, cfg: DistillConfig, n_groups: int, batch: int, gen, stop_at: float,
+                    log=print) -> list[tuple[int, object]]:
+    """Up to n_groups greedy groups (prompt length p, sequences [batch, p + gen_new] int64 on the target's
+    device): prompts cut at random offsets of `stream` (int64 CPU), one p per group, drawn uniformly from
+    [prompt_min, prompt_max]. Stops early at wall time stop_at (after at least one group) or on SIGTERM."""
+    import torch
+
+    dev = next(target.parameters()).device
+    out: list[tuple[int, object]] = []
+    for _ in range(n_groups):
+        if STOP["why"] or (out and time.time() > stop_at):
+            break
+        p = int(torch.randint(cfg.prompt_min, cfg.prompt_max + 1, (1,), generator=gen))
+        starts = torch.randint(0, stream.numel() - p, (batch,), generator=gen)
+        prompts = torch.stack([stream[s:s + p] for s in starts.tolist()]).to(dev)
+        out.append((p, target.greedy(prompts, cfg.gen_new)))
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    log(f"drafter: generated {len(out)} groups, {sum(int(s.shape[0]) for _, s in out)} sequences")
+    return out
+
+
+def target_features(target, layers: list[int], ids):
+    """ids [B, T] -> the target's input residuals at `layers` (what the engine captures), concatenated
+    [B, T, n_cap*H] f32; no gradient."""
+    import torch
+    import torch.nn.functional as F
+
+    import micro_net as mn
+
+    g = target.g
+    with torch.no_grad():
+        x = mn.rms(F.embedding(ids, target.token_embd), g.rms_eps)
+        caps = []
+        for il, b in enumerate(target.blocks[: max(layers) + 1]):
+            if il in layers:
+                caps.append(x)
+            if il < max(layers):
+                x = b(x, target.cos, target.sin, target.mask)
+        return torch.cat(caps, -1)
+
+
+def drafter_context(W: dict, ng, target, layers: list[int], ids) -> list:
+    """The drafter's injected K/V, per draft layer, for every position of ids [B, T] (bf16 on CUDA)."""
+    import torch
+
+    from muser.spec.net import context_kv, fuse
+
+    feats = target_features(target, layers, ids)
+    B, T = ids.shape
+    pos = torch.arange(T, device=ids.device)[None].expand(B, T)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
+        fz = fuse(W, feats, ng)
+        return [context_kv(W, il, fz, pos, ng) for il in range(ng.n_layers)]
+
+
+def draft_blocks(W: dict, ng, target, ctx: list, ids, anchors, mask_id: int, K: int):
+    """Blocks [x_n, <mask> x (K-1)] at anchors [B, A] (n + K - 1 < T), each seeing context positions < n
+    and its own block (muser.spec.Drafter.propose, batched) -> (logits [B, A, K, vocab] f32, labels
+    [B, A, K]: ids at n..n+K-1; row 0 is the known token)."""
+    import torch
+    import torch.nn.functional as F
+
+    from muser.spec.net import block_hidden
+
+    dev = ids.device
+    B, T = ids.shape
+    A = anchors.shape[1]
+    qpos = (anchors[:, :, None] + torch.arange(K, device=dev)).reshape(B, A * K)  # [B, A*K]
+    toks = torch.full((B, A, K), mask_id, dtype=torch.long, device=dev)
+    toks[:, :, 0] = torch.gather(ids, 1, anchors)
+    labels = torch.gather(ids, 1, qpos).view(B, A, K)
+    ctx_vis = torch.arange(T, device=dev)[None, None, :] < anchors.view(B, A, 1)  # [B, A, T]: positions < n
+    ctx_vis = ctx_vis[:, :, None, :].expand(B, A, K, T).reshape(B, A * K, T)
+    blk = torch.arange(A, device=dev).repeat_interleave(K)
+    blk_vis = (blk[:, None] == blk[None, :])[None].expand(B, A * K, A * K)  # within its own block only
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+        emb = F.embedding(toks.view(B, A * K), target.token_embd)
+        hid = block_hidden(W, emb, qpos, ctx, ng, torch.cat((ctx_vis, blk_vis), -1))
+        logits = F.linear(hid, target.output).float().view(B, A, K, -1)
+    return logits, labels
+
+
+def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smoke: bool = False,
+            log=print, cfg: DistillConfig | None = None, extra: dict | None = None,
+            baseline: str | Path | None = None, on_progress=None, on_trained=None) -> tuple[dict, dict]:
+    """Train a drafter for `target` (a micro_net.MicroGlimmer on its device) within budget_s wall seconds,
+    prompts from the int64 CPU streams train_ids (training) / held_ids (evaluation). Returns (tensors: GGUF
+    name -> f32 numpy array in numpy order, record: geometry, sizes, curve, held-out acceptance; `extra`
+    merged in; on_progress(record) after each stage; on_trained(tensors) once training ends, before the
+    final evaluation, so a run cut short during it still keeps the weights)."""
+    import torch
+    import torch.nn.functional as F
+
+    t_start = time.time()
+    cfg = cfg or (SMOKE_DISTILL if smoke else DistillConfig())
+    dev = next(target.parameters()).device
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    target.eval().requires_grad_(False)
+    D = draft_geometry(geo)
+    layers = list(D["target_layers"])
+    H, K = geo.hidden, D["block_size"]
+    ng = net_geometry(D, H)
+    rec: dict = {"status": "running", "draft": D, "config": asdict(cfg), "budget_s": budget_s,
+                 "target_matmul": {"generation": "f32 (TF32 off)", "features": "tf32", "drafter": "bf16 autocast"
+                                   if dev.type == "cuda" else "f32"}, "curve": [], **(extra or {})}
+    progress = on_progress or (lambda r: None)
+
+    # 1. greedy continuations, f32: the labels are the target's own argmax
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    t0 = time.time()
+    gen = torch.Generator().manual_seed(1234)
+    held = generate_groups(target, held_ids, cfg, cfg.held_groups, cfg.held_batch, gen, math.inf, log)
+    check = generate_groups(target, train_ids, cfg, 1, cfg.check_batch, gen, math.inf, log)
+    pool = generate_groups(target, train_ids, cfg, max(1, -(-cfg.gen_seqs // cfg.gen_batch)), cfg.gen_batch, gen,
+                           t_start + cfg.gen_frac * budget_s, log)
+    t_gen = time.time() - t0
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    if not (held and check and pool):  # SIGTERM during generation: nothing to train on
+        rec.update(status=f"stopped during generation ({STOP['why']})", gen={"s": round(t_gen, 2)})
+        return {}, rec
+    n_pool = sum(int(s.shape[0]) for _, s in pool)
+    rec["gen"] = {"s": round(t_gen, 2), "train_sequences": n_pool, "train_groups": len(pool),
+                  "prompt_lengths": [p for p, _ in pool], "new_tokens": cfg.gen_new,
+                  "train_generated_tokens": n_pool * cfg.gen_new,
+                  "heldout_sequences": sum(int(s.shape[0]) for _, s in held),
+                  "check_sequences": int(check[0][1].shape[0]),
+                  "tokens_per_s": round((n_pool + sum(int(s.shape[0]) for _, s in held + check)) * cfg.gen_new
+                                        / max(t_gen, 1e-9))}
+    log("drafter: generation " + json.dumps(rec["gen"]))
+    progress(rec)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+
+    W = init_drafter(D, H, dev)
     params = [W["fc"], W["enc.output_norm"], W["output_norm"]] + [p for L in W["layers"] for p in L.values()]
-    n_params = sum(p.numel() for p in params)
-    log(f"drafter: {n_params:,} params, geometry {D}")
-    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
-    mask_tok = mask_id
-    B = 4 if smoke else 48
-    A = 4 if smoke else ANCHORS
-    K = D["block_size"]
+    rec["n_params"] = sum(p.numel() for p in params)
+    log(f"drafter: {rec['n_params']:,} params, geometry {D}")
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     row_w = torch.tensor([0.0] + [0.9 ** (i - 1) for i in range(1, K)], device=dev)
 
-    def batch(step_gen: torch.Generator, source: torch.Tensor | None):
-        if source is None:  # a train-split window
-            st = torch.randint(0, train_ids.numel() - seq, (B,), generator=step_gen)
-            return torch.stack([train_ids[s:s + seq] for s in st.tolist()])
-        idx = torch.randint(0, source.shape[0], (B,), generator=step_gen)
-        return source[idx]
+    def context(Wd, ids):
+        return drafter_context(Wd, ng, target, layers, ids)
 
-    def loss_of(ids: torch.Tensor, anchor_gen: torch.Generator, stats: bool = False):
-        ids = ids.to(dev)
+    def blocks(Wd, ctx, ids, anchors):
+        return draft_blocks(Wd, ng, target, ctx, ids, anchors, mask_id, K)
+
+    def weighted_ce(logits, labels):
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        return (ce.view(labels.shape) * row_w).sum() / (row_w.sum() * labels.shape[0] * labels.shape[1])
+
+    def evaluate(Wd, groups, stride: int = 1, max_seqs: int | None = None) -> dict:
+        """Every stride-th anchor of the generated part (n from p-1 to T-K) of each group's sequences:
+        mean accepted prefix of the 15 proposals and of the first 7, top-1 per row, weighted CE."""
+        n_blk, loss_sum, acc15, acc7 = 0, 0.0, 0.0, 0.0
+        rows = torch.zeros(K - 1, dtype=torch.float64, device=dev)
         with torch.no_grad():
-            feats, lab = target_pass(ids)  # [B, T, 3H], [B, T]
-        Bn, T = ids.shape
-        anchors = torch.randint(1, T - K + 1, (Bn, A), generator=anchor_gen).to(dev)  # [B, A]
-        offs = torch.arange(K, device=dev)
-        qpos = (anchors[:, :, None] + offs).reshape(Bn, A * K)  # [B, A*K]
-        toks = torch.full((Bn, A, K), mask_tok, dtype=torch.long, device=dev)
-        toks[:, :, 0] = torch.gather(ids, 1, anchors)
-        # row i of block a: the target's greedy token for position n+i = argmax at position n+i-1
-        labels = torch.gather(lab, 1, (qpos - 1).clamp(min=0)).view(Bn, A, K)
-        cpos = torch.arange(T, device=dev)
-        ctx_vis = cpos[None, None, :] < anchors.view(Bn, A, 1)  # [B, A, T]
-        ctx_vis = ctx_vis[:, :, None, :].expand(Bn, A, K, T).reshape(Bn, A * K, T)
-        blk = torch.arange(A, device=dev).repeat_interleave(K)
-        blk_vis = (blk[:, None] == blk[None, :])[None].expand(Bn, A * K, A * K)
-        mask = torch.cat((ctx_vis, blk_vis), -1)  # [B, A*K, T + A*K]
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            fz = fuse(W, feats, ng)
-            ctx = [context_kv(W, il, fz, cpos[None].expand(Bn, T), ng) for il in range(ng.n_layers)]
-            emb = F.embedding(toks.view(Bn, A * K), target.token_embd)
-            hid = block_hidden(W, emb, qpos, ctx, ng, mask)
-            logits = F.linear(hid, target.output).float().view(Bn, A, K, -1)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(Bn, A, K)
-        loss = (ce * row_w).sum() / (row_w.sum() * Bn * A)
-        if not stats:
-            return loss, None
-        hit = (logits.argmax(-1) == labels)[:, :, 1:]  # [B, A, K-1]
-        acc_len = hit.int().cumprod(-1).sum(-1).float()  # accepted prefix per block (15 proposals)
-        return loss, {"mean_accepted_15": float(acc_len.mean()), "top1_row1": float(hit[:, :, 0].float().mean())}
+            for p, seqs in groups:
+                if STOP["why"] and n_blk:  # SIGTERM: what is measured so far, then save
+                    break
+                seqs = seqs[:max_seqs]
+                T = seqs.shape[1]
+                an = torch.arange(p - 1, T - K + 1, stride, device=dev)
+                for i in range(0, seqs.shape[0], cfg.eval_batch):
+                    ids = seqs[i:i + cfg.eval_batch]
+                    ctx = context(Wd, ids)
+                    for j in range(0, an.numel(), cfg.anchors):
+                        a = an[j:j + cfg.anchors][None].expand(ids.shape[0], -1)
+                        logits, labels = blocks(Wd, ctx, ids, a)
+                        hit = (logits.argmax(-1) == labels)[:, :, 1:]  # [B, A, 15]
+                        run = hit.int().cumprod(-1)
+                        nb = hit.shape[0] * hit.shape[1]
+                        loss_sum += float(weighted_ce(logits, labels)) * nb
+                        acc15 += float(run.sum())
+                        acc7 += float(run[:, :, :7].sum())
+                        rows += hit.double().sum((0, 1))
+                        n_blk += nb
+        n = max(n_blk, 1)
+        return {"blocks": n_blk, "loss": round(loss_sum / n, 4), "mean_accepted_15": round(acc15 / n, 4),
+                "mean_accepted_7": round(acc7 / n, 4), "top1_row1": round(float(rows[0]) / n, 4),
+                "top1_by_row": [round(float(r) / n, 4) for r in rows]}
 
-    rec = {"status": "running", "draft": D, "n_params": n_params, "seq": seq, "batch": B, "anchors": A,
-           "gen_sequences": int(gen_seqs.shape[0]), "gen_s": round(t_gen, 2), "budget_s": budget_s,
-           "target_matmul": "tf32", "curve": []}
-    step_gen, eval_gen = torch.Generator().manual_seed(99), torch.Generator().manual_seed(5)
-    n_eval = 8 if smoke else 64
-    held_windows = torch.stack([held_ids[s:s + seq] for s in
-                                torch.randint(0, held_ids.numel() - seq, (n_eval,), generator=eval_gen).tolist()])
-    eval_gen_seqs = gen_seqs[-n_eval:]
-    train_gen = gen_seqs if smoke else gen_seqs[:-n_eval]
-    total_s = budget_s - (time.time() - t_start) - 10  # the evaluation below
+    sizes = torch.tensor([float(s.shape[0]) for _, s in pool])
+    step_gen = torch.Generator().manual_seed(99)
     t_train = time.time()
-    step = 0
-    max_steps = 3 if smoke else 10 ** 9
-    while step < max_steps and not STOP["why"]:
+    total_s = budget_s - (t_train - t_start) - cfg.reserve_s
+    rec["train_budget_s"] = round(total_s, 2)
+    step, last_eval = 0, t_train
+    while step < cfg.max_steps and not STOP["why"]:
         el = time.time() - t_train
         if el > total_s:
             break
-        lr = 1e-3 * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, el / total_s))))
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, el / total_s))))
         for gp in opt.param_groups:
             gp["lr"] = lr
-        src = train_gen if step % 2 == 0 else None
-        loss, _ = loss_of(batch(step_gen, src), step_gen)
+        p, seqs = pool[int(torch.multinomial(sizes, 1, generator=step_gen))]
+        ids = seqs[torch.randint(0, seqs.shape[0], (cfg.batch,), generator=step_gen).to(dev)]
+        T = ids.shape[1]
+        anchors = torch.randint(p - 1, T - K + 1, (cfg.batch, cfg.anchors), generator=step_gen).to(dev)
+        loss = weighted_ce(*blocks(W, context(W, ids), ids, anchors))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        if step % 200 == 0:
-            pt = {"step": step, "t": round(time.time() - t_start, 2), "loss": float(loss.detach()), "lr": lr}
+        step += 1
+        if step == 1 or time.time() - last_eval >= cfg.eval_every_s:
+            pt = {"step": step, "t": round(time.time() - t_start, 2), "loss": round(float(loss.detach()), 4),
+                  "lr": lr, "heldout": evaluate(W, held, stride=4, max_seqs=16)}
+            del pt["heldout"]["top1_by_row"]
             log("drafter: " + json.dumps(pt))
             rec["curve"].append(pt)
-        step += 1
+            rec["steps"] = step
+            progress(rec)
+            last_eval = time.time()
     rec["steps"] = step
     rec["train_s"] = round(time.time() - t_train, 2)
-    with torch.no_grad():
-        ev = {}
-        for name, src in (("heldout_text", held_windows), ("heldout_gen", eval_gen_seqs)):
-            loss, st = loss_of(src, torch.Generator().manual_seed(11), stats=True)
-            ev[name] = {"loss": float(loss), **st}
-        rec["eval"] = ev
-    log("drafter: " + json.dumps(rec["eval"]))
-    arrs = {"fc.weight": W["fc"], "enc.output_norm.weight": W["enc.output_norm"], "output_norm.weight": W["output_norm"]}
-    for il, L in enumerate(W["layers"]):
-        for n, p in L.items():
-            arrs[f"blk.{il}.{n}.weight"] = p
+    rec["sequences_seen"] = step * cfg.batch
+    rec["blocks_seen"] = step * cfg.batch * cfg.anchors
+    tensors = {k: v.detach().float().cpu().numpy() for k, v in gguf_names(W).items()}
+    if step == 0:  # stopped before training: nothing worth keeping or exporting
+        rec["status"] = f"no training step ({STOP['why'] or 'no time left'})"
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        return tensors, rec
+    if on_trained is not None:
+        on_trained(tensors)
+    t_eval = time.time()
+    cut = 16 if STOP["why"] else None  # SIGTERM leaves seconds: a smaller evaluation, then save
+    rec["eval"] = {"heldout_gen": evaluate(W, held, max_seqs=cut),
+                   "train_gen_unseen": evaluate(W, check, max_seqs=cut),
+                   "train_gen_pool": evaluate(W, [(p, s[: cfg.check_batch]) for p, s in pool[:1]], max_seqs=cut)}
+    if baseline is not None and not STOP["why"]:
+        try:
+            rec["baseline"] = {"gguf": Path(baseline).name,
+                               "heldout_gen": evaluate(drafter_from_gguf(baseline, D, H, dev), held)}
+        except SystemExit as e:  # a baseline of another geometry: recorded, not fatal
+            rec["baseline"] = {"gguf": Path(baseline).name, "error": str(e)}
+    rec["eval_s"] = round(time.time() - t_eval, 2)
+    log("drafter: eval " + json.dumps(rec["eval"]))
+    if "baseline" in rec:
+        log("drafter: baseline " + json.dumps(rec["baseline"]))
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     rec["status"] = "done"
     rec["total_s"] = round(time.time() - t_start, 2)
-    return {k: v.detach().float().cpu().numpy() for k, v in arrs.items()}, rec
+    return tensors, rec
+
+
+def save_weights(out: str | Path, arrs: dict) -> str:
+    """OUT/drafter-weights.npz: 2-D tensors F16 (what the sidecar GGUF stores), norms F32; its SHA-256."""
+    path = Path(out) / WEIGHTS
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, **{k: v.astype("<f2") if v.ndim == 2 else v.astype("<f4") for k, v in arrs.items()})
+    os.replace(tmp, path)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
+# the carry (here) and the drafter-only device run
+
+def write_carry(out: Path = CARRY, root: Path | None = None) -> dict:
+    """OUT/train.xz (the stdlib train split's files at even positions in corpus order) and OUT/heldout.xz
+    (the whole stdlib held-out split), framed (muser.corpus.frame) and xz-compressed, and
+    OUT/drafter-carry.json: per shard file, SHA-256 of the .xz and of the framed bytes, documents, bytes,
+    (the framed bytes' SHA-256 is the sample's split hash, muser.corpus.split_sha256)."""
+    from muser import corpus
+
+    docs = corpus.load_docs(root or corpus.DEFAULT_ROOT)
+    picks = {"train": corpus.split_docs(docs, "train")[::2], "heldout": corpus.split_docs(docs, "heldout")}
+    out.mkdir(parents=True, exist_ok=True)
+    man: dict = {"rule": "muser.corpus stdlib splits: train = the train split's files at even indices in corpus "
+                         "order; heldout = the whole held-out split", "root": str(root or corpus.DEFAULT_ROOT),
+                 "shards": {}}
+    for split, ds in picks.items():
+        blob = b"".join(corpus.frame(d.relpath, d.data) for d in ds)
+        xz = lzma.compress(blob, preset=6)
+        fn = f"{split}.xz"
+        (out / fn).write_bytes(xz)
+        man["shards"][split] = {"file": fn, "xz_sha256": hashlib.sha256(xz).hexdigest(),
+                                "sha256": hashlib.sha256(blob).hexdigest(), "docs": len(ds),
+                                "bytes": sum(len(d.data) for d in ds), "tokens": None}
+    (out / CARRY_MANIFEST).write_text(json.dumps(man, indent=1) + "\n")
+    return man
+
+
+def load_target(path: str | Path, dev):
+    """The shipped target GGUF in tools/micro_net.py's graph: every tensor dequantized to f32 with muser's
+    readers (muser.gguf, muser.quant), geometry from its metadata; the constant QK-norm tensors checked
+    and folded into q_scale. Returns (model on dev, geometry, facts: ids, tokens, merges, identity)."""
+    import torch
+
+    import micro_net as mn
+    from muser.gguf.identity import identity_of
+    from muser.gguf.reader import read_gguf
+    from muser.quant import dequantize_tensor
+
+    f = read_gguf(path)
+    try:
+        a = f.get("general.architecture")
+        if a != "muse-glimmer":
+            raise SystemExit(f"{path}: architecture {a!r}, want 'muse-glimmer'")
+        k = lambda s: f.get(f"muse-glimmer.{s}")  # noqa: E731
+        tokens = list(f.get("tokenizer.ggml.tokens"))
+        g = mn.Geometry(vocab=len(tokens), hidden=k("embedding_length"), n_layers=k("block_count"),
+                        n_heads=k("attention.head_count"), n_kv_heads=k("attention.head_count_kv"),
+                        head_dim=k("attention.key_length"), ffn=k("feed_forward_length"),
+                        window=k("attention.sliding_window"), seq_len=k("context_length"),
+                        rms_eps=float(k("attention.layer_norm_rms_epsilon")), logit_scale=float(k("logit_scale")),
+                        softcap=float(k("final_logit_softcapping")), rope_base=float(k("rope.freq_base")),
+                        rope_base_swa=float(k("rope.freq_base_swa")))
+        pattern = [bool(x) for x in k("attention.sliding_window_pattern")]
+        if pattern != [g.is_swa(il) for il in range(g.n_layers)]:
+            raise SystemExit(f"{path}: sliding_window_pattern {pattern} is not micro_net's collar")
+        state = {t.name: torch.from_numpy(dequantize_tensor(f, t.name)) for t in f}
+        qn = torch.stack([state[f"blk.{il}.attn_q_norm.weight"] for il in range(g.n_layers)])
+        kn = torch.stack([state[f"blk.{il}.attn_k_norm.weight"] for il in range(g.n_layers)])
+        if not (torch.all(qn == qn.flatten()[0]) and torch.all(kn == 1.0)):
+            raise SystemExit(f"{path}: attn_q_norm is not one constant or attn_k_norm is not ones")
+        g.q_scale = float(qn.flatten()[0])
+        ids = {n: int(f.get(f"tokenizer.ggml.{n}_token_id")) for n in ("bos", "eos", "eot", "mask")}
+        ident = identity_of(f, (ids["eos"], ids["eot"]), use_cache=False)
+        facts = {"ids": ids, "tokens": tokens, "merges": list(f.get("tokenizer.ggml.merges")), "identity": ident}
+    finally:
+        f.close()
+    m = mn.MicroGlimmer(g)
+    mn.load_gguf_state(m, state)
+    return m.to(dev), g, facts
+
+
+def distill_device(a: argparse.Namespace) -> int:
+    """The drafter-only device run (tools/device_train.sh drafter): target from the GGUF, carried text,
+    `distill`, OUT/drafter-weights.npz + OUT/drafter-run.json."""
+    import torch
+
+    import corpus as corpus_tool
+    import corpus_carry
+    from muser.gguf.identity import check_pin
+
+    t0 = time.time()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cpu" if a.smoke else "cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("CUDA requested but torch.cuda.is_available() is False")
+    run: dict = {"format": "muse-glimmer-micro-dflash/1", "status": "running", "device": dev.type,
+                 "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None,
+                 "args": {k: str(v) for k, v in vars(a).items()}, "stages": {}}
+    rec_path = str(out / RUN_RECORD)
+
+    def save() -> None:
+        run["wall_s"] = round(time.time() - t0, 1)
+        write_json(rec_path, run)
+
+    def stage(name: str, t: float) -> None:
+        run["stages"][name] = round(time.time() - t, 2)
+        print(f"distill-device: {name} done in {run['stages'][name]}s ({a.deadline_s - (time.time() - t0):.0f}s left)",
+              flush=True)
+        save()
+
+    print(f"distill-device: python {sys.version.split()[0]} torch {torch.__version__} numpy {np.__version__} "
+          f"device {dev} cores {os.cpu_count()}", flush=True)
+    t = time.time()
+    target, geo, facts = load_target(a.target, dev)
+    ident = facts["identity"]
+    pin = Path(a.target).with_name(Path(a.target).name[: -len(".gguf")] + ".pin.json")
+    check_pin(ident, pin)  # the drafter is trained for exactly the shipped target
+    run["target"] = {"gguf": Path(a.target).name, "artifact_sha256": ident.artifact_sha256,
+                     "tokenizer_sha256": ident.tokenizer_sha256, "pin": pin.name, "geometry": asdict(geo)}
+    stage("target", t)
+
+    t = time.time()
+    carry = Path(a.carry)
+    man = json.loads((carry / CARRY_MANIFEST).read_text())
+    tok = corpus_tool.tokenizer_from_vocab(facts["tokens"], facts["merges"])
+    streams, data = {}, {"rule": man["rule"], "tokenizer": "the target GGUF's vocabulary and merges "
+                         "(tools/corpus.py tokenizer_from_vocab), per document [BOS] + ids + [EOS]", "shards": {}}
+    for split in ("train", "heldout"):
+        info = man["shards"][split]
+        ids = corpus_carry.encode(tok, corpus_carry.read_shard(carry, info))
+        streams[split] = torch.from_numpy(ids.astype(np.int64))
+        data["shards"][split] = {k: info[k] for k in ("file", "sha256", "docs", "bytes")}
+        data["shards"][split].update(tokens=int(ids.size), ids_sha256=hashlib.sha256(ids.tobytes()).hexdigest())
+    run["data"] = data
+    stage("tokenize", t)
+
+    t = time.time()
+    left = a.deadline_s - (time.time() - t0) - 8.0  # saving
+    try:
+        def progress(r: dict) -> None:
+            run["drafter"] = r
+            save()
+
+        def trained(arrs: dict) -> None:
+            run["weights"] = {"file": WEIGHTS, "sha256": save_weights(out, arrs)}
+            save()
+
+        _, rec = distill(target, geo, streams["train"], streams["heldout"], facts["ids"]["mask"], left,
+                         smoke=a.smoke, log=lambda m: print(m, flush=True), extra={"target": run["target"], "data": data},
+                         baseline=a.baseline, on_progress=progress, on_trained=trained)
+        run["drafter"] = rec
+    except Exception as e:
+        import traceback
+
+        run["drafter_error"] = "".join(traceback.format_exception(e))[-4000:]
+        print(run["drafter_error"], flush=True)
+    stage("drafter", t)
+    run["status"] = "done" if "weights" in run and run.get("drafter", {}).get("status") == "done" else "partial"
+    run["stop"] = STOP["why"]
+    save()
+    print(f"distill-device: {run['status']} in {run['wall_s']}s", flush=True)
+    return 0 if run["status"] == "done" else 1
+
+
 # export (here)
 
 def export(weights: Path, target: Path, out: Path) -> int:
@@ -236,19 +588,32 @@ def export(weights: Path, target: Path, out: Path) -> int:
     from muser.gguf.reader import read_gguf
     from muser.spec.format import write_drafter
 
-    run = json.loads((weights / "micro-run.json").read_text())
+    if (weights / RUN_RECORD).is_file():  # the drafter-only device run
+        run = json.loads((weights / RUN_RECORD).read_text())
+    else:  # a whole training run (tools/device_train.py): the drafter of its freshly trained master
+        run = json.loads((weights / "micro-run.json").read_text())
     rec = run.get("drafter")
     if not rec or rec.get("status") != "done":
-        raise SystemExit(f"{weights}/micro-run.json holds no finished drafter record")
-    arrs = dict(np.load(weights / "drafter-weights.npz"))
+        raise SystemExit(f"{weights} holds no finished drafter record")
+    npz = weights / WEIGHTS
+    want = run.get("weights", {}).get("sha256") if "file" in run.get("weights", {}) else None
+    if want is not None and hashlib.sha256(npz.read_bytes()).hexdigest() != want:
+        raise SystemExit(f"{npz}: sha256 differs from the run record's {want}")
+    arrs = dict(np.load(npz))
+    # what the drafter was trained against: the pinned target GGUF, or the master's weight shards
+    trained_on = rec["target"] if "target" in rec else {"weights": run["weights"]["shards"]}
+    data = rec["data"] if "data" in rec else run["corpus"]["streams"]
     f = read_gguf(target)
     try:
+        have = identity_of(f, ()).artifact_sha256
+        if "artifact_sha256" in trained_on and trained_on["artifact_sha256"] != have:
+            raise SystemExit(f"{target}: artifact sha256 {have}, the drafter was trained for "
+                             f"{trained_on['artifact_sha256']} ({trained_on.get('gguf')})")
         tg = {k: f.get(k) for k in f.fields if k.startswith("muse-glimmer.")}
         geo = dict(rec["draft"], hidden=tg["muse-glimmer.embedding_length"],
                    context_length=tg["muse-glimmer.context_length"], name="muse-glimmer-micro-dflash",
-                   provenance=json.dumps({"target_weights": run["weights"]["shards"], "corpus": run["corpus"]["streams"],
-                                          "steps": rec["steps"], "eval": rec["eval"], "train_s": rec["train_s"]},
-                                         sort_keys=True))
+                   provenance=json.dumps({"target": trained_on, "data": data, "steps": rec["steps"],
+                                          "eval": rec["eval"], "train_s": rec["train_s"]}, sort_keys=True))
         write_drafter(out, geo, arrs, f, dtype="F16")
         out.chmod(0o644)  # the writer's temp file is private; a shipped file is world-readable
     finally:
@@ -268,7 +633,25 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--weights", type=Path, required=True, help="the device run's output folder")
     e.add_argument("--target", type=Path, required=True, help="the exported target GGUF (vocabulary, geometry)")
     e.add_argument("--out", type=Path, required=True)
+    c = sub.add_parser("carry", help="write the text the drafter-only device run reads")
+    c.add_argument("--out", type=Path, default=CARRY)
+    c.add_argument("--root", type=Path, default=None, help="the CPython 3.11.7 stdlib (muser.corpus.DEFAULT_ROOT)")
+    d = sub.add_parser("distill-device", help="the drafter-only device run (tools/device_train.sh drafter)")
+    d.add_argument("--target", required=True, help="the target GGUF; its .pin.json beside it is checked")
+    d.add_argument("--carry", default=str(CARRY), help="the folder `carry` wrote")
+    d.add_argument("--out", required=True)
+    d.add_argument("--deadline-s", type=float, default=380.0, help="wall seconds from start for everything")
+    d.add_argument("--baseline", default=None, help="a drafter GGUF evaluated on the same held-out continuations")
+    d.add_argument("--smoke", action="store_true", help="the CPU, tiny sizes, a minute")
     a = ap.parse_args(argv)
+    if a.cmd == "carry":
+        man = write_carry(a.out, a.root)
+        for split, info in man["shards"].items():
+            print(f"{a.out / info['file']}: {info['docs']} files, {info['bytes']:,} bytes, "
+                  f"{(a.out / info['file']).stat().st_size:,} B xz")
+        return 0
+    if a.cmd == "distill-device":
+        return distill_device(a)
     return export(a.weights, a.target, a.out)
 
 

@@ -1,0 +1,215 @@
+"""The drafter-only device run (tools/train_drafter.py): the KV-cached greedy decode against full
+recompute, the shipped Q8_0 target dequantized into tools/micro_net.py's graph against llama.cpp's greedy
+path, the carry's split rule and hashes, and the CPU smoke run end to end through export into a sidecar
+that pairs with the shipped target."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from .conftest import SHIPPED, _load
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def td():
+    return _load("train_drafter")
+
+
+@pytest.fixture(scope="module")
+def carry(td, tmp_path_factory):
+    out = tmp_path_factory.mktemp("drafter-carry")
+    td.write_carry(out)
+    return out
+
+
+def test_cached_greedy_equals_full_recompute():
+    mn = _load("micro_net")
+
+    g = mn.Geometry(vocab=97, **mn.SMOKE)  # window 16 < the 20 + 40 positions: the sliding mask matters
+    m = mn.MicroGlimmer(g)
+    m.reset(1)
+    prompt = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(0))
+    got = m.greedy(prompt, 40)
+    cur = prompt
+    with torch.no_grad():
+        for _ in range(40):
+            cur = torch.cat((cur, m(cur)[:, -1].argmax(-1, keepdim=True)), 1)
+    assert torch.equal(got, cur)
+    with pytest.raises(ValueError, match="exceeds the context"):
+        m.greedy(prompt, g.seq_len)
+
+
+def test_shipped_target_follows_llamacpp_greedy(td, export_mod):
+    """The dequantized Q8_0 in f32 against the pinned llama.cpp's stored greedy ids (same file): the
+    labels the drafter learns are the shipped model's argmax, up to rare rounding flips."""
+    from muser.gguf.reader import read_gguf
+    from muser.text import Tokenizer
+
+    path = SHIPPED / "muse-glimmer-micro-q8_0.gguf"
+    stored = json.loads((SHIPPED / "muse-glimmer-micro-continuations.json").read_text())
+    run = next(r for r in stored["runs"] if r["model"]["file"] == path.name)
+    if run["model"]["artifact_sha256"] != hashlib.sha256(path.read_bytes()).hexdigest():
+        pytest.skip("the continuations file was written for another model file")
+    model, geo, facts = td.load_target(path, "cpu")
+    assert facts["identity"].artifact_sha256 == run["model"]["artifact_sha256"]
+    assert geo.q_scale == pytest.approx(3.87) and facts["ids"]["mask"] == 3
+    f = read_gguf(path)
+    try:
+        tok = Tokenizer.from_gguf(f)
+    finally:
+        f.close()
+    c = run["continuations"][0]
+    ids = [facts["ids"]["bos"]] + tok.encode(export_mod.prompt_text(c["file"], c["prompt_lines"]), add_special=False)
+    assert len(ids) == c["prompt_tokens"]
+    want = c["llamacpp_ids"][:32]
+    got = model.greedy(torch.tensor([ids]), len(want))[0, len(ids):].tolist()
+    assert got == want
+
+
+def test_carry_follows_the_split_rule(carry):
+    from muser import corpus
+
+    cc = _load("corpus_carry")
+    man = json.loads((carry / "drafter-carry.json").read_text())
+    docs = corpus.load_docs()
+    train = cc.read_shard(carry, man["shards"]["train"])  # checks both SHA-256s and the count
+    held = cc.read_shard(carry, man["shards"]["heldout"])
+    assert [r for r, _ in train] == [d.relpath for d in corpus.split_docs(docs, "train")[::2]]
+    assert [r for r, _ in held] == [d.relpath for d in corpus.split_docs(docs, "heldout")]
+    assert man["shards"]["heldout"]["sha256"] == corpus.split_sha256(corpus.split_docs(docs, "heldout"))
+    assert sum(p.stat().st_size for p in carry.iterdir()) < 8 << 20
+    (carry / "train.xz").write_bytes((carry / "train.xz").read_bytes()[:-1] + b"\0")
+    with pytest.raises(corpus.CorpusError, match="sha256"):
+        cc.read_shard(carry, man["shards"]["train"])
+    cc_info = man["shards"]["train"]
+    (carry / "train.xz").unlink()
+    _load("train_drafter").write_carry(carry)  # rebuilt byte for byte
+    assert json.loads((carry / "drafter-carry.json").read_text())["shards"]["train"] == cc_info
+
+
+@pytest.fixture(scope="module")
+def smoke_out(td, carry, tmp_path_factory):
+    out = tmp_path_factory.mktemp("drafter-out")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rc = td.main(["distill-device", "--target", str(SHIPPED / "muse-glimmer-micro-q8_0.gguf"), "--carry",
+                      str(carry), "--out", str(out), "--baseline", str(SHIPPED / "muse-glimmer-micro-dflash.gguf"),
+                      "--smoke"])
+    finally:
+        torch.set_num_threads(threads)
+        td.STOP["why"] = None
+    assert rc == 0
+    return out
+
+
+def test_smoke_run_records_and_exports(td, smoke_out, tmp_path):
+    from muser.model.loader import open_model
+    from muser.spec.drafter import check_pair
+
+    files = sorted(p.name for p in smoke_out.iterdir())
+    assert files == ["drafter-run.json", "drafter-weights.npz"]
+    run = json.loads((smoke_out / "drafter-run.json").read_text())
+    rec = run["drafter"]
+    assert run["status"] == "done" and rec["status"] == "done" and rec["steps"] == 3
+    assert rec["target"]["artifact_sha256"] == json.loads(
+        (SHIPPED / "muse-glimmer-micro-q8_0.pin.json").read_text())["artifact_sha256"]
+    assert rec["gen"]["train_sequences"] == 8 and rec["gen"]["heldout_sequences"] == 4
+    for name in ("heldout_gen", "train_gen_unseen", "train_gen_pool"):
+        ev = rec["eval"][name]
+        assert ev["blocks"] == 4 * (24 - 16 + 2) and 0.0 <= ev["top1_row1"] <= 1.0  # anchors p-1 .. T-16
+        assert ev["mean_accepted_7"] <= ev["mean_accepted_15"] <= 15 and len(ev["top1_by_row"]) == 15
+    assert rec["baseline"]["heldout_gen"]["blocks"] == rec["eval"]["heldout_gen"]["blocks"]
+    assert run["data"]["shards"]["train"]["tokens"] > 1_000_000
+    with np.load(smoke_out / "drafter-weights.npz") as z:
+        assert {z[k].dtype for k in z.files if z[k].ndim == 2} == {np.dtype("float16")}
+    out = tmp_path / "d.gguf"
+    target = SHIPPED / "muse-glimmer-micro-q8_0.gguf"
+    assert td.export(smoke_out, target, out) == 0
+    mf = open_model(target, pin=target.with_name("muse-glimmer-micro-q8_0.pin.json"))
+    try:
+        f, cfg, _ = check_pair(out, mf)  # the sidecar fits the shipped target (width, layers, vocabulary)
+        prov = json.loads(f.get("muser.drafter.provenance"))
+        f.close()
+    finally:
+        mf.close()
+    assert list(cfg.target_layers) == [1, 4, 7]
+    assert prov["target"]["artifact_sha256"] == rec["target"]["artifact_sha256"] and prov["steps"] == 3
+    (smoke_out / "drafter-weights.npz").write_bytes(b"x" + (smoke_out / "drafter-weights.npz").read_bytes()[1:])
+    with pytest.raises(SystemExit, match="sha256"):
+        td.export(smoke_out, target, tmp_path / "e.gguf")
+
+
+def test_sigterm_before_generation_trains_and_keeps_nothing(td):
+    mn = _load("micro_net")
+    g = mn.Geometry(vocab=64, **mn.SMOKE)
+    m = mn.MicroGlimmer(g)
+    m.reset(2)
+    stream = torch.randint(6, 64, (4096,), generator=torch.Generator().manual_seed(1))
+    kept = []
+    td.STOP["why"] = "signal 15"
+    try:
+        arrs, rec = td.distill(m, g, stream, stream, 3, 1e4, smoke=True, log=lambda *_: None,
+                               on_trained=kept.append)
+    finally:
+        td.STOP["why"] = None
+    assert rec["status"] == "stopped during generation (signal 15)" and arrs == {} and kept == []
+
+
+def test_distill_trains_a_tiny_target(td):
+    """A smoke distillation of a random 8-layer target: the drafter's geometry follows the target's, the
+    weights arrive through on_trained before the evaluation, and every count in the record adds up."""
+    mn = _load("micro_net")
+    g = mn.Geometry(vocab=64, **mn.SMOKE)
+    m = mn.MicroGlimmer(g)
+    m.reset(2)
+    stream = torch.randint(6, 64, (4096,), generator=torch.Generator().manual_seed(1))
+    kept = []
+    arrs, rec = td.distill(m, g, stream, stream, 3, 1e4, smoke=True, log=lambda *_: None, on_trained=kept.append)
+    assert rec["status"] == "done" and rec["steps"] == 3 and kept and kept[0].keys() == arrs.keys()
+    assert rec["draft"]["target_layers"] == [1, 4, 7] and rec["draft"]["ffn"] == g.ffn
+    assert arrs["fc.weight"].shape == (g.hidden, 3 * g.hidden)
+    assert rec["n_params"] == sum(a.size for a in arrs.values())
+    assert rec["blocks_seen"] == 3 * rec["config"]["batch"] * rec["config"]["anchors"]
+    assert rec["gen"]["prompt_lengths"] and all(8 <= p <= 24 for p in rec["gen"]["prompt_lengths"])
+
+
+def test_training_blocks_propose_what_the_runtime_proposes(td, export_mod):
+    """The training graph (tools/micro_net.py features, draft_blocks) against Muser's runtime (engine
+    captures, muser.spec.Drafter.propose) on the shipped pair, first round after a held-out prompt: the
+    same 15 proposals (the features differ only by Q8_0 activation rounding)."""
+    import muser
+    from muser.gguf.reader import read_gguf
+    from muser.text import Tokenizer
+
+    path, draft = SHIPPED / "muse-glimmer-micro-q8_0.gguf", SHIPPED / "muse-glimmer-micro-dflash.gguf"
+    f = read_gguf(path)
+    try:
+        tok = Tokenizer.from_gguf(f)
+    finally:
+        f.close()
+    ids = [0] + tok.encode(export_mod.prompt_text("secrets.py", 34), add_special=False)
+    m = muser.load(path, device="cpu")
+    try:
+        s = m.spec_session(draft, max_context=512)
+        x = int(np.argmax(np.asarray(s.prefill(ids))[-1]))
+        runtime = s.d.propose(s.ctx, x, 15)
+    finally:
+        m.close()
+    target, geo, facts = td.load_target(path, "cpu")
+    D = td.draft_geometry(geo)
+    ng = td.net_geometry(D, geo.hidden)
+    W = td.drafter_from_gguf(draft, D, geo.hidden, "cpu")
+    full = torch.tensor([ids + [x] + [facts["ids"]["mask"]] * 15])  # positions after n are never read
+    with torch.no_grad():
+        ctx = td.drafter_context(W, ng, target, D["target_layers"], full)
+        logits, labels = td.draft_blocks(W, ng, target, ctx, full, torch.tensor([[len(ids)]]), 3, 16)
+    assert int(labels[0, 0, 0]) == x
+    assert logits[0, 0, 1:].argmax(-1).tolist() == runtime
