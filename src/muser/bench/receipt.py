@@ -81,14 +81,15 @@ def run_interleaved(fns: dict[str, Callable[[], Any]], reps: int = 5, warmup: in
 
 
 def git_sha() -> str:
+    sent = os.environ.get("MUSER_GIT_SHA")
+    if sent:  # the SHA a copied tree was sent at (the GPU machine's .git may be an older copy)
+        return sent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                              text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
                                capture_output=True, text=True, timeout=10).stdout.strip()
-        if not sha:  # a copy of the tree without its .git (the GPU machine): the SHA it was sent at
-            return os.environ.get("MUSER_GIT_SHA", "unknown")
-        return sha + ("-dirty" if dirty else "")
+        return (sha or "unknown") + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return os.environ.get("MUSER_GIT_SHA", "unknown")
 

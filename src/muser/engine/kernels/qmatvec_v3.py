@@ -64,12 +64,15 @@ _CODE = {G.Q4_K: 5, G.Q5_K: 6, G.Q6_K: 7}  # the FMT constexpr (same codes as we
 J_UNITS = 32
 # (BN rows per program, num_warps, PREFETCH) per row bucket; device sweeps override through
 # `config`. One chunk moves BN * J_UNITS * 16 bytes of quants per program.
+# The 16-row default is the H200 sweep's winner on every large full-geometry shape
+# (bench/reports/device-20261201/device-kernels-9bd4a40.json); 8 rows takes the same tiling
+# unmeasured.
 CONFIGS: dict[int, tuple[int, int, bool]] = {
     1: (16, 4, True),
     2: (8, 4, True),
     4: (4, 4, True),
-    8: (4, 4, False),
-    16: (2, 4, False),
+    8: (16, 8, False),
+    16: (16, 8, False),
 }
 
 
