@@ -18,7 +18,8 @@ alone against the same row inside a 16-row launch (bitwise).
 
     python3 tools/device_kernels.py --out DIR [--budget 140] [--device cuda|cpu --smoke]
 
-Writes DIR/device-kernels.json (one record; rewritten after each case) and prints one line per case.
+Writes DIR/device-kernels.json (one record; rewritten after each case), a receipt (kind
+kernels-<device>) at the end, and prints one line per case.
 """
 
 from __future__ import annotations
@@ -234,7 +235,20 @@ def main(argv=None) -> int:
     rec["ok"] = all(r.get("ok") for r in rec["invariance"]) and all(
         r.get("row_alone_equals_row_in_16") for r in rec["speed"])
     save()
-    print(f"device_kernels: ok={rec['ok']} in {time.time() - t0:.0f} s -> {out_dir / 'device-kernels.json'}")
+    from muser.bench.receipt import device_description, write_receipt
+
+    checked = {f"{r['dtype']}/{r['kv']}": r.get("ok", False) for r in rec["invariance"]}
+    gate = {"status": ("partial" if rec["skipped"] else "pass") if rec["ok"] else "fail",
+            "rule": "logits of every position bitwise equal decoded alone, verified in blocks, prefilled in "
+                    "chunks <= 16 rows and stepped beside other sessions; each matvec shape's row alone bitwise "
+                    "equal to it inside 16 rows",
+            "per_case": checked, "skipped": rec["skipped"]}
+    receipt = write_receipt(f"kernels-{a.device}", model={"fixtures": "muser.model.synth default widths per dtype; "
+                                                             "the full geometry's matvec shapes (random blocks)"},
+                            device=device_description(a.device), lane="exact", gate=gate, results=rec,
+                            out_dir=out_dir.parent if out_dir.name == "kernels" else out_dir)
+    print(f"device_kernels: ok={rec['ok']} in {time.time() - t0:.0f} s -> {out_dir / 'device-kernels.json'}; "
+          f"receipt {receipt}")
     return 0 if rec["ok"] else 1
 
 

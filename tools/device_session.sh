@@ -4,6 +4,7 @@
 #
 #   bash tools/device_session.sh [--cpu-dry] [--carry DIR] [--deadline S] [--depths 0,8192]
 #                                [--kv-lengths 2048,8192,32768] [--nvfp4-mix nvfp4-ggml]
+#                                [--kind-box S (150)] [--kvpack-box S (420)]
 #                                [--llama-server PATH] STAGE...
 #
 # Stages, in the order given (build and fixture start in the background at t = 0; the stages
@@ -34,13 +35,14 @@
 # --cpu-dry: the same stages on the CPU with tiny fixtures (8 layers of the default synthetic
 # widths): no llama.cpp build (the venv's llama-cpp-python is the comparator), device_kernels in
 # its --smoke form, Gate 2 at the tiny widths. Interpreter: $PY (default python3).
-# Carry DIR (default .device/gpubench): llama.cpp-src.tgz and whl/ (gguf, starlette, uvicorn,
-# pydantic and their wheels for python 3.12). Files back in $OUT: stages.tsv (stage, rc,
+# Carry DIR (default .device/gpubench, written by tools/pack_device_carry.sh): llama.cpp-src.tgz and
+# whl/ (gguf, starlette, uvicorn, pydantic and their wheels for python 3.12). Files back in $OUT: stages.tsv (stage, rc,
 # seconds, note), receipts.tgz (receipts, PNGs, kernel JSON), logs.tgz, summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"
 DRY=0 CARRY=.device/gpubench DEADLINE=585 LLAMA_SERVER="" DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
+KIND_BOX=150 KVPACK_BOX=420
 STAGES=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -51,6 +53,8 @@ while [ $# -gt 0 ]; do
     --nvfp4-mix) NVFP4_MIX=${2:?--nvfp4-mix nvfp4|nvfp4-ggml}; shift ;;
     --kv-lengths) KV_LENGTHS=${2:?--kv-lengths LIST}; shift ;;
     --llama-server) LLAMA_SERVER=${2:?--llama-server PATH}; shift ;;
+    --kind-box) KIND_BOX=${2:?--kind-box SECONDS}; shift ;;
+    --kvpack-box) KVPACK_BOX=${2:?--kvpack-box SECONDS}; shift ;;
     build|fixture|kernels|gate|speed|kvpack|nvfp4|serve|sampling) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
@@ -179,7 +183,7 @@ speed_kinds() {
   for kind in decode prefill verify; do
     local plot=(); plot_flag $kind && plot=(--plot)
     local d=$DEPTHS; [ $kind = decode ] || d=${DEPTHS%%,*}  # prefill and verify at the first depth
-    run_stage "$label-$kind" 150 40 $PY -m muser bench $kind --model "$model" --device $DEV --depths "$d" \
+    run_stage "$label-$kind" $KIND_BOX 40 $PY -m muser bench $kind --model "$model" --device $DEV --depths "$d" \
         --reps $REPS --warmup 1 $SPEED_TOKENS --gate-receipt "$gate" --out-dir "$R" "${against[@]}" "${plot[@]}"
   done
 }
@@ -230,7 +234,7 @@ for st in "${STAGES[@]}"; do
       if ! wait_for "$W/full.done" $(( DEADLINE - 120 )) || [ ! -s "$FULL" ]; then
         record kvpack - 0 "no $FULL"; continue; fi
       plot=(); plot_flag kvpack && plot=(--plot)
-      run_stage kvpack 240 60 $PY -m muser bench kvpack --model "$FULL" --device $DEV --lengths $KV_LENGTHS \
+      run_stage kvpack $KVPACK_BOX 60 $PY -m muser bench kvpack --model "$FULL" --device $DEV --lengths $KV_LENGTHS \
           --suffix-tokens 64 --reps 1 --warmup 0 --gate-tokens 16 --dir "$W/kvpack-store" --out-dir "$R" "${plot[@]}" ;;
     serve)
       model=(); [ -s "$FULL" ] && model=(--model "$FULL")
@@ -260,7 +264,7 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
         r = json.loads(p.read_text())
     except ValueError:
         continue
-    if r.get("kind") not in ("decode", "prefill", "verify"):
+    if not isinstance(r, dict) or r.get("kind") not in ("decode", "prefill", "verify"):
         continue
     name, res = pathlib.Path(r["model"]["path"]).name, r["results"]
     for d, c in res["per_depth"].items():
