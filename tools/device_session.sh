@@ -217,8 +217,8 @@ for st in "${STAGES[@]}"; do
       else record kernels - 0 "tools/device_kernels.py is absent"; fi ;;
     gate) ;;  # in the background from t = 0 (wide_gate_bg)
     sampling)
-      mkdir -p "$R/sampling"
-      run_stage sampling 120 30 $PY tools/device_sampling.py --out "$R/sampling" ;;
+      if [ $DRY = 1 ]; then record sampling - 0 "dry run: the device-side candidates and the warm-up need CUDA"
+      else mkdir -p "$R/sampling"; run_stage sampling 120 30 $PY tools/device_sampling.py --out "$R/sampling"; fi ;;
     speed|nvfp4)
       if [ $st = speed ]; then model=$FULL mix=q4_k_xl done_file=$W/full.done
       else model=$NV mix=$NVFP4_MIX done_file=$W/nv.done; fi
