@@ -88,13 +88,28 @@ class WarmSession:
         if s.n_past != 0 or all_logits or kw:
             self.last = {"restored": 0, "prefilled": len(ids), "reuse": False}
             return s.prefill(ids, all_logits=all_logits, **kw)
+        return self._warm_prefill(ids, s.prefill)
+
+    def prefill_row(self, ids: Sequence[int], **kw: Any) -> Any:
+        """Like session.prefill_row (the generation loop's call: on CUDA the last row stays on the
+        device), with the same reuse as `prefill`."""
+        s = self.session
+        if s.n_past != 0 or kw:
+            self.last = {"restored": 0, "prefilled": len(ids), "reuse": False}
+            return s.prefill_row(ids, **kw)
+        return self._warm_prefill(ids, s.prefill_row)
+
+    def _warm_prefill(self, ids: Sequence[int], last_call: Any) -> Any:
+        """Restore the longest stored prefix of `ids` into the empty session, prefill the rest
+        (`last_call` runs the final part and returns its logits row), persist after returning."""
+        s = self.session
         self.wait()
         # the session's own validation, before any restore (bad input: typed error, no work)
         arr = check_tokens(ids, s.vocab, "prefill")
         check_span(0, arr.size, s.max_context, None, "prefill")
         toks = [int(t) for t in arr]
         if len(toks) < 2:
-            return s.prefill(toks)
+            return last_call(toks)
         ch = self.store.binding.layout.chunk_tokens
         empty = s.snapshot()  # an empty state (no rows): the undo point if anything below fails
         try:
@@ -108,9 +123,9 @@ class WarmSession:
             if end > r:
                 s.prefill(toks[r:end])
                 tail = [p.view("logical") for p in s.cache.planes if p.geometry.sliding]  # copies
-                logits = s.prefill(toks[end:])
+                logits = last_call(toks[end:])
             else:
-                logits = s.prefill(toks[r:])
+                logits = last_call(toks[r:])
         except BaseException:
             s.restore(empty)
             raise
