@@ -5,7 +5,8 @@ and `muser generate`'s TTFT and tok/s on the shipped micro model (plain and spec
 
     python3 tools/device_sampling.py --out "$OUT" [--rows 300] [--tokens 128]
 
-Writes device_sampling.json into --out and prints a summary.
+Writes device_sampling.json into --out (after each stage), a receipt (kind sampling-cuda) beside
+it at the end, and prints a summary.
 """
 
 from __future__ import annotations
@@ -152,7 +153,26 @@ def main() -> int:
     if "bench" in stages:
         stage("bench_decode", lambda: cli(["bench", "decode", "--device", "cuda", "--depths", "0", "--tokens",
                                            str(a.tokens), "--reps", "3", "--out-dir", str(out_dir)]))
-    return 0
+    # the receipt: device-filtered sampling gives the full chain's tokens and keeps its random stream
+    # aligned (parity), and generation over device rows equals generation over host rows
+    checks = {}
+    for name, r in (rec.get("parity") or {}).items():
+        if isinstance(r, dict) and "identical" in r:
+            checks[f"parity/{name}"] = r["identical"] == r["rows"] and r["rng_aligned"]
+    for name, r in (rec.get("generation") or {}).items():
+        if isinstance(r, dict) and "identical_tokens" in r:
+            checks[f"generation/{name}"] = bool(r["identical_tokens"])
+    missing = [st for st in ("parity", "generation") if st in stages and not any(k.startswith(st) for k in checks)]
+    status = "fail" if not all(checks.values()) else ("partial" if missing or not checks else "pass")
+    from muser.bench.receipt import device_description, write_receipt
+
+    path = write_receipt("sampling-cuda", model={"path": "the shipped micro model"}, device=device_description("cuda"),
+                         lane="exact", gate={"status": status, "rule": "device-filtered candidates sample the full "
+                                             "chain's tokens with the random stream aligned; device-row generation "
+                                             "equals host-row generation", "checks": checks, "skipped": missing},
+                         results=rec, out_dir=out_dir.parent if out_dir.name == "sampling" else out_dir)
+    print(f"sampling: {status}; receipt {path}", flush=True)
+    return 0 if status == "pass" else 1
 
 
 if __name__ == "__main__":
