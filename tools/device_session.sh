@@ -194,7 +194,8 @@ speed_plot() {  # LABEL: tok/s vs depth of this stage's decode and prefill recei
   rs=$(cat "$L/$1-decode.log" "$L/$1-prefill.log" 2>/dev/null | sed -n 's/.*; receipt: \(\S*\.json\)$/\1/p')
   [ -n "$rs" ] || return 0
   if $PY -m muser bench plot --help >/dev/null 2>&1; then
-    run_stage "$1-plot" 60 10 $PY -m muser bench plot $rs --out "$R/$1-tok-s-vs-depth.png"
+    mkdir -p "$R/plots"  # beside, not among, the receipts (each receipt keeps only its own PNG)
+    run_stage "$1-plot" 60 10 $PY -m muser bench plot $rs --out "$R/plots/$1-tok-s-vs-depth.png"
   else
     record "$1-plot" - 0 "muser bench plot is absent from this tree"
   fi
