@@ -147,12 +147,17 @@ def test_smoke_run_records_and_exports(td, smoke_out, tmp_path):
         td.export(smoke_out, target, tmp_path / "e.gguf")
 
 
-def test_sigterm_before_generation_trains_and_keeps_nothing(td):
+def _tiny_target():
+    """A random smoke-geometry target and a token stream for it."""
     mn = _load("micro_net")
     g = mn.Geometry(vocab=64, **mn.SMOKE)
     m = mn.MicroGlimmer(g)
     m.reset(2)
-    stream = torch.randint(6, 64, (4096,), generator=torch.Generator().manual_seed(1))
+    return g, m, torch.randint(6, 64, (4096,), generator=torch.Generator().manual_seed(1))
+
+
+def test_sigterm_before_generation_trains_and_keeps_nothing(td):
+    g, m, stream = _tiny_target()
     kept = []
     td.STOP["why"] = "signal 15"
     try:
@@ -166,11 +171,7 @@ def test_sigterm_before_generation_trains_and_keeps_nothing(td):
 def test_distill_trains_a_tiny_target(td):
     """A smoke distillation of a random 8-layer target: the drafter's geometry follows the target's, the
     weights arrive through on_trained before the evaluation, and every count in the record adds up."""
-    mn = _load("micro_net")
-    g = mn.Geometry(vocab=64, **mn.SMOKE)
-    m = mn.MicroGlimmer(g)
-    m.reset(2)
-    stream = torch.randint(6, 64, (4096,), generator=torch.Generator().manual_seed(1))
+    g, m, stream = _tiny_target()
     kept = []
     arrs, rec = td.distill(m, g, stream, stream, 3, 1e4, smoke=True, log=lambda *_: None, on_trained=kept.append)
     assert rec["status"] == "done" and rec["steps"] == 3 and kept and kept[0].keys() == arrs.keys()

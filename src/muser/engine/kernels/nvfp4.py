@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..weights import FMT_CODE, QWeight
-from .qmatvec import HAVE_TRITON, _rows_bucket, check_matvec_args, launch_dequant
+from ..weights import QWeight
+from .qmatvec import HAVE_TRITON, launch_dequant, launch_matvec
 
 if HAVE_TRITON:
     import triton
@@ -130,15 +130,7 @@ def matvec_nvfp4(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -
     """x [T, n_in] f32 (T <= 16, rows contiguous) -> [T, n_out] f32, NVFP4 decoded in-kernel."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
-    out = check_matvec_args(w, x, out)
-    T = x.shape[0]
-    rows = _rows_bucket(T)
-    block_n = max(1, 16 // rows)  # keep the [ROWS, BLOCK_N, 256] product tile at 4K elements
-    grid = (triton.cdiv(w.n_out, block_n),)
-    _matvec_nvfp4_kernel[grid](x, out, *_ptrs(w), w.n_out, w.n_in, x.stride(0), out.stride(0), T,
-                               FMT=FMT_CODE[w.fmt], ROWS=rows, BLOCK_N=block_n, num_warps=4,
-                               enable_fp_fusion=False)
-    return out
+    return launch_matvec(_matvec_nvfp4_kernel, _ptrs(w), w, x, out)
 
 
 __all__ = ["dequant_nvfp4_triton", "matvec_nvfp4"]

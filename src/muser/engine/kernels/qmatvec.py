@@ -218,14 +218,19 @@ def matvec_triton(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) 
     """x [T, n_in] f32 (T <= 16, rows contiguous) -> [T, n_out] f32, weights decoded in-kernel."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
+    return launch_matvec(_matvec_kernel, _ptrs(w), w, x, out)
+
+
+def launch_matvec(kernel, ptrs, w: QWeight, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """One launch of a 256-tile matvec kernel (this module's, or NVFP4's) over x [T, n_in], T <= 16;
+    shared by both, as `launch_dequant` is for their decoders."""
     out = check_matvec_args(w, x, out)
     T = x.shape[0]
     rows = _rows_bucket(T)
     block_n = max(1, 16 // rows)  # keep the [ROWS, BLOCK_N, 256] product tile at 4K elements
     grid = (triton.cdiv(w.n_out, block_n),)
-    _matvec_kernel[grid](x, out, *_ptrs(w), w.n_out, w.n_in, x.stride(0), out.stride(0), T,
-                         FMT=FMT_CODE[w.fmt], ROWS=rows, BLOCK_N=block_n, num_warps=4,
-                         enable_fp_fusion=False)
+    kernel[grid](x, out, *ptrs, w.n_out, w.n_in, x.stride(0), out.stride(0), T,
+                 FMT=FMT_CODE[w.fmt], ROWS=rows, BLOCK_N=block_n, num_warps=4, enable_fp_fusion=False)
     return out
 
 
