@@ -115,6 +115,8 @@ wait_for() { while [ ! -e "$1" ] && [ "$(el)" -lt "$2" ]; do sleep 2; done; [ -e
 if has build; then
   if [ $DRY = 1 ]; then
     record build - 0 "dry run: no llama.cpp build here (llama-cpp-python is the CPU comparator)"
+  elif [ -x $SERVER ]; then  # a warm machine still holds this call's build
+    echo "llama-bench rc=0 0 s (warm)" >"$W/llama-bench.done"; echo "llama-server rc=0 0 s (warm)" >"$W/llama-server.done"
   else
     ( t=$(date +%s); mkdir -p $LB && tar xzf "$CARRY/llama.cpp-src.tgz" -C $LB && cd $LB/llama.cpp \
       && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
@@ -239,6 +241,7 @@ for st in "${STAGES[@]}"; do
           --suffix-tokens 64 --reps 1 --warmup 0 --gate-tokens 16 --dir "$W/kvpack-store" --out-dir "$R" "${plot[@]}" ;;
     serve)
       model=(); [ -s "$FULL" ] && model=(--model "$FULL")
+      has build && wait_for "$W/llama-server.done" $(( DEADLINE - 260 ))  # the comparator beside it, once built
       ls_=(); [ -x $SERVER ] && ls_=(--llama-server $SERVER)
       [ -n "$LLAMA_SERVER" ] && ls_=(--llama-server "$LLAMA_SERVER")
       plot=(); plot_flag serve && plot=(--plot)
