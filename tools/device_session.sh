@@ -242,10 +242,10 @@ for st in "${STAGES[@]}"; do
     serve)
       model=(); [ -s "$FULL" ] && model=(--model "$FULL")
       has build && wait_for "$W/llama-server.done" $(( DEADLINE - 260 ))  # the comparator beside it, once built
-      ls_=(); [ -x $SERVER ] && ls_=(--llama-server $SERVER)
-      [ -n "$LLAMA_SERVER" ] && ls_=(--llama-server "$LLAMA_SERVER")
+      ls_=(); [ -x $SERVER ] && ls_=(--against llama-server --llama-server $SERVER)
+      [ -n "$LLAMA_SERVER" ] && ls_=(--against llama-server --llama-server "$LLAMA_SERVER")
       plot=(); plot_flag serve && plot=(--plot)
-      run_stage serve 200 60 $PY -m muser bench serve --device $DEV "${model[@]}" "${ls_[@]}" --clients 1,4,16 \
+      run_stage serve 300 60 $PY -m muser bench serve --device $DEV "${model[@]}" "${ls_[@]}" --clients 1,4,16 \
           --max-tokens 16 --slots 16 --ctx 1024 --out-dir "$R" "${plot[@]}"
       rc=$?  # 1: a receipt with a failed load == alone gate; anything else with the full file: the micro model
       if [ $rc -gt 1 ] && [ ${#model[@]} -gt 0 ] && [ $DRY = 0 ]; then

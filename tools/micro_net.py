@@ -204,7 +204,7 @@ class Block(nn.Module):
         vis = (j <= i) & (i - j < g.window) if self.swa else (j <= i)  # [T, n]
         o = F.scaled_dot_product_attention(qg, K[:, :, :n], V[:, :, :n], attn_mask=vis.repeat(rep, 1),
                                            scale=1.0 / math.sqrt(g.head_dim))  # [B, H_kv, rep*T, hd]
-        o = o.view(B, g.n_heads, T, g.head_dim).transpose(1, 2).reshape(B, T, g.attn_dim)
+        o = o.reshape(B, g.n_heads, T, g.head_dim).transpose(1, 2).reshape(B, T, g.attn_dim)
         return self._finish(x, o, gate)
 
 

@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
         if binary is not None:
             servers["llama-server"] = llama_server(str(binary), model, args.slots, args.ctx, args.threads,
                                                    args.device)
-        meta = httpx.get(servers["muser"].base + "/v1/models", timeout=10).json()["data"][0]
+        meta = httpx.get(servers["muser"].base + "/v1/models", timeout=180).json()["data"][0]
         for name, s in servers.items():  # warm-up: load paths, first allocations
             with client() as http:
                 one_request(http, s.base, s.model, PROMPTS[0], args.max_tokens, banned, name != "muser")
