@@ -65,12 +65,13 @@ J_UNITS = 32
 # (BN rows per program, num_warps, PREFETCH) per row bucket; device sweeps override through
 # `config`. One chunk moves BN * J_UNITS * 16 bytes of quants per program.
 # The 16-row default is the H200 sweep's winner on every large full-geometry shape
-# (bench/reports/device-20261201/device-kernels-9bd4a40.json); 8 rows takes the same tiling
-# unmeasured.
+# (bench/reports/device-20261201/device-kernels-9bd4a40.json); 8 rows takes the same tiling. 4 rows
+# takes it too: with (4, 4, True) four rows ran slower than this tiling runs eight, on 7 of the 8
+# shapes (bench/receipts/20261201T153526Z-kernels-cuda.json, e.g. 39,936 x 6,656: 454 vs 414 us).
 CONFIGS: dict[int, tuple[int, int, bool]] = {
     1: (16, 4, True),
     2: (8, 4, True),
-    4: (4, 4, True),
+    4: (16, 8, False),
     8: (16, 8, False),
     16: (16, 8, False),
 }
