@@ -30,6 +30,9 @@ class Server:
     def __init__(self, load: Callable[[], Any], slots: int = 4, context: int | None = None,
                  host: str = "127.0.0.1", port: int = 8080, model_id: str | None = None, queue_limit: int = 64,
                  max_sessions: int = 16, remote=None, kvpack=None, batch_window_us: int = BATCH_WINDOW_US, **cfg):
+        if not callable(load):
+            raise TypeError(f"load must be a callable returning the model (it runs behind the bound port), "
+                            f"got {type(load).__name__}")
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         Batcher(batch_window_us)  # a bad window is refused before anything loads
