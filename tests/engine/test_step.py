@@ -154,6 +154,22 @@ def test_non_finite_row_rolls_every_session_back(eng, monkeypatch):
         assert np.array_equal(a.logits, b.logits)  # the same batch shape: bitwise
 
 
+def test_graph_metadata_of_every_item_is_16_byte_aligned(tiny_gguf):
+    """Each item's plane metadata and first position, which the attention kernels read by pointer,
+    start on a 16-byte boundary whatever the items' row counts: Triton compiles one binary per
+    pointer alignment, and warm-up runs single-item shapes, whose metadata are aligned."""
+    eng = Engine.open(tiny_gguf, device="cpu", lane="exact", kv="f16")
+    L = eng.cfg.n_layers
+    ss = [eng.session(max_context=128) for _ in range(4)]
+    for rows in ((1,), (1, 1), (1, 1, 1), (3, 1), (1, 2, 5, 1), (16, 1, 7, 2)):
+        g = eng.graph(tuple((T, "last", s.max_context) for T, s in zip(rows, ss)), ())
+        for i in range(len(rows)):
+            assert g.pos0[i].data_ptr() % 16 == 0, (rows, i)
+            assert all(g.meta[i][il].data_ptr() % 16 == 0 for il in range(L)), (rows, i)
+            a, b = g.bounds[i]
+            assert g.widx[i].shape == (L, b - a)
+
+
 def test_graph_step_of_several_sessions_on_device_metadata(tiny_gguf, kernels):
     """The CUDA-graph step of a batch shape (per-item plane metadata, write slots and attention
     partials in device buffers; Triton attention; one static row-index selection), run without

@@ -157,9 +157,9 @@ def sampling_params(args: argparse.Namespace):
     )
 
 
-def load_model(args: argparse.Namespace):
-    """Threads set before the weights load; the model from muser.load (no --model: the embedded
-    one, held to the pin shipped beside it)."""
+def check_model_args(args: argparse.Namespace) -> None:
+    """--threads and --model refused before anything loads (`muser serve` checks them before it
+    binds its port)."""
     from ..errors import LaneError
 
     if args.threads is not None and args.threads < 1:
@@ -167,6 +167,12 @@ def load_model(args: argparse.Namespace):
     if args.model is not None and not Path(args.model).is_file():
         raise FileNotFoundError(2, "no such GGUF file" if not Path(args.model).exists() else "not a file",
                                 args.model)
+
+
+def load_model(args: argparse.Namespace):
+    """Threads set before the weights load; the model from muser.load (no --model: the embedded
+    one, held to the pin shipped beside it)."""
+    check_model_args(args)
     import muser
 
     if args.threads is not None:

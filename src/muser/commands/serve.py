@@ -12,7 +12,10 @@ sessions, health, Prometheus metrics).
 thread owns the model; N slots (each its own KV) share every step, and the
 sequences that become ready within --batch-window-us of the first join the same step (the decode
 batcher; /metrics: muser_engine_steps_total, muser_step_sequences). --port 0
-takes a free port (the startup line names it). With --prefill-node, a slot's prompt is prefilled
+takes a free port. The port is bound first and the model loads behind it: /health answers 503
+{"status": "loading"} and every other endpoint 503 with Retry-After until the model is loaded
+and warmed, then 200; the "listening on http://HOST:PORT/v1" line is printed then (a first
+"loading behind" line names the port at once). With --prefill-node, a slot's prompt is prefilled
 by that node over mutual TLS (Handoff V2, docs/handoff.md) with this server's certificate DIR/decode
 from `muser certs issue DIR decode`; a refusal or a dead node prefills locally and logs why
 (/metrics: muser_prefills_total{path="remote"|"local"}). With --kvpack, a prompt on an empty
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 
-from .generate import add_model_args, load_model
+from .generate import add_model_args, check_model_args, load_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -78,7 +81,7 @@ def _remote(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import LaneError
+    from ..errors import ContextOverflow, LaneError
     from ..server import Server
 
     for name in ("slots", "queue", "max_sessions", "max_body"):
@@ -92,19 +95,19 @@ def run(args: argparse.Namespace) -> int:
         raise LaneError(f"--max-prompt must be >= 1, got {args.max_prompt}")
     if not args.timeout > 0:
         raise LaneError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.ctx is not None and args.ctx < 2:
+        raise ContextOverflow(f"--ctx {args.ctx} must be >= 2")
     if args.api_key is not None and not args.api_key:
         raise LaneError("--api-key must not be empty")
     remote = _remote(args)
     if remote is not None and args.kvpack is not None:
         raise LaneError(f"--kvpack {args.kvpack} with --prefill-node {args.prefill_node} is not served: a prompt "
                         "is either restored from the store or prefilled by the node")
-    model = load_model(args)  # --threads set before the weights load, as for `muser generate`
-    try:
-        Server(model, slots=args.slots, context=args.ctx, host=args.host, port=args.port, model_id=args.model_id,
-               remote=remote, kvpack=args.kvpack, batch_window_us=args.batch_window_us,
-               queue_limit=args.queue, max_sessions=args.max_sessions, api_key=args.api_key,
-               max_body_bytes=args.max_body, max_prompt_tokens=args.max_prompt,
-               timeout_s=args.timeout).serve()
-    finally:
-        model.close()
+    check_model_args(args)
+    # the model loads behind the bound port (/health: 503 until ready); --threads is set before
+    # the weights load, as for `muser generate`
+    Server(lambda: load_model(args), slots=args.slots, context=args.ctx, host=args.host, port=args.port,
+           model_id=args.model_id, remote=remote, kvpack=args.kvpack, batch_window_us=args.batch_window_us,
+           queue_limit=args.queue, max_sessions=args.max_sessions, api_key=args.api_key,
+           max_body_bytes=args.max_body, max_prompt_tokens=args.max_prompt, timeout_s=args.timeout).serve()
     return 0

@@ -30,6 +30,11 @@ from ..kv.torch_backend import TorchBackend
 MAX_CAPTURES = 32  # captured graphs kept per shape (least recently used go first)
 
 
+def _even(n: int) -> int:
+    """n rounded up to an even count of int64s (a 16-byte boundary)."""
+    return n + (n & 1)
+
+
 class _GraphKv:
     """Per item: attend its rows over its session's planes with device metadata, then write
     its K/V into the reserved slots."""
@@ -84,7 +89,11 @@ class StepGraph:
         for T in Ts:
             self.bounds.append((o, o + T))
             o += T
-        n = 2 * N + len(shape) * (4 * L + 1) + L * N
+        # each item's metadata block starts on an even int64 (16 bytes): Triton specializes a
+        # kernel on whether a pointer is 16-byte aligned, so an odd offset for the second item
+        # of a batch compiled new attention kernels inside the first batched request
+        blocks = [_even(4 * L + 1 + L * T) for T in Ts]
+        n = _even(2 * N) + sum(blocks)
         self.cuda = dev.type == "cuda"  # elsewhere the same step runs without capture (tests)
         self.host = torch.zeros(n, dtype=torch.int64)
         if self.cuda:
@@ -94,15 +103,15 @@ class StepGraph:
         self.tokens = self.dev[o:o + N]
         o += N
         self.positions = self.dev[o:o + N]
-        o += N
+        o = _even(o + N)
         self.meta, self.pos0, self.widx = [], [], []
-        for T in Ts:
+        self.blocks = []  # per item: (offset, length) of its metadata block in `host` / `dev`
+        for T, size in zip(Ts, blocks):
+            self.blocks.append((o, size))
             self.meta.append(self.dev[o:o + 4 * L].view(L, 4))
-            o += 4 * L
-            self.pos0.append(self.dev[o:o + 1])
-            o += 1
-            self.widx.append(self.dev[o:o + L * T].view(L, T))
-            o += L * T
+            self.pos0.append(self.dev[o + 4 * L:o + 4 * L + 1])  # even offset + 4L: aligned too
+            self.widx.append(self.dev[o + 4 * L + 1:o + 4 * L + 1 + L * T].view(L, T))
+            o += size
         # output rows: one item keeps the forward's 'last' / 'all' (llama.cpp inp_out_ids);
         # several items select their rows by a static index tensor
         rows = []
@@ -140,8 +149,7 @@ class StepGraph:
         h = self.host.numpy()
         L = self.engine.cfg.n_layers
         N = self.N
-        o = 2 * N
-        for (a, b), s, t in zip(self.bounds, sessions, ids):
+        for (a, b), (o, _), s, t in zip(self.bounds, self.blocks, sessions, ids):
             T = b - a
             p0 = s.n_past
             h[a:b] = t
@@ -155,7 +163,6 @@ class StepGraph:
                 placement = p.reserve_batch(p0, T)
                 assert placement.source_first == 0 and len(placement.physical) == T
                 h[o + il * T:o + (il + 1) * T] = placement.physical
-            o += L * T
         self.dev.copy_(self.host, non_blocking=self.cuda)
         if self.copied is not None:
             self.copied.record()

@@ -7,9 +7,12 @@ qmatvec._rows_bucket); the attention kernels split keys at fixed absolute positi
 the split count as a runtime argument (kernels/attention.py), so one session capacity covers
 every depth. The warm-up runs, on a throwaway session, decodes, verify-shaped steps of each row
 bucket (graphs: eager run, then capture), and an eager prefill chunk of more than 16 rows (the
-cuBLAS path). What the first request still does
-is capture its own graphs (a graph bakes in its session's plane addresses: engine/graphs.py),
-with every kernel already built. The sessions and their graphs are released afterwards.
+cuBLAS path). Batched steps of several sessions launch the same binaries: every item's metadata
+in a step graph is 16-byte aligned like a single item's (Triton specializes on pointer
+alignment; engine/graphs.py). What the first request still does is capture its own graphs (a
+graph bakes in its session's plane addresses: engine/graphs.py), with every kernel already
+built; `muser serve` captures its slots' batch shapes before it says it is ready
+(muser.server.loop.EngineLoop.warm_up). The sessions and their graphs are released afterwards.
 
 On the CPU nothing runs (no compilation, no graphs): muser.load calls this for CUDA only.
 """

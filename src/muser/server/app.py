@@ -4,6 +4,9 @@
     GET /v1/sessions            DELETE /v1/sessions/{id}
     GET /health                 GET /metrics (Prometheus)
 
+Until the model is loaded and warmed (Readiness) every endpoint answers 503 with Retry-After:
+/health {"status": "loading"}, the others OpenAI's error body (llama-server's loading state).
+
 Every refusal is OpenAI's error body with the offending field in `param`, before any work: a
 bad or unknown field (400), a prompt that does not fit the context (400), a body over the limit
 (413), a missing or wrong API key (401), a full queue (503 with Retry-After). A client that goes
@@ -46,6 +49,17 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     max_prompt_tokens: int | None = None  # None: the context less one
     timeout_s: float = 600.0
+
+
+RETRY_AFTER_S = 1  # what a request during loading is told to wait before asking again
+
+
+class Readiness:
+    """The server's Api once it can answer (the model loaded, warmed, the engine loop running);
+    None while loading."""
+
+    def __init__(self) -> None:
+        self.api: Api | None = None
 
 
 class Api:
@@ -321,8 +335,20 @@ async def _api_error(request: Request, exc: ApiError) -> Response:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def build_app(loop: EngineLoop, cfg: ServerConfig, metrics: Metrics) -> Starlette:
-    api = Api(loop, cfg, metrics)
+def build_app(ready: Readiness, metrics: Metrics) -> Starlette:
+    """The routes over `ready.api`; every one answers 503 (Retry-After) while it is None."""
+
+    def route(name: str):
+        async def handler(request: Request) -> Response:
+            api = ready.api
+            if api is not None:
+                return await getattr(api, name)(request)
+            wait = {"Retry-After": str(RETRY_AFTER_S)}
+            if name == "health":
+                return JSONResponse({"status": "loading"}, status_code=503, headers=wait)
+            raise ApiError(503, "the model is loading", None, "unavailable_error", wait)
+
+        return handler
 
     async def on_error(request: Request, exc: ApiError) -> Response:
         path = request.url.path.rsplit("/", 1)[-1] or "root"
@@ -330,13 +356,13 @@ def build_app(loop: EngineLoop, cfg: ServerConfig, metrics: Metrics) -> Starlett
         return await _api_error(request, exc)
 
     routes = [
-        Route("/v1/chat/completions", api.chat, methods=["POST"]),
-        Route("/v1/completions", api.completions, methods=["POST"]),
-        Route("/v1/models", api.models, methods=["GET"]),
-        Route("/v1/sessions", api.sessions, methods=["GET"]),
-        Route("/v1/sessions/{name}", api.delete_session, methods=["DELETE"]),
-        Route("/health", api.health, methods=["GET"]),
-        Route("/metrics", api.metrics_text, methods=["GET"]),
+        Route("/v1/chat/completions", route("chat"), methods=["POST"]),
+        Route("/v1/completions", route("completions"), methods=["POST"]),
+        Route("/v1/models", route("models"), methods=["GET"]),
+        Route("/v1/sessions", route("sessions"), methods=["GET"]),
+        Route("/v1/sessions/{name}", route("delete_session"), methods=["DELETE"]),
+        Route("/health", route("health"), methods=["GET"]),
+        Route("/metrics", route("metrics_text"), methods=["GET"]),
     ]
     async def on_http(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -348,9 +374,7 @@ def build_app(loop: EngineLoop, cfg: ServerConfig, metrics: Metrics) -> Starlett
                                                 "server_error"))
 
     handlers: dict[Any, Any] = {ApiError: on_error, HTTPException: on_http, Exception: on_bug}
-    app = Starlette(routes=routes, exception_handlers=handlers)
-    app.state.api = api
-    return app
+    return Starlette(routes=routes, exception_handlers=handlers)
 
 
-__all__ = ["Api", "ServerConfig", "build_app"]
+__all__ = ["Api", "Readiness", "ServerConfig", "build_app"]

@@ -56,6 +56,31 @@ WAITING_CHUNK = 64  # MAX_TEACHER_FORCED_TOKENS while decoders wait (book 10.10)
 BATCH_WINDOW_US = 250  # the DecodeBatcher coalesce window (book 10.2)
 
 
+def prompt_rows(n_decoders: int, todo: list[int]) -> list[int]:
+    """The prompt rows each prefilling slot (oldest first; `todo`: its prompt tokens not yet
+    prefilled) puts into a step beside `n_decoders` decode rows: they share PREFILL_CHUNK rows,
+    WAITING_CHUNK while decoders wait."""
+    budget = WAITING_CHUNK if n_decoders else PREFILL_CHUNK
+    out = []
+    for n in todo:
+        if budget <= 0:
+            break
+        out.append(min(n, budget))
+        budget -= out[-1]
+    return out
+
+
+def warm_batches(slots: int, context: int) -> list[tuple[int, list[int]]]:
+    """The steps EngineLoop.warm_up runs, as (decode rows, prompt rows per prefilling slot): k =
+    1..slots decoding slots alone (each k its own captured graph), then a prompt longer than a
+    chunk, alone and beside one decoder, with the rows `prompt_rows` gives it (512 alone, 64
+    beside decoders). A step with an item over 16 rows runs eagerly (engine/step.py): it
+    captures nothing and launches the same kernels whatever the count of decoders beside it,
+    so one of each chunk is run."""
+    long = [context - 1]  # the longest prompt a slot takes; PREFILL_CHUNK or more from a 1024 context
+    return [(k, []) for k in range(1, slots + 1)] + [(k, prompt_rows(k, long)) for k in range(min(2, slots))]
+
+
 class Batcher:
     """The coalesce window of the decode batcher (see the module doc): how long a step is still
     held open for sequences that may join it."""
@@ -295,6 +320,45 @@ class EngineLoop:
         self.steps = 0
 
     # -- outside the loop ----------------------------------------------------------------------
+    def warm_up(self, stream=None) -> dict | None:
+        """Before `start`, on CUDA: the steps of `warm_batches` on the slots' own sessions (the
+        decoders in slot order, as slots fill from an idle server), so their graphs are captured
+        here and not inside the first requests that batch k decoders: a graph bakes in its
+        sessions' plane storage (engine/graphs.py), so muser.load's warm-up, on throwaway
+        sessions, compiles the kernels but cannot capture these. A progress line on stderr.
+        Returns {seconds, steps}; None on the CPU, where nothing is captured (start-up stays fast)."""
+        if self.model.device == "cpu":
+            return None
+        from ..progress import Progress
+
+        batches = warm_batches(len(self.slots), self.context)
+        bar = Progress("serve warm-up", len(batches), stream=stream)
+        t0 = time.perf_counter()
+        self.run_warm(batches, bar)
+        bar.close()
+        return {"seconds": time.perf_counter() - t0, "steps": len(batches)}
+
+    def run_warm(self, batches: list[tuple[int, list[int]]], bar=None) -> None:
+        """Each batch as one step: slots 0..k-1 decode a row, the next slots prefill their rows;
+        the sessions are emptied after each (their planes, and so the captured graphs, kept)."""
+        vocab = self.model.config.vocab
+        for s in self.slots:
+            if s.own is None:
+                s.own = self.backend.new_session()
+        for k, prompts in batches:
+            if k + len(prompts) > len(self.slots):
+                raise LaneError(f"a warm-up step of {k} decoders and {len(prompts)} prompts needs more than "
+                                f"the {len(self.slots)} slots")
+            rows = [1] * k + prompts
+            items = [(s.own, [(7 * i + j) % vocab for j in range(n)]) for i, (s, n) in enumerate(zip(self.slots, rows))]
+            for res in self.backend.step(items):
+                if isinstance(res, BaseException):
+                    raise res
+            for s in self.slots[:len(rows)]:
+                s.own = self.backend.reset(s.own)
+            if bar is not None:
+                bar.advance(1, f"{k} decoders" + (f" + {prompts[0]} prompt rows" if prompts else ""))
+
     def start(self) -> None:
         self._thread.start()
 
@@ -302,7 +366,8 @@ class EngineLoop:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._thread.join(timeout=30)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=30)
 
     def submit(self, job: Job) -> Job:
         with self._cv:
@@ -390,12 +455,8 @@ class EngineLoop:
         decoders = [s for s in self.slots if s.decoding]
         prefillers = sorted((s for s in self.slots if s.prefilling and s not in whole), key=lambda s: s.job.t_submit)
         items: list[tuple[Slot, list[int]]] = [(s, [int(s.next_token)]) for s in decoders]  # decoding: set
-        budget = WAITING_CHUNK if decoders else PREFILL_CHUNK  # prompt rows this step, oldest first
-        for p in prefillers:
-            if budget <= 0:
-                break
-            items.append((p, p.todo[:budget]))
-            budget -= len(items[-1][1])
+        for p, n in zip(prefillers, prompt_rows(len(decoders), [len(p.todo) for p in prefillers])):
+            items.append((p, p.todo[:n]))
         if items:
             self._step(items)
             self.outbox.flush()  # the step's tokens go out before any whole-prompt prefill runs

@@ -43,7 +43,9 @@ MUSER_LINE = re.compile(r"listening on (http://127\.0\.0\.1:\d+)/v1 \(model (\S+
 
 
 class ServerProcess:
-    """A server subprocess on a free port; `base` is http://127.0.0.1:PORT once it is up."""
+    """A server subprocess on a free port; `base` is http://127.0.0.1:PORT once it is ready: its
+    `ready` line printed (muser serve prints it once loaded and warmed), or without one, and then
+    in any case, /health answering 200 (both servers answer 503 while loading)."""
 
     def __init__(self, argv: list[str], ready: re.Pattern | None = None, port: int | None = None,
                  env: dict | None = None, timeout_s: float = 300.0):
@@ -69,9 +71,7 @@ class ServerProcess:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"{argv[0]} did not start:\n" + "".join(self.log[-30:]))
-            if ready is not None and found.wait(0.2):
-                break
-            if ready is None and self._healthy():
+            if (ready is None or found.wait(0.2)) and self._healthy():
                 break
             time.sleep(0.2)
 
@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
         if binary is not None:
             servers["llama-server"] = llama_server(str(binary), model, args.slots, args.ctx, args.threads,
                                                    args.device)
-        meta = httpx.get(servers["muser"].base + "/v1/models", timeout=180).json()["data"][0]
+        meta = httpx.get(servers["muser"].base + "/v1/models", timeout=10).json()["data"][0]
         for name, s in servers.items():  # warm-up: load paths, first allocations
             with client() as http:
                 one_request(http, s.base, s.model, PROMPTS[0], args.max_tokens, banned, name != "muser")
