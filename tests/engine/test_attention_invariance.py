@@ -132,6 +132,47 @@ def test_block_rows_invariant_to_launch_grouping(small_splits, setup, rows):
     assert torch.equal(_bits(got), _bits(one))
 
 
+@pytest.mark.parametrize("setup", SETUPS, ids=lambda s: f"W{s[0]}-{'hm' if s[1] else 'tm'}-{str(s[2])[6:]}")
+def test_launch_config_does_not_depend_on_rows(kernels, monkeypatch, setup):
+    """What fixes a program's reduction order (constexprs and launch options, the integer
+    specializations of every argument Triton specializes: == 1, % 16) is the same for a launch of
+    1, 2, 7, 13 or 16 rows; only the grid and the unspecialized r0 / NSP / window change. The
+    kernels are replaced by recorders (nothing runs), so the check costs nothing under the
+    interpreter and reads the very values the compiled launch would get."""
+    _, att = kernels
+    window, hm, dt, p, cap = setup
+    seen: dict[str, dict[int, set]] = {}
+
+    class Recorder:
+        def __init__(self, real, T):
+            self.real, self.T = real, T
+
+        def __getitem__(self, grid):
+            real, T = self.real, self.T
+
+            def launch(*args, **kwargs):
+                skip = set(real.kwargs.get("do_not_specialize") or ())
+                ints = tuple((n, a == 1, a % 16 == 0) for n, a in zip(real.arg_names, args)
+                             if isinstance(a, int) and not isinstance(a, bool) and n not in skip)
+                key = (ints, tuple(sorted(kwargs.items())))
+                seen.setdefault(real.fn.__name__, {}).setdefault(T, set()).add(key)
+
+            return launch
+
+    partial, reduce_ = att._attn_partial, att._attn_reduce
+    hist = History(p + 16, dt, seed=p)
+    for T in (1, 2, 7, 13, 16):
+        monkeypatch.setattr(att, "_attn_partial", Recorder(partial, T))
+        monkeypatch.setattr(att, "_attn_reduce", Recorder(reduce_, T))
+        p0 = p - T + 1
+        for plane_len in (True, False):
+            _attend(att, hist, hm, window, p0, T, cap, _ring_ol(p0, cap) if window else 0, 5, plane_len=plane_len)
+    assert set(seen) == {"_attn_partial", "_attn_reduce"}
+    for name, by_rows in seen.items():
+        assert all(len(v) == 1 for v in by_rows.values()), (name, by_rows)
+        assert len(set.union(*by_rows.values())) == 1, (name, by_rows)
+
+
 def test_default_splits_invariance_and_reference(kernels):
     """With the shipped split lengths: a full-layer row past two 256-position splits and a
     sliding row over a wrapped 80-position ring (two 64-position splits), alone vs row j of a

@@ -68,3 +68,90 @@ def test_norm2_matches_torch(fk):
         h, x2 = fk.norm2(x, w, 1e-8, res, w2, 1e-5)
         rh = F.rms_norm(x, 1e-8) * w + res
         assert _close(h, rh) and _close(x2, F.rms_norm(rh, 1e-5) * w2)
+
+
+# torch ops whose CUDA kernels choose their reduction tiling from the tensor's shape (ATen
+# Reduce.cuh setReduceConfig sizes the block from the row count; cuBLAS picks GEMM tiles by M)
+_SHAPED_REDUCTIONS = {"mean", "sum", "amax", "amin", "max", "min", "prod", "var", "std", "norm",
+                      "linalg_vector_norm", "_softmax", "_log_softmax", "logsumexp", "cumsum", "argmax",
+                      "argmin", "mm", "addmm", "bmm", "matmul"}
+
+
+@pytest.mark.parametrize("dtype", ["F16", "Q4_K"])
+def test_cuda_forward_launches_do_not_depend_on_rows(fk, make_gguf, monkeypatch, dtype):
+    """The CUDA forward's path on the CPU (interpreted Triton tails and matvec; only attention is
+    the C kernel here): with 1 and with 16 rows it runs no torch reduction or GEMM (their CUDA
+    kernels tile by the row count: the weightless entry norm's torch mean once made 16-row verify
+    differ from decode on the H200), and every Triton launch outside the matvec family (whose row
+    buckets are bitwise-tested by themselves) has the same constexprs and integer
+    specializations for both row counts. Q4_K takes the stacked q|k|v|gate path, F16 the per-
+    projection one. The matvec family is bitwise-tested by itself (test_kernels.py,
+    test_qmatvec_v3.py); here its product is the reference one, outside the watch, so the
+    interpreter runs only the rest."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from muser.engine import Engine
+    from muser.engine.kernels import qmatvec, qmatvec_v3
+    from muser.model.synth import SynthSpec
+
+    quiet = [False]
+    dense: dict[int, torch.Tensor] = {}
+
+    def product(key, decode, x):
+        quiet[0] = True
+        try:
+            if key not in dense:
+                dense[key] = decode()
+            return x @ dense[key].T
+        finally:
+            quiet[0] = False
+
+    monkeypatch.setattr(qmatvec, "matvec", lambda w, x, out=None: product(id(w), w.decode, x))
+    monkeypatch.setattr(qmatvec_v3, "matvec_v3",
+                        lambda p, x, out=None: product(id(p), lambda: qmatvec_v3.decode_rows(p), x))
+
+    path = make_gguf(SynthSpec(dtype=dtype, hidden=256, ffn=256))
+    eng = Engine.open(path, device="cpu", lane="exact", kv="f32")
+    if dtype == "F16":  # CUDA keeps F16 projections unstacked (qmatvec_v3.stack: K-quants only)
+        for L in eng.weights.layers:
+            L.attn_in = L.ffn_in = None
+    else:
+        eng.weights.pack_for_decode(drop_fields=True)
+        assert all(L.attn_in is not None for L in eng.weights.layers)
+    eng.forward.linear.triton_rows = True  # the CUDA path: fused kernels for <= 16 rows
+    eng.forward.native, eng.forward.tails = False, fk  # the CUDA forward's Triton tails
+
+    shaped: list[str] = []
+    launches: dict[int, set] = {1: set(), 16: set()}
+    rows = [1]
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not quiet[0] and func.overloadpacket.__name__ in _SHAPED_REDUCTIONS:
+                shaped.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    real_run = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if not self.fn.__module__.endswith(("qmatvec", "qmatvec_v3", "nvfp4")):
+            skip = set(self.kwargs.get("do_not_specialize") or ())
+            ints = tuple((n, a == 1, a % 16 == 0) for n, a in zip(self.arg_names, args)
+                         if isinstance(a, int) and not isinstance(a, bool) and n not in skip)
+            launches[rows[0]].add((self.fn.__name__, ints, tuple(sorted(kwargs.items()))))
+        return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    ids = [6 + (i * 37) % 250 for i in range(18)]
+    s = eng.session(max_context=64, graphs=False)
+    s.prefill(ids[:1])  # not watched: builds the plane
+    InterpretedFunction.run = run
+    try:
+        with Watch():
+            s.decode(ids[1])
+            rows[0] = 16
+            s.verify(ids[2:18])
+    finally:
+        InterpretedFunction.run = real_run
+    assert not shaped, f"row-count-tiled torch ops in the CUDA forward: {sorted(set(shaped))}"
+    assert launches[1] and launches[1] == launches[16], launches[1] ^ launches[16]

@@ -253,11 +253,11 @@ class Forward:
             from .kernels import cpu_native
 
             self.tails = cpu_native
-            self._ones = torch.ones(cfg.hidden, dtype=torch.float32)  # the weightless entry norm
         else:
             from .kernels import fused
 
             self.tails = fused
+        self._ones = torch.ones(cfg.hidden, dtype=torch.float32, device=device)  # the weightless entry norm
         self._cos = torch.empty((0, cfg.head_dim // 2), dtype=torch.float32, device=device)
         self._sin = self._cos
 
@@ -289,11 +289,14 @@ class Forward:
         cos = self._cos.index_select(0, positions)  # [T, D/2]
         sin = self._sin.index_select(0, positions)
         h = W.embd.decode(tokens)  # [T, hidden]: the quantized table row, decoded exactly (ch 11)
-        # entry norm, weightless (muse-glimmer.cpp build_norm(.., nullptr)); * 1.0 is exact
-        h = self.tails.norm_mul(h, self._ones, eps) if self.native else rms_norm(h, eps)
+        fz, FK = self.fused, self.tails
+        # entry norm, weightless (muse-glimmer.cpp build_norm(.., nullptr)); * 1.0 is exact. A
+        # row per program, as every norm of the fused path: torch's CUDA mean picks its block
+        # width from the row count (ATen Reduce.cuh setReduceConfig), so its sum order would
+        # depend on T and break row invariance
+        h = FK.norm_mul(h, self._ones, eps) if fz else rms_norm(h, eps)
         last = len(W.layers) - 1
         final_capture = captured is not None and len(W.layers) in capture
-        fz, FK = self.fused, self.tails
         if fz:
             cos_c, sin_c = cos.contiguous(), sin.contiguous()
         x_next = None  # fused path: this layer's pre-norm, computed by the previous layer's tail
@@ -319,7 +322,11 @@ class Forward:
                 k = lin(L.wk, x).view(T, KV, D)
                 v = lin(L.wv, x).view(T, KV, D)
                 g = lin(L.wgate, x)  # [T, attn_dim], from the same normed input (book 9.8)
-            if not qk_fused:
+            if not qk_fused and fz:  # the fused kernel over q|k side by side (one row per program)
+                q, k = FK.qk_norm_rope(torch.cat([q.reshape(T, H * D), k.reshape(T, KV * D)], 1), 0, H * D,
+                                       H, KV, D, L.q_norm, L.k_norm, eps,
+                                       cos_c if L.sliding else None, sin_c if L.sliding else None)
+            elif not qk_fused:
                 q = rms_norm(q, eps) * L.q_norm  # per-head QK-norm (book 14)
                 k = rms_norm(k, eps) * L.k_norm
                 if L.sliding:
