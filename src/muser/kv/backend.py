@@ -50,6 +50,10 @@ class ArrayBackend(Protocol):
     def rows_shape(self, rows: Any) -> tuple[int, ...]:
         """Shape of a rows argument (validated before any mutation)."""
 
+    def as_rows(self, rows: Any) -> Any:
+        """`rows` as an array of this backend on the planes' device (one copy when it is not
+        there already; views of the result are rows write_rows takes without another copy)."""
+
     def round_to(self, rows: Any, dtype: str) -> Any:
         """The values `rows` would hold after a round trip through a plane of `dtype`."""
 
@@ -84,6 +88,9 @@ class NumpyBackend:
 
     def rows_shape(self, rows: Any) -> tuple[int, ...]:
         return tuple(np.shape(rows))
+
+    def as_rows(self, rows: Any) -> np.ndarray:
+        return np.asarray(rows)
 
     def round_to(self, rows: Any, dtype: str) -> np.ndarray:
         r = np.asarray(rows, dtype=np.float32)

@@ -30,9 +30,10 @@ class TorchBackend:
         return torch.from_numpy(np.ascontiguousarray(physical, dtype=np.int64)).to(self.device)
 
     @staticmethod
-    def _run(plane: torch.Tensor, physical: np.ndarray) -> int | None:
-        """First slot when `physical` is one ascending run on a CPU plane, else None."""
-        if plane.device.type != "cpu":
+    def _run(plane: torch.Tensor, physical: np.ndarray, any_device: bool = False) -> int | None:
+        """First slot when `physical` is one ascending run on a CPU plane (on any plane with
+        any_device), else None."""
+        if plane.device.type != "cpu" and not any_device:
             return None
         a = int(physical[0])
         n = len(physical)
@@ -52,8 +53,10 @@ class TorchBackend:
                    n_kv_heads: int, head_dim: int) -> None:
         if len(physical) == 0:
             return
-        a = self._run(plane, physical)
-        if a is not None:  # CPU, one ascending run of slots: a slice copy, no index tensor
+        # one ascending run of slots: a slice copy, no index tensor (on CUDA that tensor's
+        # host-to-device copy would also wait for the stream, once per write)
+        a = self._run(plane, physical, any_device=True)
+        if a is not None:
             r = self.as_rows(rows).to(plane.dtype).reshape(-1, n_kv_heads, head_dim)
             if head_major:
                 plane[:, a:a + len(physical)].copy_(r.transpose(0, 1))
