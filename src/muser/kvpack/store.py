@@ -312,27 +312,36 @@ class Store:
             return Hit(n_tokens, tuple(t for t in tiles if t is not None), tuple(names))
         return None
 
+    @staticmethod
+    def _swa_first(jobs: Sequence[tuple]) -> list[int]:
+        """Indices of `jobs` in the order to read them: the SWA tail first (the one entry whose
+        size does not shrink with the chunk: window rows of every sliding layer, 12x a NOPE
+        chunk on the full model; read last it would be a serial tail), then the NOPE chunks."""
+        return sorted(range(len(jobs)), key=lambda i: jobs[i][1] != "swa")
+
     def _load_all(self, jobs: Sequence[tuple]) -> list[Tile | None]:
-        """load() of every (address, kind, chunk ids) in order; several entries are read and
-        verified at once (file reads and SHA-256 release the GIL): a 32k-token prefix is ~0.5 GB."""
+        """load() of every (address, kind, chunk ids), results in job order; several entries are
+        read and verified at once (file reads and SHA-256 release the GIL): a 32k-token prefix
+        is ~0.5 GB. The backend prefetches them meanwhile."""
         if len(jobs) < 2:
             return [self.load(*j) for j in jobs]
-        with ThreadPoolExecutor(min(LOAD_THREADS, len(jobs)), thread_name_prefix="kvpack-load") as ex:
-            return list(ex.map(lambda j: self.load(*j), jobs))
+        order = self._swa_first(jobs)
+        with ThreadPoolExecutor(min(LOAD_THREADS, len(jobs)) + 1, thread_name_prefix="kvpack-load") as ex:
+            ex.submit(self.backend.prefetch, [self.name(*jobs[i][:2]) for i in order])
+            futures = {i: ex.submit(self.load, *jobs[i]) for i in order}
+            return [futures[i].result() for i in range(len(jobs))]
 
     def restore(self, target: Any, ids: Sequence[int]) -> Hit | None:
         """lookup(ids), installed into `target` (a session or a KvCache: begin_install / commit).
-        The entries are read and verified on LOAD_THREADS threads, the SWA tail first (the one
-        entry whose size does not shrink with the prefix: window rows of every sliding layer, 12x a
-        NOPE chunk on the full model, so it must not be the last read); the backend is asked to
-        prefetch them all meanwhile. This thread installs each tile into detached planes as soon
+        The entries are read and verified on LOAD_THREADS threads, the SWA tail first (_swa_first),
+        while the backend prefetches them all. This thread installs each tile into detached planes as soon
         as it verified, in whatever order they finish (tiles hold disjoint rows), so the copies
         overlap the reads and the SHA-256s. Nothing is committed unless every entry of the prefix
         verified (otherwise the next shorter prefix is tried, as lookup does); the live planes
         change only at the commit."""
         layout = self.binding.layout
         for n_tokens, names, jobs in self._candidates(ids):
-            order = sorted(range(len(jobs)), key=lambda i: jobs[i][1] != "swa")  # the SWA tail first
+            order = self._swa_first(jobs)
             inst = target.begin_install(n_tokens)
             tiles: list[Tile | None] = [None] * len(jobs)
             complete = True
