@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import KvCache
-from .backend import NumpyBackend, check_kv_dtype
+from .backend import NumpyBackend, ascending_run, check_kv_dtype
 
 TORCH_KV = {"f16": torch.float16, "f32": torch.float32}
 NP_KV = {"f16": np.float16, "f32": np.float32}
@@ -31,15 +31,6 @@ class TorchBackend:
 
     def _idx(self, physical: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(physical, dtype=np.int64)).to(self.device)
-
-    @staticmethod
-    def _run(physical: np.ndarray) -> int | None:
-        """First slot when `physical` is one ascending run, else None."""
-        a = int(physical[0])
-        n = len(physical)
-        if n > 1 and not (int(physical[-1]) == a + n - 1 and bool((np.diff(physical) == 1).all())):
-            return None
-        return a
 
     def zeros(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -65,7 +56,7 @@ class TorchBackend:
             return
         # one ascending run of slots: a slice copy, no index tensor (whose host-to-device copy
         # would wait for the stream, once per write)
-        a = self._run(physical)
+        a = ascending_run(physical)
         if a is not None:
             r = self.as_rows(rows).to(plane.dtype).reshape(-1, n_kv_heads, head_dim)
             if head_major:
@@ -90,7 +81,7 @@ class TorchBackend:
                   n_kv_heads: int, head_dim: int) -> torch.Tensor:
         if len(physical) == 0:  # (a checkpoint of a ring that is not full yet): no device work
             return torch.empty((0, n_kv_heads * head_dim), dtype=plane.dtype, device=plane.device)
-        a = self._run(physical) if plane.device.type == "cpu" else None
+        a = ascending_run(physical) if plane.device.type == "cpu" else None
         if a is not None:  # CPU, one ascending run: a slice copy
             n = len(physical)
             if head_major:
