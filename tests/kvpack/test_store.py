@@ -240,3 +240,49 @@ def test_restore_installs_as_tiles_verify_and_falls_back_whole(models, prompt, t
     assert any("kvpack miss" in r.message and name in r.message for r in caplog.records)
     assert hit is not None and hit.n_tokens == 16 and c.n_past == 16
     assert np.array_equal(c.prefill(ids[16:]), sess(models).prefill(ids))
+
+
+class _Recording(DirectoryBackend):
+    """Records prefetch hints and, for each NOPE read, whether the SWA tail's read had begun
+    (a NOPE read waits up to 5 s for it)."""
+
+    def __init__(self, root):
+        super().__init__(root, create=False)
+        self.prefetched: list[list[str]] = []
+        self.swa_begun = threading.Event()
+        self.nope_after_swa: list[bool] = []
+
+    def prefetch(self, names):
+        self.prefetched.append(list(names))
+        super().prefetch(names)
+
+    def get(self, name):
+        if name.endswith(".swa"):
+            self.swa_begun.set()
+        else:
+            self.nope_after_swa.append(self.swa_begun.wait(5.0))
+        return super().get(name)
+
+
+def test_restore_reads_the_swa_tail_first_and_prefetches(models, seeded, tmp_path, monkeypatch):
+    """The SWA tail (the largest entry) is read before the NOPE chunks even with one reader,
+    the backend is asked to prefetch every entry (the tail first), and the restored state is
+    lookup + install_tiles'."""
+    import muser.kvpack.store as S
+    from muser.kv.serial import encode_tiles, install_tiles
+
+    d = copy(seeded, tmp_path)
+    ids, binding = seeded[1], seeded[2]
+    monkeypatch.setattr(S, "LOAD_THREADS", 1)
+    backend = _Recording(d)
+    store = Store(backend, binding)
+    a, b = sess(models), sess(models)
+    hit = store.restore(a, ids)
+    assert hit is not None and hit.n_tokens == 32
+    assert backend.nope_after_swa == [True, True]
+    assert backend.prefetched == [[hit.names[-1], *hit.names[:-1]]] and hit.names[-1].endswith(".swa")
+    ref = Store(DirectoryBackend(d), binding).lookup(ids)
+    assert ref is not None and ref.names == hit.names
+    install_tiles(b, ref.tiles, binding.layout, ref.n_tokens)
+    assert encode_tiles(a.snapshot()) == encode_tiles(b.snapshot())
+    assert np.array_equal(a.prefill(ids[32:]), seeded[3])

@@ -50,11 +50,25 @@ class ArrayBackend(Protocol):
     def rows_shape(self, rows: Any) -> tuple[int, ...]:
         """Shape of a rows argument (validated before any mutation)."""
 
+    def as_rows(self, rows: Any) -> Any:
+        """`rows` as an array of this backend on the planes' device (one copy when it is not
+        there already; views of the result are rows write_rows takes without another copy)."""
+
     def round_to(self, rows: Any, dtype: str) -> Any:
         """The values `rows` would hold after a round trip through a plane of `dtype`."""
 
 
 _NP_DTYPES = {"f16": np.float16, "f32": np.float32}
+
+
+def ascending_run(physical: np.ndarray) -> int | None:
+    """First slot when `physical` (non-empty) is one ascending run of slots, else None: such a
+    write or read is a slice copy, no gather or scatter by index."""
+    a = int(physical[0])
+    n = len(physical)
+    if n > 1 and not (int(physical[-1]) == a + n - 1 and bool((np.diff(physical) == 1).all())):
+        return None
+    return a
 
 
 class NumpyBackend:
@@ -68,12 +82,16 @@ class NumpyBackend:
 
     def write_rows(self, plane: np.ndarray, physical: np.ndarray, rows: Any, head_major: bool,
                    n_kv_heads: int, head_dim: int) -> None:
+        if len(physical) == 0:
+            return
         r = np.asarray(rows).astype(plane.dtype, copy=False)  # [n, kv_dim]; astype rounds RNE
+        a = ascending_run(physical)
+        slots = physical if a is None else slice(a, a + len(physical))
         if head_major:
             # [n, H, D] -> [H, n, D]: each KV head's history is one contiguous span
-            plane[:, physical, :] = r.reshape(len(physical), n_kv_heads, head_dim).transpose(1, 0, 2)
+            plane[:, slots, :] = r.reshape(len(physical), n_kv_heads, head_dim).transpose(1, 0, 2)
         else:
-            plane[physical] = r
+            plane[slots] = r
 
     def read_rows(self, plane: np.ndarray, physical: np.ndarray, head_major: bool,
                   n_kv_heads: int, head_dim: int) -> np.ndarray:
@@ -84,6 +102,9 @@ class NumpyBackend:
 
     def rows_shape(self, rows: Any) -> tuple[int, ...]:
         return tuple(np.shape(rows))
+
+    def as_rows(self, rows: Any) -> np.ndarray:
+        return np.asarray(rows)
 
     def round_to(self, rows: Any, dtype: str) -> np.ndarray:
         r = np.asarray(rows, dtype=np.float32)

@@ -328,6 +328,10 @@ class DetachedInstall:
         self.planes = tuple(planes)
         self._filled = [np.zeros(p.len, dtype=bool) for p in self.planes]
 
+    def stage(self, rows: Any) -> Any:
+        """`rows` (any shape) on the planes' device in one copy, for put() to take views of."""
+        return self.cache.backend.as_rows(rows)
+
     def expected(self, layer: int) -> tuple[int, int]:
         """The logical range [a, b) of rows layer `layer` must receive."""
         p = self.planes[layer]

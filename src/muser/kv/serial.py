@@ -165,6 +165,7 @@ class Tile:
     values: tuple[np.ndarray, ...]
     sha256: str
     nbytes: int
+    payload: np.ndarray  # [2 x layers, rows, kv_dim]: K, V of each layer in turn (keys/values are views of it)
 
     @property
     def kind_name(self) -> str:
@@ -313,14 +314,10 @@ def decode_tile(data: bytes | bytearray | memoryview, layout: KvLayout, kind: in
     if k == KIND_SWA and rows != min(n_tokens, window):
         raise _fail("rows", f"a swa tail of {n_tokens} tokens holds min(n, {window}) rows, not {rows}")
     dt = _LE[layout.dtype]
-    off = _TILE.size + idx_len
-    span = rows * layout.row_bytes
-    keys, values = [], []
-    for _ in layers:
-        for out in (keys, values):
-            out.append(np.frombuffer(buf, dtype=dt, count=rows * layout.kv_dim, offset=off).reshape(rows, layout.kv_dim))
-            off += span
-    return Tile(k, start, rows, n_tokens, layers, tuple(keys), tuple(values), digest.hex(), len(buf))
+    flat = np.frombuffer(buf, dtype=dt, count=2 * n_layers * rows * layout.kv_dim, offset=_TILE.size + idx_len)
+    payload = flat.reshape(2 * n_layers, rows, layout.kv_dim)  # K0, V0, K1, V1, ...
+    return Tile(k, start, rows, n_tokens, layers, tuple(payload[0::2]), tuple(payload[1::2]), digest.hex(), len(buf),
+                payload)
 
 
 def cover(tiles: Sequence[Tile], layout: KvLayout, n_tokens: int) -> tuple[list[Tile], Tile | None]:
@@ -371,16 +368,19 @@ def assemble(tiles: Sequence[Tile], layout: KvLayout, tokens: Sequence[int] | No
 
 def install_tile(inst: Any, tile: Tile) -> None:
     """Put one verified tile's rows into a DetachedInstall: a NOPE chunk's rows as they are, the
-    SWA tail's only from where each ring's live window starts (rows before it are not needed)."""
+    SWA tail's only from where each ring's live window starts (rows before it are not needed).
+    The payload reaches the planes' device in one copy (inst.stage), and every layer's K and V
+    are put from views of it: on CUDA one host-to-device transfer per tile, not four per layer."""
+    rows = inst.stage(tile.payload)  # [2 x layers, rows, kv_dim]
     if tile.kind == KIND_NOPE:
         for j, layer in enumerate(tile.layers):
-            inst.put(layer, tile.start, tile.keys[j], tile.values[j])  # [rows, kv_dim] views of the entry
+            inst.put(layer, tile.start, rows[2 * j], rows[2 * j + 1])  # [rows, kv_dim] views
         return
     origin = tile.start  # the tile's explicit origin (book 15.6)
     for j, layer in enumerate(tile.layers):
         a, _ = inst.expected(layer)
         if a < inst.n_tokens:
-            inst.put(layer, a, tile.keys[j][a - origin:], tile.values[j][a - origin:])
+            inst.put(layer, a, rows[2 * j][a - origin:], rows[2 * j + 1][a - origin:])
 
 
 def install_tiles(target: Any, tiles: Sequence[Tile], layout: KvLayout, n_tokens: int) -> None:

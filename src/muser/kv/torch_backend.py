@@ -1,7 +1,8 @@
 """Device storage for the muser.kv planes: a torch `ArrayBackend` (book 15).
 
 The ring arithmetic, checkpoints, snapshots and detached installs live once, in muser.kv; this
-backend only allocates zero-filled torch tensors on the engine's device and moves rows. SWA
+backend only allocates zero-filled torch tensors on the engine's device and moves rows (on the
+CPU the tensors share numpy arrays, written by NumpyBackend's code on the calling thread). SWA
 rings are token-major [capacity, kv_dim]; NoPE planes head-major [n_kv, capacity, head_dim]
 (book 15.3). f32 -> f16 conversion rounds to nearest even, like ggml_cpu_fp32_to_fp16 and
 numpy's astype, so the engine's f16 planes hold the oracle's bits for the same f32 rows.
@@ -15,9 +16,11 @@ import numpy as np
 import torch
 
 from . import KvCache
-from .backend import check_kv_dtype
+from .backend import NumpyBackend, ascending_run, check_kv_dtype
 
 TORCH_KV = {"f16": torch.float16, "f32": torch.float32}
+NP_KV = {"f16": np.float16, "f32": np.float32}
+_HOST = NumpyBackend()  # CPU planes are numpy arrays under the tensors (see zeros)
 
 
 class TorchBackend:
@@ -29,18 +32,11 @@ class TorchBackend:
     def _idx(self, physical: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(physical, dtype=np.int64)).to(self.device)
 
-    @staticmethod
-    def _run(plane: torch.Tensor, physical: np.ndarray) -> int | None:
-        """First slot when `physical` is one ascending run on a CPU plane, else None."""
-        if plane.device.type != "cpu":
-            return None
-        a = int(physical[0])
-        n = len(physical)
-        if n > 1 and not (int(physical[-1]) == a + n - 1 and bool((np.diff(physical) == 1).all())):
-            return None
-        return a
-
     def zeros(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        if self.device.type == "cpu":
+            # calloc'd pages the kernel zeroes on first touch: no fill pass and no intra-op
+            # parallel region (a 2-core machine under load stalled ~5 ms in each torch.zeros)
+            return torch.from_numpy(np.zeros(shape, dtype=NP_KV[check_kv_dtype(dtype)]))
         return torch.zeros(shape, dtype=TORCH_KV[check_kv_dtype(dtype)], device=self.device)
 
     def as_rows(self, rows: Any) -> torch.Tensor:
@@ -52,8 +48,16 @@ class TorchBackend:
                    n_kv_heads: int, head_dim: int) -> None:
         if len(physical) == 0:
             return
-        a = self._run(plane, physical)
-        if a is not None:  # CPU, one ascending run of slots: a slice copy, no index tensor
+        if plane.device.type == "cpu":
+            # numpy's copy on this thread: torch's copy_ opens an intra-op parallel region per
+            # write, which stalled as long as the zeros above on a loaded machine
+            host = rows.detach().numpy() if isinstance(rows, torch.Tensor) else rows
+            _HOST.write_rows(plane.numpy(), physical, host, head_major, n_kv_heads, head_dim)
+            return
+        # one ascending run of slots: a slice copy, no index tensor (whose host-to-device copy
+        # would wait for the stream, once per write)
+        a = ascending_run(physical)
+        if a is not None:
             r = self.as_rows(rows).to(plane.dtype).reshape(-1, n_kv_heads, head_dim)
             if head_major:
                 plane[:, a:a + len(physical)].copy_(r.transpose(0, 1))
@@ -77,7 +81,7 @@ class TorchBackend:
                   n_kv_heads: int, head_dim: int) -> torch.Tensor:
         if len(physical) == 0:  # (a checkpoint of a ring that is not full yet): no device work
             return torch.empty((0, n_kv_heads * head_dim), dtype=plane.dtype, device=plane.device)
-        a = self._run(plane, physical)
+        a = ascending_run(physical) if plane.device.type == "cpu" else None
         if a is not None:  # CPU, one ascending run: a slice copy
             n = len(physical)
             if head_major:

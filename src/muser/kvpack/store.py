@@ -24,11 +24,13 @@ import logging
 import os
 import secrets
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+import numpy as np
 
 from ..errors import IdentityMismatch, KvStateError, MuserError
 from ..kv.serial import Tile, cover, install_tile
@@ -49,9 +51,11 @@ class ObjectInfo:
 
 class StoreBackend(Protocol):
     """Named immutable blobs. `put` is atomic and durable when it returns; `get` returns a complete
-    blob or None; `touch` records use (LRU); `evict(budget)` keeps the total under budget."""
+    blob or None; `touch` records use (LRU); `evict(budget)` keeps the total under budget;
+    `prefetch(names)` is a hint that these names are about to be read (it may do nothing)."""
 
-    def get(self, name: str) -> bytearray | None: ...
+    def get(self, name: str) -> memoryview | None: ...
+    def prefetch(self, names: Sequence[str]) -> None: ...
     def put(self, name: str, data: bytes, verify: Callable[[bytearray], None] | None = None) -> None: ...
     def exists(self, name: str) -> bool: ...
     def delete(self, name: str) -> None: ...
@@ -113,21 +117,38 @@ class DirectoryBackend:
     def _path(self, name: str) -> Path:
         return self.objects / _valid_name(name)[:2] / name
 
-    def get(self, name: str) -> bytearray | None:
+    def get(self, name: str) -> memoryview | None:
+        """The file's bytes, read into an uninitialised buffer: bytearray(size) zero-fills it
+        first, a pass over the memory as slow as the SHA-256 that follows (numpy also asks for huge
+        pages for large arrays, fewer page faults)."""
         try:
             with open(self._path(name), "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                buf = bytearray(size)
-                view = memoryview(buf)
+                view = memoryview(np.empty(size, dtype=np.uint8)).cast("B")  # writable, [size]
                 got = 0
                 while got < size:
                     n = f.readinto(view[got:])
                     if not n:
                         break
                     got += n
-                return buf if got == size else buf[:got]
+                return view if got == size else view[:got]
         except FileNotFoundError:
             return None
+
+    def prefetch(self, names: Sequence[str]) -> None:
+        """Start the page cache's reads of these entries (POSIX_FADV_WILLNEED queues readahead of
+        each whole file and returns), so the disk streams while the readers verify what they have."""
+        for name in names:
+            try:
+                fd = os.open(self._path(name), os.O_RDONLY)
+            except OSError:  # gone meanwhile: its reader reports the miss
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:  # a file system without readahead hints: the reads still work
+                pass
+            finally:
+                os.close(fd)
 
     def exists(self, name: str) -> bool:
         return self._path(name).is_file()
@@ -291,41 +312,59 @@ class Store:
             return Hit(n_tokens, tuple(t for t in tiles if t is not None), tuple(names))
         return None
 
+    @staticmethod
+    def _swa_first(jobs: Sequence[tuple]) -> list[int]:
+        """Indices of `jobs` in the order to read them: the SWA tail first (the one entry whose
+        size does not shrink with the chunk: window rows of every sliding layer, 12x a NOPE
+        chunk on the full model; read last it would be a serial tail), then the NOPE chunks."""
+        return sorted(range(len(jobs)), key=lambda i: jobs[i][1] != "swa")
+
     def _load_all(self, jobs: Sequence[tuple]) -> list[Tile | None]:
-        """load() of every (address, kind, chunk ids) in order; several entries are read and
-        verified at once (file reads and SHA-256 release the GIL): a 32k-token prefix is ~0.5 GB."""
+        """load() of every (address, kind, chunk ids), results in job order; several entries are
+        read and verified at once (file reads and SHA-256 release the GIL): a 32k-token prefix
+        is ~0.5 GB. The backend prefetches them meanwhile."""
         if len(jobs) < 2:
             return [self.load(*j) for j in jobs]
-        with ThreadPoolExecutor(min(LOAD_THREADS, len(jobs)), thread_name_prefix="kvpack-load") as ex:
-            return list(ex.map(lambda j: self.load(*j), jobs))
+        order = self._swa_first(jobs)
+        with ThreadPoolExecutor(min(LOAD_THREADS, len(jobs)) + 1, thread_name_prefix="kvpack-load") as ex:
+            ex.submit(self.backend.prefetch, [self.name(*jobs[i][:2]) for i in order])
+            futures = {i: ex.submit(self.load, *jobs[i]) for i in order}
+            return [futures[i].result() for i in range(len(jobs))]
 
     def restore(self, target: Any, ids: Sequence[int]) -> Hit | None:
         """lookup(ids), installed into `target` (a session or a KvCache: begin_install / commit).
-        The entries are read and verified on LOAD_THREADS threads while this thread installs each
-        verified tile, in order, into detached planes, so the copies overlap the reads and the
-        SHA-256s. Nothing is committed unless every entry of the prefix verified (otherwise the
-        next shorter prefix is tried, as lookup does); the live planes change only at the commit."""
+        The entries are read and verified on LOAD_THREADS threads, the SWA tail first (_swa_first),
+        while the backend prefetches them all. This thread installs each tile into detached planes as soon
+        as it verified, in whatever order they finish (tiles hold disjoint rows), so the copies
+        overlap the reads and the SHA-256s. Nothing is committed unless every entry of the prefix
+        verified (otherwise the next shorter prefix is tried, as lookup does); the live planes
+        change only at the commit."""
         layout = self.binding.layout
         for n_tokens, names, jobs in self._candidates(ids):
+            order = self._swa_first(jobs)
             inst = target.begin_install(n_tokens)
-            tiles: list[Tile] = []
-            with ThreadPoolExecutor(min(LOAD_THREADS, len(jobs)), thread_name_prefix="kvpack-load") as ex:
-                futures = [ex.submit(self.load, *j) for j in jobs]
-                for f in futures:
+            tiles: list[Tile | None] = [None] * len(jobs)
+            complete = True
+            with ThreadPoolExecutor(min(LOAD_THREADS, len(jobs)) + 1, thread_name_prefix="kvpack-load") as ex:
+                ex.submit(self.backend.prefetch, [names[i] for i in order])
+                futures: dict[Future, int] = {ex.submit(self.load, *jobs[i]): i for i in order}
+                for f in as_completed(futures):
                     t = f.result()
                     if t is None:  # a logged miss: abandon this install (never committed)
+                        complete = False
                         for rest in futures:
                             rest.cancel()
                         break
-                    install_tile(inst, t)
-                    tiles.append(t)
-            if len(tiles) < len(jobs):
+                    install_tile(inst, t)  # only a verified tile reaches the planes
+                    tiles[futures[f]] = t
+            if not complete:
                 continue
-            cover(tiles, layout, n_tokens)  # NOPE chunks [0, n) without gap, the SWA tail at n
+            got = [t for t in tiles if t is not None]
+            cover(got, layout, n_tokens)  # NOPE chunks [0, n) without gap, the SWA tail at n
             target.commit(inst)
             for n in names:
                 self.backend.touch(n)
-            return Hit(n_tokens, tuple(tiles), tuple(names))
+            return Hit(n_tokens, tuple(got), tuple(names))
         return None
 
     def put(self, name: str, blob: bytes, address: str, kind: str) -> bool:
