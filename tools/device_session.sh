@@ -31,6 +31,8 @@
 #   serve    muser bench serve --device cuda at 1/4/16 clients on the full Q4_K file when it is
 #            written (else, or when that run fails, the shipped micro model), the CUDA
 #            llama-server beside it when built (or the one --llama-server names)
+#   spec     muser bench spec on the shipped micro target + drafter (natural and synthetic prompts,
+#            greedy and sampled; Gate 3: speculative tokens == plain tokens) on CUDA
 #
 # --cpu-dry: the same stages on the CPU with tiny fixtures (8 layers of the default synthetic
 # widths): no llama.cpp build (the venv's llama-cpp-python is the comparator), device_kernels in
@@ -55,7 +57,7 @@ while [ $# -gt 0 ]; do
     --llama-server) LLAMA_SERVER=${2:?--llama-server PATH}; shift ;;
     --kind-box) KIND_BOX=${2:?--kind-box SECONDS}; shift ;;
     --kvpack-box) KVPACK_BOX=${2:?--kvpack-box SECONDS}; shift ;;
-    build|fixture|kernels|gate|speed|kvpack|nvfp4|serve|sampling) STAGES+=("$1") ;;
+    build|fixture|kernels|gate|speed|kvpack|nvfp4|serve|sampling|spec) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
   shift
@@ -219,6 +221,8 @@ for st in "${STAGES[@]}"; do
         else run_stage kernels 200 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 180; fi
       else record kernels - 0 "tools/device_kernels.py is absent"; fi ;;
     gate) ;;  # in the background from t = 0 (wide_gate_bg)
+    spec)
+      run_stage spec 150 40 $PY -m muser bench spec --device $DEV --prompts 3 --max-tokens 64 --reps 1 --out-dir "$R" ;;
     sampling)
       if [ $DRY = 1 ]; then record sampling - 0 "dry run: the device-side candidates and the warm-up need CUDA"
       else mkdir -p "$R/sampling"; run_stage sampling 120 30 $PY tools/device_sampling.py --out "$R/sampling"; fi ;;
