@@ -5,7 +5,13 @@ same prompts and the same draft length, side by side in the same receipt.
 
 Prompts. Natural text: [BOS] + the first --prompt-tokens tokens of the first --prompts files of the
 micro model's held-out split (muser.corpus rule, the split hash checked against the model's
-provenance). Synthetic text: [BOS] + a period-8 token pattern repeated (book 8.4: a fixture that a
+provenance). Natural mid-file text ("natural-mid", what a user of a code model mostly
+continues): for the same files, [BOS] + the --prompt-tokens tokens that end at the first line
+boundary at or after the file's token midpoint (the whole file tokenized; a line boundary is the end
+of a token whose bytes end in a newline); where that window does not tokenize back to its ids, the
+next line boundary that does; a file with fewer than --prompt-tokens tokens before its cut, or no
+boundary that round-trips, is skipped, and the receipt lists the cuts and the skips
+(results.natural_mid). Synthetic text: [BOS] + a period-8 token pattern repeated (book 8.4: a fixture that a
 drafter conditioned on the wrong window can still pass, reported beside natural text, never instead).
 Every prompt is also a text that tokenizes back to exactly its ids (BOS added, specials parsed: how
 llama-speculative-simple tokenizes -p); the pinned llama.cpp tokenizer (llama-cpp-python, vocab only)
@@ -40,7 +46,7 @@ from pathlib import Path
 
 MODES = {"greedy": {"temperature": 0.0},
          "t0.7": {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 20261201}}
-CLASSES = ("natural", "synthetic")
+CLASSES = ("natural", "natural-mid", "synthetic")
 AGAINST = ("llama.cpp",)
 
 
@@ -56,7 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lane", default="exact")
     p.add_argument("--kv", default="f16")
     p.add_argument("--verify-len", type=int, default=7, choices=(3, 7, 15))
-    p.add_argument("--prompts", type=int, default=5, help="held-out files used as natural prompts")
+    p.add_argument("--prompts", type=int, default=5,
+                   help="held-out files used as natural prompts (their starts; natural-mid: cuts inside them)")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=1, help="timed repetitions of each cell")
@@ -70,7 +77,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def natural_prompts(model, n: int, n_tokens: int, root: str | None) -> list[tuple[str, list[int]]]:
+MID_RULE = ("[BOS] + the --prompt-tokens tokens ending at the first line boundary (a token whose bytes end in "
+            "a newline) at or after the token midpoint of the whole file tokenized, else the next boundary whose "
+            "window round-trips; skipped when fewer tokens precede the cut or no boundary round-trips")
+
+
+def heldout_docs(model, root: str | None) -> list:
+    """The micro model's held-out split (muser.corpus rule), its hash checked against the model's provenance."""
     from ...errors import IdentityMismatch, MuserError
     from ... import corpus
     from .ppl import provenance
@@ -84,15 +97,53 @@ def natural_prompts(model, n: int, n_tokens: int, root: str | None) -> list[tupl
     sha = corpus.split_sha256(docs)
     if sha != prov["corpus"]["heldout"]["sha256"]:
         raise IdentityMismatch(f"the held-out split under {root!r} hashes to {sha}, not the model's provenance")
+    return docs
+
+
+def natural_prompts(model, n: int, n_tokens: int, root: str | None) -> list[tuple[str, list[int]]]:
     tok = model.tokenizer
     out = []
-    for d in docs:
+    for d in heldout_docs(model, root):
         ids = tok.encode(d.text[: 16 * n_tokens], add_special=False)
         if len(ids) >= n_tokens:
             out.append((d.relpath, [tok.bos_id] + ids[:n_tokens]))
         if len(out) == n:
             break
     return out
+
+
+def mid_cut(tok, text: str, n_tokens: int) -> dict:
+    """Where MID_RULE cuts `text`: {"file_tokens", "midpoint", "end"} (the window is ids[end - n_tokens:end]),
+    or {"file_tokens", "midpoint", "skipped": reason}."""
+    ids = tok.encode(text, add_special=False)
+    mid = len(ids) // 2
+    cut: dict = {"file_tokens": len(ids), "midpoint": mid}
+    ends = [e for e in range(max(mid, 1), len(ids) + 1) if tok.decode_bytes([ids[e - 1]]).endswith(b"\n")]
+    if not ends:
+        return dict(cut, skipped="no line boundary at or after the midpoint")
+    if ends[0] < n_tokens:
+        return dict(cut, skipped=f"{ends[0]} tokens before the cut, fewer than --prompt-tokens {n_tokens}")
+    for e in ends:
+        window = [tok.bos_id] + ids[e - n_tokens:e]
+        # llama.cpp is given the text, so the window must tokenize back to exactly its ids
+        if tok.encode(tok.decode(window[1:]), add_special=True, parse_special=True) == window:
+            return dict(cut, end=e, line_boundaries_tried=ends.index(e) + 1)
+    return dict(cut, skipped=f"none of the {len(ends)} line boundaries after the midpoint round-trips")
+
+
+def natural_mid_prompts(model, names: list[str], n_tokens: int,
+                        root: str | None) -> tuple[list[tuple[str, list[int]]], list[dict]]:
+    """MID_RULE's prompts of the held-out files `names` (in that order), and every file's cut or skip."""
+    tok = model.tokenizer
+    docs = {d.relpath: d for d in heldout_docs(model, root)}
+    prompts, cuts = [], []
+    for name in names:
+        cut = mid_cut(tok, docs[name].text, n_tokens)
+        cuts.append({"file": name, **cut})
+        if "end" in cut:
+            ids = tok.encode(docs[name].text, add_special=False)
+            prompts.append((f"{name}@{cut['end']}", [tok.bos_id] + ids[cut["end"] - n_tokens:cut["end"]]))
+    return prompts, cuts
 
 
 def synthetic_prompt(model, n_tokens: int) -> tuple[str, list[int]]:
@@ -200,8 +251,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         drafter = model.drafter(draft)
         tok = model.tokenizer
-        prompts = [("natural", name, ids) for name, ids in natural_prompts(model, args.prompts, args.prompt_tokens,
-                                                                            args.corpus_root)]
+        natural = natural_prompts(model, args.prompts, args.prompt_tokens, args.corpus_root)
+        mid, mid_cuts = natural_mid_prompts(model, [name for name, _ in natural], args.prompt_tokens,
+                                            args.corpus_root)
+        prompts = [("natural", name, ids) for name, ids in natural]
+        prompts += [("natural-mid", name, ids) for name, ids in mid]
         prompts.append(("synthetic",) + synthetic_prompt(model, args.prompt_tokens))
         texts = [(cls, name, prompt_text(tok, name, ids), ids) for cls, name, ids in prompts]
         comparator: dict = {"name": "none (no --against)"}
@@ -266,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
                 row["muser"] = dict(counts, wall_s=sum(t_spec))
                 row["muser_gate_open"] = dict(counts_open, wall_s=sum(t_open))
                 mo = row["muser_gate_open"]
-                line = (f"{cls:9} {mode:6} {name[:28]:28} muser accept {stats['acceptance_rate'] or 0:.3f} "
+                line = (f"{cls:11} {mode:6} {name[:28]:28} muser accept {stats['acceptance_rate'] or 0:.3f} "
                         f"len {stats['mean_accepted_length'] or 0:.2f} (gate open: "
                         f"{mo['accepted'] / mo['proposals'] if mo['proposals'] else 0:.3f} "
                         f"len {mo['accepted'] / mo['rounds'] if mo['rounds'] else 0:.2f}) "
@@ -290,6 +344,8 @@ def run(args: argparse.Namespace) -> int:
         for cls in CLASSES:
             for mode in MODES:
                 sel = [r for r in rows if r["class"] == cls and r["mode"] == mode]
+                if not sel:  # every natural-mid file skipped by rule
+                    continue
                 summary[f"{cls}/{mode}"] = dict(class_figures(sel, "muser"), speedup=sum(
                     sum(r["plain_s"]) for r in sel) / sum(sum(r["spec_s"]) for r in sel),
                     gate_open=class_figures(sel, "muser_gate_open"))
@@ -299,7 +355,9 @@ def run(args: argparse.Namespace) -> int:
                    "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "reps": args.reps,
                    "threads": args.threads, "draft_block_size": drafter.cfg.block_size,
                    "draft_sink_size": drafter.cfg.sink, "draft_sliding_window": drafter.cfg.window,
-                   "modes": MODES, "summary": summary, "rows": rows, "comparator": comparator}
+                   "modes": MODES, "natural_mid": {"rule": MID_RULE, "cuts": mid_cuts,
+                                                   "skipped": [c["file"] for c in mid_cuts if "skipped" in c]},
+                   "summary": summary, "rows": rows, "comparator": comparator}
         if binary is not None:
             results["comparison"] = compare(rows)
             results["muser_ge_llama_cpp_acceptance_every_class"] = all(
