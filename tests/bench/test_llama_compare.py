@@ -93,7 +93,7 @@ def spec_rows() -> list[dict]:
     side = {"proposals": ll["proposals"], "accepted": ll["accepted"], "rounds": ll["rounds"], "tokens": ll["tokens"],
             "wall_s": ll["prompt_eval_s"] + ll["decode_s"]}
     rows = []
-    for cls, mode, open_acc in (("natural", "greedy", 14), ("synthetic", "greedy", 9)):
+    for cls, mode, open_acc in (("natural", "greedy", 14), ("natural-mid", "greedy", 13), ("synthetic", "greedy", 9)):
         rows.append({"class": cls, "mode": mode, "prompt": "p",
                      "muser": {"proposals": 70, "accepted": 8, "rounds": 10, "tokens": 32, "wall_s": 0.5},
                      "muser_gate_open": {"proposals": 133, "accepted": open_acc, "rounds": 21, "tokens": 32,
@@ -105,16 +105,18 @@ def spec_rows() -> list[dict]:
 def test_comparison_per_class_and_its_receipt(tmp_path):
     rows = spec_rows()
     c = K.compare(rows)
-    assert set(c) == {"natural/greedy", "synthetic/greedy"}
-    nat, syn = c["natural/greedy"], c["synthetic/greedy"]
+    assert set(c) == {"natural/greedy", "natural-mid/greedy", "synthetic/greedy"}
+    nat, mid, syn = c["natural/greedy"], c["natural-mid/greedy"], c["synthetic/greedy"]
     assert nat["llama.cpp"]["acceptance_rate"] == pytest.approx(13 / 133)
     assert nat["muser_gate_open"]["mean_accepted_length"] == pytest.approx(14 / 21)
     assert nat["muser"]["tok_s"] == pytest.approx(64.0) and nat["llama.cpp"]["tok_s"] == pytest.approx(34 / 0.738)
     # acceptance like for like (gate held open), tok/s product against product (gated)
     assert nat["muser_ge_llama_cpp"] == {"acceptance_rate": True, "mean_accepted_length": True, "tok_s": True}
     assert syn["muser_ge_llama_cpp"] == {"acceptance_rate": False, "mean_accepted_length": False, "tok_s": True}
+    # natural-mid is compared as its own class; equal to llama.cpp (13 of 133 in 21 rounds) counts as >=
+    assert mid["muser_ge_llama_cpp"] == {"acceptance_rate": True, "mean_accepted_length": True, "tok_s": True}
     p = write_receipt("spec", model={"path": "t.gguf"}, device={"kind": "cpu"}, lane="exact",
-                      gate={"status": "pass", "rule": "identical", "cases": 2, "identical_cases": 2},
+                      gate={"status": "pass", "rule": "identical", "cases": 3, "identical_cases": 3},
                       results={"rows": rows, "comparison": c}, out_dir=tmp_path)
     assert verify_receipt(p) == []
     assert json.loads(p.read_text())["results"]["comparison"]["synthetic/greedy"]["muser_ge_llama_cpp"]["tok_s"]
