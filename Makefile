@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test comparator run lint test clean
+.PHONY: setup setup-test comparator llama-bins run lint test clean
 
 # Runtime only: [project] dependencies (no pytest, no triton).
 $(VENV)/.stamp-runtime: pyproject.toml setup.py src/muser/engine/kernels/cpu.c
@@ -26,6 +26,24 @@ $(VENV)/.stamp-test: $(VENV)/.stamp-runtime
 $(VENV)/.stamp-comparator: $(VENV)/.stamp-test
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install -q --no-binary llama-cpp-python llama-cpp-python==0.3.36
 	touch $@
+
+# The pinned llama.cpp's own binaries for the CPU comparisons (`muser bench spec --against llama.cpp
+# --llama-spec`, `muser bench serve --against llama-server --llama-server`), built from the vendor
+# tree of the same llama-cpp-python 0.3.36 source distribution the comparator package is built from.
+LLAMA_BINS := build/llama-cpu
+$(LLAMA_BINS)/.stamp: $(VENV)/.stamp-runtime
+	$(BIN)/python -m pip install -q cmake
+	rm -rf $(LLAMA_BINS) && mkdir -p $(LLAMA_BINS)
+	$(BIN)/python -m pip download -q --no-deps --no-binary :all: -d $(LLAMA_BINS) llama-cpp-python==0.3.36
+	tar xzf $(LLAMA_BINS)/llama_cpp_python-0.3.36.tar.gz -C $(LLAMA_BINS)
+	$(BIN)/cmake -S $(LLAMA_BINS)/llama_cpp_python-0.3.36/vendor/llama.cpp -B $(LLAMA_BINS)/build \
+	  -DCMAKE_BUILD_TYPE=Release $(LLAMA_CMAKE_ARGS) -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+	  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >$(LLAMA_BINS)/cmake.log
+	$(BIN)/cmake --build $(LLAMA_BINS)/build -j2 --target llama-speculative-simple llama-server >$(LLAMA_BINS)/build.log
+	touch $@
+
+llama-bins: $(LLAMA_BINS)/.stamp
 
 setup: $(VENV)/.stamp-runtime
 
