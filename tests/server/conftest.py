@@ -8,11 +8,21 @@ from pathlib import Path
 import httpx
 import pytest
 
+import muser
+
 from muser.bench.kinds.serve import muser_server
 
 from .fixtures import write_atem_fixture
 
 API_KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_gguf):
+    """The tiny synthetic model loaded in process (engine-loop tests without a server)."""
+    m = muser.load(tiny_gguf)
+    yield m
+    m.close()
 
 
 class Served:

@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-import muser
 from muser.errors import LaneError
 from muser.generation import emitter
 from muser.sample import greedy
@@ -42,13 +41,6 @@ class Recording(StepBackend):
     def prefill(self, sess, ids, history):
         self.log.append(("prefill", time.monotonic(), len(ids)))
         return super().prefill(sess, ids, history)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_gguf):
-    m = muser.load(tiny_gguf)
-    yield m
-    m.close()
 
 
 class Counting(Inline):

@@ -15,9 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
-import muser
 from muser.bench.kinds.serve import MUSER_LINE
 from muser.server.loop import EngineLoop, prompt_rows, warm_batches
 
@@ -113,13 +111,6 @@ def test_a_load_that_fails_stops_the_server_with_its_error(tmp_path):
     assert proc.p.returncode != 0
     assert LOADING.search(err) and not MUSER_LINE.search(err)
     assert f"--ctx {1 << 30} must be in [2, " in err
-
-
-@pytest.fixture(scope="module")
-def model(tiny_gguf):
-    m = muser.load(tiny_gguf)
-    yield m
-    m.close()
 
 
 def test_warm_batches_are_the_steps_the_loop_builds(model):
