@@ -63,6 +63,8 @@ while [ $# -gt 0 ]; do
   shift
 done
 [ ${#STAGES[@]} -gt 0 ] || { echo "name at least one stage" >&2; exit 2; }
+if [ -n "${MUSER_GIT_SHA:-}" ] && ! [[ "$MUSER_GIT_SHA" =~ ^[0-9a-f]{40}$ ]]; then  # receipts must name the full SHA
+  echo "MUSER_GIT_SHA '$MUSER_GIT_SHA' is not a full 40-hex SHA (git rev-parse HEAD)" >&2; exit 2; fi
 PY=${PY:-python3}
 T0=$(date +%s)
 el() { echo $(( $(date +%s) - T0 )); }
@@ -222,7 +224,11 @@ for st in "${STAGES[@]}"; do
       else record kernels - 0 "tools/device_kernels.py is absent"; fi ;;
     gate) ;;  # in the background from t = 0 (wide_gate_bg)
     spec)
-      run_stage spec 150 40 $PY -m muser bench spec --device $DEV --prompts 3 --max-tokens 64 --reps 1 --out-dir "$R" ;;
+      croot=()  # the held-out split from the carry where this python is not the one the model was trained from
+      if [ -s "$CARRY/heldout.tgz" ]; then
+        rm -rf "$W/heldout" && mkdir -p "$W/heldout" && tar xzf "$CARRY/heldout.tgz" -C "$W/heldout" && croot=(--corpus-root "$W/heldout")
+      fi
+      run_stage spec 150 40 $PY -m muser bench spec --device $DEV --prompts 3 --max-tokens 64 --reps 1 "${croot[@]}" --out-dir "$R" ;;
     sampling)
       if [ $DRY = 1 ]; then record sampling - 0 "dry run: the device-side candidates and the warm-up need CUDA"
       else mkdir -p "$R/sampling"; run_stage sampling 120 30 $PY tools/device_sampling.py --out "$R/sampling"; fi ;;
