@@ -43,3 +43,12 @@ def test_cpu_dry_fixture_stage_bundles_what_comes_back(tmp_path):
     assert (work / "full.done").read_text().startswith("rc=0") and (work / "dry-q4_k_xl.gguf").stat().st_size > 0
     # the NVFP4 file is written only for the stage that reads it
     assert not (work / "nv.done").exists() and not (work / "dry-nvfp4-ggml.gguf").exists()
+
+
+def test_an_abbreviated_sha_is_refused_before_any_work(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PY=sys.executable, MUSER_DEVICE_WORK=str(tmp_path / "work"),
+               MUSER_GIT_SHA="1319bb1")
+    p = subprocess.run(["bash", str(SCRIPT), "--cpu-dry", "fixture"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and "MUSER_GIT_SHA '1319bb1' is not a full 40-hex SHA" in p.stderr
+    assert not (tmp_path / "work").exists()

@@ -177,3 +177,18 @@ def test_verify_names_what_a_hand_made_receipt_gets_wrong(tmp_path):
         assert frag in why, why
     (tmp_path / "20200101T000001Z-decode.json").write_text(json.dumps({"command": "x", "rows": []}))
     assert "no envelope" in R.verify_receipt(tmp_path / "20200101T000001Z-decode.json")[0]
+
+
+@pytest.mark.parametrize("sent", ["1319bb1", "unknown", "939F263FC7C419ED311D385E7515298D9BF78BF4", "x" * 40])
+def test_an_abbreviated_or_malformed_sent_sha_is_refused_before_writing(tmp_path, monkeypatch, sent):
+    monkeypatch.setenv("MUSER_GIT_SHA", sent)
+    with pytest.raises(ReceiptError, match="MUSER_GIT_SHA"):
+        _write(tmp_path, {"status": "n/a"})
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_a_full_sent_sha_is_stamped_and_verifies(tmp_path, monkeypatch):
+    sha = "939f263fc7c419ed311d385e7515298d9bf78bf4"
+    monkeypatch.setenv("MUSER_GIT_SHA", sha)
+    p = _write(tmp_path, {"status": "n/a"})
+    assert json.loads(p.read_text())["git_sha"] == sha and R.verify_receipt(p) == []

@@ -84,7 +84,7 @@ def git_sha() -> str:
     sent = os.environ.get("MUSER_GIT_SHA")
     if sent:  # the SHA a copied tree was sent at (the GPU machine's .git may be an older copy)
         if not _SHA.fullmatch(sent) or sent == "unknown":  # refused before any work: verify_receipt would reject it
-            raise ValueError(f"MUSER_GIT_SHA {sent!r} is not a full 40-hex git SHA (git rev-parse HEAD)")
+            raise ReceiptError(f"MUSER_GIT_SHA {sent!r} is not a full 40-hex git SHA (git rev-parse HEAD)")
         return sent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
