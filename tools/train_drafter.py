@@ -15,6 +15,10 @@
         the sidecar GGUF (muser.spec.format.write_drafter, F16 weights) and its .pin.json, from
         RUN_OUT/drafter-weights.npz and RUN_OUT/drafter-run.json (or, for a whole training run,
         RUN_OUT/micro-run.json's "drafter" record)
+    tools/train_drafter.py score [--target T --drafter D] [--max-tokens 64] [--heldout 8] [--out JSON]
+        here, on the CPU: the training code's acceptance on the prompts of `muser bench spec` and on the
+        evaluation's held-out prompts, by the evaluation's rule (every anchor) and by the bench's (per
+        greedy round, every round drafting; tests/micro/test_drafter.py checks these are Muser's rounds)
 
 `distill` (also the last stage of tools/device_train.py, on a freshly trained master):
   1. greedy continuations of the target, KV-cached and batched (MicroGlimmer.greedy, f32 matmuls with
@@ -168,6 +172,16 @@ def drafter_from_gguf(path: str | Path, D: dict, hidden: int, dev) -> dict:
     return {k: (v.to(dev) if k != "layers" else [{n: t.to(dev) for n, t in L.items()} for L in v]) for k, v in W.items()}
 
 
+def draw_prompts(stream, cfg: DistillConfig, batch: int, gen) -> tuple[int, object]:
+    """One group's prompts: a length p drawn uniformly from [prompt_min, prompt_max], then `batch` windows
+    of `stream` (int64 CPU) at uniform random offsets -> (p, prompts [batch, p] int64 CPU)."""
+    import torch
+
+    p = int(torch.randint(cfg.prompt_min, cfg.prompt_max + 1, (1,), generator=gen))
+    starts = torch.randint(0, stream.numel() - p, (batch,), generator=gen)
+    return p, torch.stack([stream[s:s + p] for s in starts.tolist()])
+
+
 def generate_groups(target, stream, cfg: DistillConfig, n_groups: int, batch: int, gen, stop_at: float,
                     log=print) -> list[tuple[int, object]]:
     """Up to n_groups greedy groups (prompt length p, sequences [batch, p + gen_new] int64 on the target's
@@ -180,10 +194,8 @@ def generate_groups(target, stream, cfg: DistillConfig, n_groups: int, batch: in
     for _ in range(n_groups):
         if STOP["why"] or (out and time.time() > stop_at):
             break
-        p = int(torch.randint(cfg.prompt_min, cfg.prompt_max + 1, (1,), generator=gen))
-        starts = torch.randint(0, stream.numel() - p, (batch,), generator=gen)
-        prompts = torch.stack([stream[s:s + p] for s in starts.tolist()]).to(dev)
-        out.append((p, target.greedy(prompts, cfg.gen_new)))
+        p, prompts = draw_prompts(stream, cfg, batch, gen)
+        out.append((p, target.greedy(prompts.to(dev), cfg.gen_new)))
     if dev.type == "cuda":
         torch.cuda.synchronize()
     log(f"drafter: generated {len(out)} groups, {sum(int(s.shape[0]) for _, s in out)} sequences")
@@ -581,6 +593,125 @@ def distill_device(a: argparse.Namespace) -> int:
     return 0 if run["status"] == "done" else 1
 
 
+# score (here): the training code's metrics on the bench's prompts and on the evaluation's
+
+def anchor_hits(W: dict, ng, target, layers: list[int], seqs, p: int, n_anchors: int, mask_id: int, K: int,
+                chunk: int = 32):
+    """seqs [B, T] (T >= p + n_anchors + K - 2) -> bool [B, n_anchors, K - 1]: whether the block at anchor
+    p - 1 + i proposes ids[n + 1 + j] in row 1 + j (the context of each block is the whole true prefix)."""
+    import torch
+
+    with torch.no_grad():
+        ctx = drafter_context(W, ng, target, layers, seqs)
+        an = torch.arange(p - 1, p - 1 + n_anchors, device=seqs.device)
+        out = []
+        for j in range(0, n_anchors, chunk):
+            a = an[j:j + chunk][None].expand(seqs.shape[0], -1)
+            logits, labels = draft_blocks(W, ng, target, ctx, seqs, a, mask_id, K)
+            out.append((logits.argmax(-1) == labels)[:, :, 1:])
+        return torch.cat(out, 1)
+
+
+def round_lengths(accepted, n_new: int, k: int) -> list[int]:
+    """The rounds muser.spec.SpecSession commits in a greedy generation of n_new tokens that drafts every
+    round (the bench's gate held open), from accepted[i] = the accepted prefix (of k) of the block at
+    anchor p + i (the first round drafts after the token the prefill picked). A round accepting a < k is
+    committed when its bonus token is decoded, one accepting all k when its k-th draft is; nothing is
+    decoded once n_new tokens are out, so a round open then is not counted."""
+    out, emitted, i = [], 1, 0
+    while emitted < n_new:
+        a = int(accepted[i])
+        if emitted + a + (a < k) < n_new:
+            out.append(a)
+        emitted += a + 1
+        i += a + 1
+    return out
+
+
+def score(a: argparse.Namespace) -> int:
+    """The drafter scored by the training code (tools/micro_net.py target, draft_blocks) on (1) the prompts of
+    `muser bench spec` and (2) the first --heldout prompts of each held-out group the distillation evaluated
+    (same seed, same draws), two ways each: the evaluation's rule (mean accepted prefix over every anchor of
+    the generated part) and the bench's (mean accepted per greedy round, every round drafting)."""
+    import torch
+
+    import corpus as corpus_tool
+    import corpus_carry
+    import muser
+    from muser import corpus
+    from muser.bench.kinds.spec import natural_mid_prompts, natural_prompts, synthetic_prompt
+
+    torch.set_num_threads(a.threads)
+    target, geo, facts = load_target(a.target, "cpu")
+    D = draft_geometry(geo)
+    ng = net_geometry(D, geo.hidden)
+    W = drafter_from_gguf(a.drafter, D, geo.hidden, "cpu")
+    K, k, n_new, layers, mask = D["block_size"], a.verify_len, a.max_tokens, list(D["target_layers"]), facts["ids"]["mask"]
+    cfg = DistillConfig()
+
+    def measure(p: int, prompts, gen_new: int) -> dict:
+        """Greedy continuations of gen_new + K tokens (labels for every anchor up to p - 1 + gen_new)."""
+        seqs = target.greedy(prompts, gen_new + K)
+        run = anchor_hits(W, ng, target, layers, seqs, p, gen_new + 1, mask, K).int().cumprod(-1)  # [B, A, 15]
+
+        def every_anchor(n: int) -> torch.Tensor:  # the evaluation's anchors for n new tokens: p-1 .. p+n-K
+            return run[:, : n - K + 2]
+
+        rounds = [round_lengths(x[1:].tolist(), n_new, k) for x in run[:, :, :k].sum(-1)]
+        return {"p": p, "every_anchor": every_anchor, "rounds": rounds, "run": run}
+
+    def summary(rows: list[dict], n: int) -> dict:
+        ev = torch.cat([r["every_anchor"](n).reshape(-1, K - 1) for r in rows])
+        rl = [x for r in rows for rr in r["rounds"] for x in rr]
+        return {"blocks": int(ev.shape[0]), f"every_anchor_accepted_of_{K - 1}": round(float(ev.sum(-1).float().mean()), 3),
+                f"every_anchor_accepted_of_{k}": round(float(ev[:, :k].sum(-1).float().mean()), 3),
+                "rounds": len(rl), f"per_round_accepted_of_{k}": round(sum(rl) / max(len(rl), 1), 3)}
+
+    rec: dict = {"target": Path(a.target).name, "drafter": Path(a.drafter).name, "verify_len": k,
+                 "max_tokens": n_new, "bench": {}, "heldout_eval_prompts": {}}
+    model = muser.load(a.target, device="cpu")
+    try:
+        nat = natural_prompts(model, a.prompts, a.prompt_tokens, a.corpus_root)
+        mid, _ = natural_mid_prompts(model, [name for name, _ in nat], a.prompt_tokens, a.corpus_root)
+        classes = {"natural": nat, "natural-mid": mid, "synthetic": [synthetic_prompt(model, a.prompt_tokens)]}
+    finally:
+        model.close()
+    for cls, prompts in classes.items():
+        rows = []
+        for name, ids in prompts:
+            r = measure(len(ids), torch.tensor([ids]), n_new)
+            rows.append(r)
+            print(f"bench {cls:11} {name[:30]:30} every anchor {summary([r], n_new)[f'every_anchor_accepted_of_{k}']:.2f} "
+                  f"of {k}, per round {summary([r], n_new)[f'per_round_accepted_of_{k}']:.2f} of {k}", flush=True)
+        rec["bench"][cls] = {"prompts": [name for name, _ in prompts], **summary(rows, n_new)}
+        print(f"bench {cls:11} " + json.dumps(rec["bench"][cls]), flush=True)
+
+    tok = corpus_tool.tokenizer_from_vocab(facts["tokens"], facts["merges"])
+    docs = corpus.split_docs(corpus.load_docs(Path(a.corpus_root) if a.corpus_root else corpus.DEFAULT_ROOT), "heldout")
+    ids = corpus_carry.encode(tok, [(d.relpath, d.data) for d in docs])
+    stream = torch.from_numpy(ids.astype(np.int64))
+    gen = torch.Generator().manual_seed(1234)  # distill's generator: the held-out groups are its first draws
+    rows = []
+    for _ in range(cfg.held_groups):
+        p, prompts = draw_prompts(stream, cfg, cfg.held_batch, gen)
+        rows.append(measure(p, prompts[: a.heldout], cfg.gen_new))
+    h = rec["heldout_eval_prompts"]
+    h["ids_sha256"] = hashlib.sha256(ids.tobytes()).hexdigest()
+    h["prompt_lengths"] = [r["p"] for r in rows]
+    h[f"gen_new_{cfg.gen_new}"] = summary(rows, cfg.gen_new)
+    h[f"first_{n_new}"] = summary(rows, n_new)
+    run = torch.cat([r["every_anchor"](cfg.gen_new) for r in rows])  # [B, A, 15]
+    h["every_anchor_by_offset"] = [{"offsets": [lo, lo + 15], f"accepted_of_{k}": round(float(
+        run[:, lo:lo + 16, :k].sum(-1).float().mean()), 3)} for lo in range(0, run.shape[1], 16)]
+    for key in (f"gen_new_{cfg.gen_new}", f"first_{n_new}"):
+        print(f"heldout {key:12} " + json.dumps(h[key]), flush=True)
+    print("heldout every anchor by offset into the generation: " + ", ".join(
+        f"{b['offsets'][0]}-{b['offsets'][1]}: {b[f'accepted_of_{k}']:.2f}" for b in h["every_anchor_by_offset"]))
+    if a.out:
+        write_json(a.out, rec)
+    return 0
+
+
 # export (here)
 
 def export(weights: Path, target: Path, out: Path) -> int:
@@ -643,7 +774,20 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--deadline-s", type=float, default=380.0, help="wall seconds from start for everything")
     d.add_argument("--baseline", default=None, help="a drafter GGUF evaluated on the same held-out continuations")
     d.add_argument("--smoke", action="store_true", help="the CPU, tiny sizes, a minute")
+    sc = sub.add_parser("score", help="the training code's acceptance on the bench's prompts and the evaluation's")
+    sc.add_argument("--target", default=str(REPO / "models" / "muse-glimmer-micro-q8_0.gguf"))
+    sc.add_argument("--drafter", default=str(REPO / "models" / "muse-glimmer-micro-dflash.gguf"))
+    sc.add_argument("--verify-len", type=int, default=7, choices=(3, 7, 15))
+    sc.add_argument("--prompts", type=int, default=3, help="held-out files of the bench (muser bench spec --prompts)")
+    sc.add_argument("--prompt-tokens", type=int, default=256)
+    sc.add_argument("--max-tokens", type=int, default=64, help="generated tokens the rounds cover (the bench's)")
+    sc.add_argument("--heldout", type=int, default=8, help="evaluation prompts kept per held-out group")
+    sc.add_argument("--corpus-root", default=None)
+    sc.add_argument("--threads", type=int, default=2)
+    sc.add_argument("--out", default=None, help="the record as JSON")
     a = ap.parse_args(argv)
+    if a.cmd == "score":
+        return score(a)
     if a.cmd == "carry":
         man = write_carry(a.out, a.root)
         for split, info in man["shards"].items():

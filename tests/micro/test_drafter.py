@@ -214,3 +214,44 @@ def test_training_blocks_propose_what_the_runtime_proposes(td, export_mod):
         logits, labels = td.draft_blocks(W, ng, target, ctx, full, torch.tensor([[len(ids)]]), 3, 16)
     assert int(labels[0, 0, 0]) == x
     assert logits[0, 0, 1:].argmax(-1).tolist() == runtime
+
+
+def test_round_lengths_follow_the_commit_rule(td):
+    # no acceptance, 5 tokens: rounds at the 1st..4th token, the 4th still open when the 5th is out
+    assert td.round_lengths([0] * 8, 5, 7) == [0, 0, 0]
+    # a full round is committed once its 7th draft is decoded; the bonus then opens the next round
+    assert td.round_lengths([7] + [0] * 16, 10, 7) == [7]  # the bonus (9th) opens a round the 10th leaves open
+    assert td.round_lengths([7] + [0] * 16, 11, 7) == [7, 0]
+    assert td.round_lengths([7] + [0] * 16, 8, 7) == []  # the 7th draft is the 8th token: not decoded
+
+
+def test_training_rounds_are_the_runtime_rounds(td):
+    """The bench's first natural prompt on the shipped pair: the greedy rounds the training code implies
+    (anchor_hits + round_lengths, every block seeing the whole true prefix) are the rounds Muser's
+    speculative session commits with every round drafting (incremental verify-row injection, rollbacks)."""
+    import muser
+    from muser.bench.kinds.spec import natural_prompts
+    from muser.sample import SamplingParams
+    from muser.spec import AcceptanceGate
+
+    path, draft = SHIPPED / "muse-glimmer-micro-q8_0.gguf", SHIPPED / "muse-glimmer-micro-dflash.gguf"
+    n_new = 32
+    m = muser.load(path, device="cpu")
+    try:
+        (_, ids), = natural_prompts(m, 1, 256, None)
+        g = m.stream(ids, n_new, sampling=SamplingParams(temperature=0.0), draft=str(draft), verify_len=7,
+                     gate=AcceptanceGate(close_below=0.0))
+        toks = [e.token for e in g]
+        runtime = g.spec.accepted_lengths
+    finally:
+        m.close()
+    target, geo, facts = td.load_target(path, "cpu")
+    D = td.draft_geometry(geo)
+    ng = td.net_geometry(D, geo.hidden)
+    W = td.drafter_from_gguf(draft, D, geo.hidden, "cpu")
+    K = D["block_size"]
+    seqs = target.greedy(torch.tensor([ids]), n_new + K)
+    assert seqs[0, len(ids):len(ids) + n_new].tolist() == toks
+    run = td.anchor_hits(W, ng, target, D["target_layers"], seqs, len(ids), n_new + 1, facts["ids"]["mask"], K)
+    acc = run[0, :, :7].int().cumprod(-1).sum(-1)
+    assert len(runtime) > 10 and td.round_lengths(acc[1:].tolist(), n_new, 7) == runtime

@@ -199,6 +199,8 @@ class Session(Sequence):
         except BaseException:
             self.cache.rollback(cp)
             raise
-        self.captured = {il: b.to("cpu").numpy() for il, b in g.captured.items()}
+        from .step import host_captures
+
+        self.captured = host_captures(g.captured)
         self.logits = None  # the row stayed on the device
         return top

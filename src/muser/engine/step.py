@@ -175,7 +175,7 @@ def run_rows(engine, works: list[StepWork]) -> list[tuple[torch.Tensor | None, d
         g.launch([w.session for w in works], [w.ids for w in works])
         if len(works) == 1:
             works[0].session._graphs[(works[0].T, modes[0])] = g
-        cap = {il: b.to("cpu").numpy() for il, b in g.captured.items()}
+        cap = host_captures(g.captured)
         return [(lg, {il: cap[il][a:b] for il in w.capture})
                 for w, lg, (a, b) in zip(works, g.split(g.logits), g.bounds)]
     dev = engine.device
@@ -205,13 +205,26 @@ def run_rows(engine, works: list[StepWork]) -> list[tuple[torch.Tensor | None, d
     with torch.inference_mode():
         logits = engine.forward.run(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), kv,
                                     out_rows, capture, captured)
+    host = host_captures(captured)
     out = []
     r = 0
     for w, (a, b), s in zip(works, bounds, sel):
         lg = None if logits is None or s.size == 0 else logits[r:r + s.size]
         r += s.size
-        out.append((lg, {il: captured[il][a:b].to("cpu").numpy() for il in w.capture}))
+        out.append((lg, {il: host[il][a:b] for il in w.capture}))
     return out
+
+
+def host_captures(captured: dict) -> dict[int, np.ndarray]:
+    """Captured layer inputs {layer: device [T, hidden]} as host arrays, in one device-to-host copy
+    (one sync a step, not one per layer: a speculative round captures 3 layers)."""
+    if not captured:
+        return {}
+    keys = sorted(captured)
+    H = captured[keys[0]].shape[-1]
+    with torch.inference_mode():
+        host = torch.cat([captured[il] for il in keys], 1).to("cpu").numpy()  # [T, n_cap*H]
+    return {il: host[:, j * H:(j + 1) * H] for j, il in enumerate(keys)}
 
 
 def host_rows(lg: torch.Tensor | None) -> np.ndarray | None:

@@ -44,18 +44,21 @@ class DraftContext:
         self.v = torch.zeros(shape, dtype=torch.float32, device=drafter.device)
         self.n = 0  # rows [0, n) are committed
 
-    def _slots(self, pos: np.ndarray) -> np.ndarray:
-        return np.where(pos < self.sink, pos, self.sink + (pos - self.sink) % self.ring)
+    def _slots(self, pos: torch.Tensor) -> torch.Tensor:
+        return torch.where(pos < self.sink, pos, self.sink + (pos - self.sink) % self.ring)
+
+    def _span(self, lo: int, hi: int) -> torch.Tensor:
+        # built on the device (no host-to-device copy, which on CUDA waits for the stream)
+        return torch.arange(lo, max(lo, hi), dtype=torch.int64, device=self.k.device)
 
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self.n:
             raise KvStateError(f"drafter context has {self.n} rows, cannot truncate to {n}")
         self.n = n
 
-    def visible(self, n: int) -> np.ndarray:
-        """Positions a block at position n reads: the sink and the trailing window."""
-        lo = max(self.sink, n - self.window)
-        return np.concatenate((np.arange(min(self.sink, n)), np.arange(lo, n))).astype(np.int64)
+    def visible(self, n: int) -> torch.Tensor:
+        """Positions a block at position n reads: the sink and the trailing window (on the device)."""
+        return torch.cat((self._span(0, min(self.sink, n)), self._span(max(self.sink, n - self.window), n)))
 
 
 def check_pair(path: str | os.PathLike, model_file, receipts: Path | None = None):
@@ -127,14 +130,15 @@ class Drafter:
         if features.shape != (T, self.cfg.n_capture * self.cfg.hidden):
             raise LaneError(f"drafter features have shape {list(features.shape)}, expected "
                             f"[T, {self.cfg.n_capture * self.cfg.hidden}]")
-        pos = np.arange(p0, p0 + T, dtype=np.int64)
-        keep = (pos < ctx.sink) | (pos >= p0 + T - ctx.ring)
-        pos = pos[keep]
-        if pos.size:
-            x = torch.from_numpy(np.ascontiguousarray(features[keep], dtype=np.float32)).to(self.device)
+        # the rows kept: the sink's [p0, a1) and the ring's last rows [b0, p0 + T), disjoint
+        a1 = min(ctx.sink, p0 + T)
+        b0 = max(p0, p0 + T - ctx.ring, a1)
+        rows = np.concatenate((features[: max(0, a1 - p0)], features[b0 - p0:]))
+        if rows.shape[0]:
+            x = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).to(self.device)
             fz = fuse(self.W, x, self.net)  # [t, H]
-            p = torch.from_numpy(pos).to(self.device)
-            slots = torch.from_numpy(ctx._slots(pos)).to(self.device)
+            p = torch.cat((ctx._span(p0, a1), ctx._span(b0, p0 + T)))  # [t]
+            slots = ctx._slots(p)
             for il in range(self.cfg.n_layers):
                 k, v = context_kv(self.W, il, fz, p, self.net)  # [t, n_kv, hd]
                 ctx.k[il, slots] = k.float()
@@ -149,7 +153,7 @@ class Drafter:
             raise LaneError(f"verify length {k!r} must be one of {VERIFY_LENGTHS} and <= block_size - 1 = "
                             f"{self.cfg.max_proposals}")
         B, n = self.cfg.block_size, ctx.n
-        vis = torch.from_numpy(ctx._slots(ctx.visible(n))).to(self.device)
+        vis = ctx._slots(ctx.visible(n))
         toks = torch.full((1, B), self.cfg.mask_token, dtype=torch.int64, device=self.device)
         toks[0, 0] = int(last)
         pos = torch.arange(n, n + B, dtype=torch.int64, device=self.device)[None]
