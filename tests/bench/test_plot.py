@@ -45,15 +45,16 @@ def test_a_plot_is_written_from_real_receipts(receipts, tmp_path, capsys):
 def test_serve_plot_draws_one_line_set_per_server(tmp_path):
     """A receipt with the comparator's results carries both engines: every server in results
     gets its p50 and p99 lines and its throughput line."""
-    (src,) = _latest("serve")
-    body = P.load_receipt(src)
+    with_both = [p for p in sorted(REPO_RECEIPTS.glob("*-serve.json")) if "llama-server" in P.load_receipt(p)["results"]]
+    assert with_both, "no serve receipt ran the comparator"
+    body = P.load_receipt(with_both[-1])  # the latest serve receipt that ran llama-server beside Muser
     fig = P.plot_serve(P.pyplot(), [body])
     try:
         labels = [[line.get_label() for line in ax.get_lines()] for ax in fig.axes]
     finally:
         P.pyplot().close(fig)
     servers = list(body["results"])
-    assert servers == ["muser", "llama-server"]  # the latest serve receipt ran the comparator
+    assert servers == ["muser", "llama-server"]
     assert labels[0] == [f"{s} {q}" for s in servers for q in ("p50", "p99")]
     assert labels[2] == servers
 
