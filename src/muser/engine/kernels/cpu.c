@@ -210,9 +210,10 @@ typedef struct {
 
 #define TT 4 /* rows of x sharing one pass over a weight row */
 
-/* The GEMM body, instantiated once per ISA (the Q8 loader is the only intrinsic: int8 -> f32 is
- * exact, so which instruction widens a quant cannot change a value). */
-#define GEMM_TASK(NAME, ATTR, Q8)                                                                  \
+/* The GEMM body, instantiated once per ISA (the Q8 loader and the BC broadcast are the only
+ * intrinsics: int8 -> f32 is exact and a broadcast copies bits, so which instruction widens a quant
+ * or splats a scale cannot change a value). */
+#define GEMM_TASK(NAME, ATTR, Q8, BC)                                                              \
     ATTR static void NAME(void *p, int ith, int nth) {                                            \
         const gemm_args *a = (const gemm_args *)p;                                                \
         int64_t n0, n1;                                                                           \
@@ -234,7 +235,7 @@ typedef struct {
                     const float *x = a->x;                                                        \
                     v8 a0 = splat(0), a1 = a0, a2 = a0, a3 = a0;                                  \
                     for (int64_t b = 0; b < K / 32; b++) {                                        \
-                        v8 d0 = splat(d[2 * b]), d1 = splat(d[2 * b + 1]);                        \
+                        v8 d0 = BC(d + 2 * b), d1 = BC(d + 2 * b + 1);                            \
                         const int8_t *qb = q + 32 * b;                                            \
                         const float *xb = x + 32 * b;                                             \
                         a0 = a0 + ld8(xb) * ((Q8(qb) * d0) * sn);                                 \
@@ -246,7 +247,7 @@ typedef struct {
                     continue;                                                                     \
                 }                                                                                 \
                 for (int64_t g = 0; g < K / 16; g++) {                                            \
-                    v8 dg = splat(d[g]);                                                          \
+                    v8 dg = BC(d + g);                                                            \
                     for (int j = 0; j < 16; j += 8) st8(dst + 16 * g + j, (Q8(q + 16 * g + j) * dg) * sn); \
                 }                                                                                 \
                 w = dst;                                                                          \
@@ -303,7 +304,8 @@ typedef struct {
         free(wrow);                                                                               \
     }
 
-GEMM_TASK(gemm_task_generic, , q8)
+static inline v8 bc(const float *p) { return splat(*p); }
+GEMM_TASK(gemm_task_generic, , q8, bc)
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -311,7 +313,9 @@ GEMM_TASK(gemm_task_generic, , q8)
 MU_AVX2 static inline v8 q8_avx2(const int8_t *q) {
     return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
 }
-GEMM_TASK(gemm_task_avx2, MU_AVX2, q8_avx2)
+/* one vbroadcastss per scale: gcc builds two adjacent splat()s through a stack round trip */
+MU_AVX2 static inline v8 bc_avx2(const float *p) { return (v8)_mm256_broadcast_ss(p); }
+GEMM_TASK(gemm_task_avx2, MU_AVX2, q8_avx2, bc_avx2)
 #endif
 
 static int baseline_only = 0; /* tests: run the baseline instantiation on any CPU */
