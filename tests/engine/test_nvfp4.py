@@ -128,3 +128,53 @@ def test_triton_matvec_rows_are_bitwise_invariant(kernels, fmt):
     alone = torch.cat([qmv.matvec(w, x[i:i + 1]) for i in range(16)])
     for T in (2, 5, 16):
         assert torch.equal(qmv.matvec(w, x[:T]).view(torch.int32), alone[:T].view(torch.int32)), T
+
+
+def _nvfp4_mats(fmt: G):
+    """(QWeight, the C GEMM's native form of it) on every code and scale byte, and random bytes."""
+    from muser.engine.kernels import cpu_native as C
+
+    w, _ = _every_byte_weight(fmt)
+    m = C.CpuMat.of(w)
+    assert m.fmt == C.FMT_NVFP4 and m.w.dtype == torch.int8 and m.nbytes < w.n_out * w.n_in * 2
+    return w, m
+
+
+@pytest.mark.parametrize("fmt", NVFP4_FORMATS, ids=IDS.get)
+def test_cpu_gemm_reads_nvfp4_codes_bit_exact(fmt):
+    """The C GEMM's NVFP4 form ((kvalues_fp4 * scale/2) * scale2, decoded in registers) gives the
+    bits of the GEMM over the torch decoder's f32 matrix, for every row count, both ISA builds
+    and both thread counts; stacked with another NVFP4 weight of another scale2 as well."""
+    from muser.engine.kernels import cpu_native as C
+
+    w, m = _nvfp4_mats(fmt)
+    ref_w = w.decode()
+    assert torch.equal(m.decode(), ref_w)  # the same values (a -0 decode may read +0: same sums)
+    nz = ref_w != 0
+    assert torch.equal(m.decode()[nz].view(torch.int32), ref_w[nz].view(torch.int32))
+    f32 = C.CpuMat(C.FMT_F32, ref_w.contiguous(), None, w.n_out, w.n_in)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(17, w.n_in, generator=g)
+    y = C.gemm(f32, x)
+    n = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            C.set_threads(threads)
+            for base in (False, True):
+                C.gemm_baseline(base)
+                try:
+                    for T in (1, 2, 5, 16, 17):
+                        assert torch.equal(C.gemm(m, x[:T]), y[:T]), (threads, base, T)
+                    assert torch.equal(C.gemm(m, x[9:10]), y[9:10])
+                finally:
+                    C.gemm_baseline(False)
+    finally:
+        C.set_threads(n)
+    payload, sc, s2 = random_bytes(fmt, 24, w.n_in, 5)
+    w2 = repack("u.weight", fmt, 24, w.n_in, torch.from_numpy(payload),
+                None if sc is None else torch.from_numpy(sc), None if s2 is None else s2 * 3.7)
+    st = C.stack([w, w2])
+    assert st.mat.fmt == C.FMT_NVFP4
+    ref2 = C.gemm(C.CpuMat(C.FMT_F32, torch.cat([ref_w, w2.decode()]).contiguous(), None, w.n_out + 24, w.n_in), x)
+    for T in (1, 4, 17):
+        assert torch.equal(C.gemm(st.mat, x[:T]), ref2[:T]), T

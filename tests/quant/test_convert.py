@@ -152,3 +152,43 @@ def test_interrupted_run_leaves_no_output(tiny_gguf, tmp_path, monkeypatch, caps
     assert calls["n"] == 6
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []  # the temp file is gone too
+
+
+@pytest.mark.parametrize("source", ["q8_0", "q4_k_xl", "nvfp4", "nvfp4-ggml"])
+def test_f32_copy_of_a_quantized_file(source, converted, tmp_path):
+    """--to f32 takes any loadable file: every 2-D weight is the ggml decode of its stored blocks
+    (NVFP4 companions folded in and dropped), 1-D tensors and metadata copied unchanged."""
+    from muser.quant.dequant import dequantize_rows
+
+    out = tmp_path / "f32.gguf"
+    assert main(["quantize", str(converted[source]), str(out), "--to", "f32", "--quiet"]) == 0
+    m = open_model(out)
+    try:
+        with read_gguf(converted[source]) as src:
+            f = m.gguf
+            assert f.get_str("muser.weight_precision") == "f32" and f.get("general.file_type") == 0
+            assert tokenizer_sha256(f) == tokenizer_sha256(src) and template_sha256(f) == template_sha256(src)
+            assert not any(n.endswith(".nvfp4_scale") or n.endswith(".nvfp4_scale2") for n in f.tensors)
+            for name, t in f.tensors.items():
+                s = src.tensors[name]
+                assert t.shape == s.shape, name
+                if len(s.shape) == 1:
+                    assert np.array_equal(f.raw(name), src.raw(name)), name
+                    continue
+                assert t.type.ggml_type == G.F32, name
+                want = dequantize_rows(src, name, np.arange(s.shape[1]))
+                assert np.array_equal(f.raw(name).reshape(-1), want.view(np.uint8).reshape(-1)), name
+            assert set(f.tensors) == {n for n in src.tensors if not n.endswith((".nvfp4_scale", ".nvfp4_scale2"))}
+    finally:
+        m.close()
+
+
+def test_q8_0_through_f32_is_lossless(converted, tmp_path):
+    """Q8_0 -> F32 is exact, so quantizing that copy again gives the Q8_0 bytes back."""
+    f32, back = tmp_path / "f32.gguf", tmp_path / "back.gguf"
+    assert main(["quantize", str(converted["q8_0"]), str(f32), "--to", "f32", "--quiet"]) == 0
+    assert main(["quantize", str(f32), str(back), "--to", "q8_0", "--quiet"]) == 0
+    with read_gguf(converted["q8_0"]) as a, read_gguf(back) as b:
+        assert set(a.tensors) == set(b.tensors)
+        for name in a.tensors:
+            assert np.array_equal(a.raw(name), b.raw(name)), name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-TARGETS = ("q8_0", "q4_k", "q4_k_xl", "nvfp4", "nvfp4-w4a4", "nvfp4-ggml")
+TARGETS = ("q8_0", "q4_k", "q4_k_xl", "nvfp4", "nvfp4-w4a4", "nvfp4-ggml", "f32")  # = quant.convert.TARGETS (kept literal: no numpy at CLI start)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,10 +16,12 @@ def register(sub: argparse._SubParsersAction) -> None:
             "and chat template are copied unchanged; muser.weight_precision is set to the target. "
             "q8_0/q4_k/q4_k_xl/nvfp4-ggml load in the pinned llama.cpp; nvfp4 and nvfp4-w4a4 are "
             "Muser's native NVFP4 (E2M1 payload + E4M3FN scale companions, F16 embedding and LM head). "
+            "f32 takes any loadable GGUF, quantized included, and writes every 2-D weight "
+            "dequantized to F32 (exact for Q8_0): the source the other targets need. "
             "The output is written atomically: an interrupted run leaves no OUT."
         ),
     )
-    p.add_argument("input", metavar="IN", help="source GGUF (F32, F16 or BF16 weights)")
+    p.add_argument("input", metavar="IN", help="source GGUF (F32, F16 or BF16 weights; any type for --to f32)")
     p.add_argument("output", metavar="OUT", help="destination GGUF")
     p.add_argument("--to", required=True, choices=TARGETS, help="target format")
     p.add_argument(

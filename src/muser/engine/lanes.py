@@ -8,7 +8,8 @@
 
 On the CPU every projection runs the C library's GEMM (kernels/cpu_native.py: one fixed
 reduction order per output, whatever the row count or thread count, so the lane is
-row-invariant), reading Q8_0 as stored and other formats as their exact f32 decode, cached once
+row-invariant), reading Q8_0 as stored, NVFP4 as int8 codes with its scales (values bit-equal
+to the decoder's) and other formats as their exact f32 decode, cached once
 per weight within a byte budget; beyond it each call decodes row chunks. The fast lane's wide
 calls on the CPU stay bf16 torch GEMMs.
 """
@@ -142,7 +143,7 @@ class Linear:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        size = w.n_out * w.n_in * (1 if CpuMat.native(w) else 4)
+        size = w.n_out * w.n_in * (1 if CpuMat.native(w) else 4)  # int8 codes (+ scales) or f32
         if self._cached_bytes + size > CPU_CACHE_BYTES:
             return None
         m = CpuMat.of(w)

@@ -1,4 +1,5 @@
-"""`muser quantize IN OUT --to FORMAT`: re-encode an F32/F16/BF16 Muse Glimmer GGUF.
+"""`muser quantize IN OUT --to FORMAT`: re-encode an F32/F16/BF16 Muse Glimmer GGUF, or write
+the F32 copy of any loadable one (`--to f32`).
 
 Every metadata key is copied verbatim with its exact GGUF type (tokenizer, chat template and
 identity surfaces untouched) except: `muser.weight_precision` is set to the target,
@@ -15,6 +16,10 @@ Targets (2-D weights; book 6.5, 7.3, 7.5):
   nvfp4-w4a4  as nvfp4, plus `.nvfp4_input_scale_inv` on every projection
   nvfp4-ggml  projections ggml NVFP4 (type 40, runs in the pinned llama.cpp); embedding and
               LM head F16
+  f32         every 2-D weight dequantized to F32 from any stored type (the values the ggml
+              dequantizers produce: exact for Q8_0, whose d * q needs at most 19 significant
+              bits); NVFP4 companions are folded into their weight. This is the source the other
+              targets need when only a quantized file ships.
 The output is written atomically (gguf.writer.write_gguf: temp file + rename).
 """
 
@@ -38,6 +43,7 @@ from .common import F32, f32_to_f16
 from .dequant import dequantize_rows
 from .nvfp4 import (
     ACTIVATION_PRECISION_KEY,
+    COMPANION_SUFFIXES,
     INPUT_SCALE_INV_SUFFIX,
     SCALE2_SUFFIX,
     SCALE_SUFFIX,
@@ -49,15 +55,17 @@ from .nvfp4 import (
 )
 from .quantize import quantize
 
-TARGETS = ("q8_0", "q4_k", "q4_k_xl", "nvfp4", "nvfp4-w4a4", "nvfp4-ggml")
+TARGETS = ("q8_0", "q4_k", "q4_k_xl", "nvfp4", "nvfp4-w4a4", "nvfp4-ggml", "f32")
 SOURCE_TYPES = frozenset({G.F32, G.F16, G.BF16})
 # llama.h llama_ftype of each ggml output (general.file_type).
-FILE_TYPE = {"q8_0": 7, "q4_k": 14, "q4_k_xl": 15, "nvfp4-ggml": 39}
+FILE_TYPE = {"q8_0": 7, "q4_k": 14, "q4_k_xl": 15, "nvfp4-ggml": 39, "f32": 0}
 _ROW_CHUNK_ELEMS = 1 << 22
 
 
 def target_type(target: str, name: str) -> G:
     """The stored dtype of 2-D weight `name` under `target` (NVFP4_E2M1 for native NVFP4)."""
+    if target == "f32":
+        return G.F32
     if target == "q8_0":
         return G.Q8_0
     if target == "q4_k":
@@ -115,7 +123,9 @@ def plan(f: GGUFFile, target: str) -> list[_Plan]:
     out: list[_Plan] = []
     for t in f.tensors.values():
         src = t.type.ggml_type
-        if src not in SOURCE_TYPES:
+        if target == "f32" and t.name.endswith(COMPANION_SUFFIXES):
+            continue  # folded into its NVFP4_E2M1 weight by dequantize_rows
+        if src not in SOURCE_TYPES and not (target == "f32" and len(t.shape) == 2):
             raise FormatError(
                 f"input tensor {t.name!r} is already {src.name}: muser quantize takes an "
                 f"F32/F16/BF16 GGUF (quantizing quantized weights again compounds the error)"
@@ -148,7 +158,9 @@ def _encode(f: GGUFFile, p: _Plan) -> np.ndarray:
     out = np.empty((n_rows, ti.nbytes(ne0)), dtype=np.uint8)
     for rows in _row_chunks(n_rows, ne0):
         vals = dequantize_rows(f, p.name, rows)
-        if p.dst == G.F16:
+        if p.dst == G.F32:
+            out[rows] = vals.astype("<f4", copy=False).view(np.uint8).reshape(rows.size, -1)
+        elif p.dst == G.F16:
             enc = f32_to_f16(vals)
             if not np.isfinite(enc.view("<f2")).all():
                 raise FormatError(f"tensor {p.name!r} overflows F16 (|x| > 65504)")

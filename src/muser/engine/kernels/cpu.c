@@ -190,12 +190,17 @@ static inline float dot_f32(const float *x, const float *w, int64_t n) {
 /* GEMM: y[t, n] = dot(x[t, :], W[n, :]) for t < T, n < n_out
  *   fmt 0: W f32 [n_out, n_in]
  *   fmt 1: Q8_0: qs int8 [n_out, n_in], d f32 [n_out, n_in / 32]; w = (float)q * d, exactly
- *          ggml's dequantize_row_q8_0, formed in registers (the product is then x * w) */
+ *          ggml's dequantize_row_q8_0, formed in registers (the product is then x * w)
+ *   fmt 2: NVFP4: q int8 [n_out, n_in] (ggml kvalues_fp4, = 2 x E2M1), d f32 [n_out, n_in / 16]
+ *          (E4M3FN / 2, or ggml's UE4M3 half), s f32 [n_out] (scale2; 1 for ggml's type 40);
+ *          w = ((float)q * d) * s: q * d is exact, so w is the decoder's (e2m1 * e4m3fn) * scale2
+ *          (book 7.2) or kvalues_fp4[q] * ue4m3_half(d) (ggml dequantize_row_nvfp4) bit for bit */
 
 typedef struct {
     int fmt;
     const void *w;
     const float *d;
+    const float *s;
     int64_t n_out, n_in;
     const float *x;
     int64_t ldx, T;
@@ -205,20 +210,47 @@ typedef struct {
 
 #define TT 4 /* rows of x sharing one pass over a weight row */
 
-/* The GEMM body, instantiated once per ISA (the Q8 loader is the only intrinsic: int8 -> f32 is
- * exact, so which instruction widens a quant cannot change a value). */
-#define GEMM_TASK(NAME, ATTR, Q8)                                                                  \
+/* The GEMM body, instantiated once per ISA (the Q8 loader and the BC broadcast are the only
+ * intrinsics: int8 -> f32 is exact and a broadcast copies bits, so which instruction widens a quant
+ * or splats a scale cannot change a value). */
+#define GEMM_TASK(NAME, ATTR, Q8, BC)                                                              \
     ATTR static void NAME(void *p, int ith, int nth) {                                            \
         const gemm_args *a = (const gemm_args *)p;                                                \
         int64_t n0, n1;                                                                           \
         split_range(a->n_out, ith, nth, 8, &n0, &n1);                                             \
         const int64_t K = a->n_in;                                                                \
         float *wrow = NULL;                                                                       \
-        if (a->fmt == 1 && a->T > 1) wrow = (float *)malloc(sizeof(float) * (size_t)(K + 32));    \
+        if (a->fmt != 0 && a->T > 1) wrow = (float *)malloc(sizeof(float) * (size_t)(K + 32));    \
         for (int64_t n = n0; n < n1; n++) {                                                       \
             const float *w;                                                                       \
             if (a->fmt == 0) {                                                                    \
                 w = (const float *)a->w + n * K;                                                  \
+            } else if (a->fmt == 2) {                                                             \
+                /* NVFP4: 16-value groups, two per 32; decoded in registers, then as fmt 0 */     \
+                const int8_t *q = (const int8_t *)a->w + n * K;                                   \
+                const float *d = a->d + n * (K / 16);                                             \
+                v8 sn = splat(a->s[n]);                                                           \
+                float *dst = a->T == 1 ? NULL : wrow;                                             \
+                if (dst == NULL) {                                                                \
+                    const float *x = a->x;                                                        \
+                    v8 a0 = splat(0), a1 = a0, a2 = a0, a3 = a0;                                  \
+                    for (int64_t b = 0; b < K / 32; b++) {                                        \
+                        v8 d0 = BC(d + 2 * b), d1 = BC(d + 2 * b + 1);                            \
+                        const int8_t *qb = q + 32 * b;                                            \
+                        const float *xb = x + 32 * b;                                             \
+                        a0 = a0 + ld8(xb) * ((Q8(qb) * d0) * sn);                                 \
+                        a1 = a1 + ld8(xb + 8) * ((Q8(qb + 8) * d0) * sn);                         \
+                        a2 = a2 + ld8(xb + 16) * ((Q8(qb + 16) * d1) * sn);                       \
+                        a3 = a3 + ld8(xb + 24) * ((Q8(qb + 24) * d1) * sn);                       \
+                    }                                                                             \
+                    a->y[n] = finish(a0, a1, a2, a3, x, x, K, K);                                 \
+                    continue;                                                                     \
+                }                                                                                 \
+                for (int64_t g = 0; g < K / 16; g++) {                                            \
+                    v8 dg = BC(d + g);                                                            \
+                    for (int j = 0; j < 16; j += 8) st8(dst + 16 * g + j, (Q8(q + 16 * g + j) * dg) * sn); \
+                }                                                                                 \
+                w = dst;                                                                          \
             } else if (a->T == 1) {                                                               \
                 /* decode in registers: one block of 32 = four 8-lane groups, lanes 0..31 */      \
                 const int8_t *q = (const int8_t *)a->w + n * K;                                   \
@@ -272,7 +304,8 @@ typedef struct {
         free(wrow);                                                                               \
     }
 
-GEMM_TASK(gemm_task_generic, , q8)
+static inline v8 bc(const float *p) { return splat(*p); }
+GEMM_TASK(gemm_task_generic, , q8, bc)
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -280,7 +313,9 @@ GEMM_TASK(gemm_task_generic, , q8)
 MU_AVX2 static inline v8 q8_avx2(const int8_t *q) {
     return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
 }
-GEMM_TASK(gemm_task_avx2, MU_AVX2, q8_avx2)
+/* one vbroadcastss per scale: gcc builds two adjacent splat()s through a stack round trip */
+MU_AVX2 static inline v8 bc_avx2(const float *p) { return (v8)_mm256_broadcast_ss(p); }
+GEMM_TASK(gemm_task_avx2, MU_AVX2, q8_avx2, bc_avx2)
 #endif
 
 static int baseline_only = 0; /* tests: run the baseline instantiation on any CPU */
@@ -296,11 +331,11 @@ static task_fn gemm_task(void) {
     return gemm_task_generic;
 }
 
-int mu_gemm(int fmt, const void *w, const float *d, int64_t n_out, int64_t n_in, const float *x, int64_t ldx,
-            int64_t T, float *y, int64_t ldy) {
-    if ((fmt != 0 && fmt != 1) || (fmt == 1 && n_in % 32) || n_out < 0 || T < 0)
+int mu_gemm(int fmt, const void *w, const float *d, const float *s, int64_t n_out, int64_t n_in, const float *x,
+            int64_t ldx, int64_t T, float *y, int64_t ldy) {
+    if (fmt < 0 || fmt > 2 || (fmt != 0 && n_in % 32) || n_out < 0 || T < 0)
         return -1;
-    gemm_args a = {fmt, w, d, n_out, n_in, x, ldx, T, y, ldy};
+    gemm_args a = {fmt, w, d, s, n_out, n_in, x, ldx, T, y, ldy};
     run_tasks(gemm_task(), &a);
     return 0;
 }

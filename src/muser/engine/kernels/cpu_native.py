@@ -45,7 +45,7 @@ def _load() -> ctypes.CDLL:
         "mu_dot_ref": (_F, [_P, _P, _I]),
         "mu_exp": (_F, [_F]),
         "mu_tanh": (_F, [_F]),
-        "mu_gemm": (ctypes.c_int, [ctypes.c_int, _P, _P, _I, _I, _P, _I, _I, _P, _I]),
+        "mu_gemm": (ctypes.c_int, [ctypes.c_int, _P, _P, _P, _I, _I, _P, _I, _I, _P, _I]),
         "mu_norm_mul": (None, [_P, _I, _P, _P, _I, _P, _I, _I, _I, _F]),
         "mu_norm2": (None, [_P, _I, _P, _F, _P, _I, _P, _F, _P, _I, _P, _I, _I, _I]),
         "mu_qk_norm_rope": (None, [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P]),
@@ -102,52 +102,92 @@ def _vec(w: torch.Tensor, n: int, what: str) -> torch.Tensor:
 # weights
 
 
-FMT_F32, FMT_Q8_0 = 0, 1
+FMT_F32, FMT_Q8_0, FMT_NVFP4 = 0, 1, 2
 
 
 @dataclass
 class CpuMat:
     """A weight in the form the GEMM reads: Q8_0 as stored (int8 quants + f32 block scales, each
-    scale the exact f32 of its f16), anything else as its exact f32 decode."""
+    scale the exact f32 of its f16); both NVFP4 forms as int8 kvalues_fp4 codes + f32 per-16
+    scales (E4M3FN / 2 or UE4M3 half) + f32 scale2 a row, so w = (q * d) * s is the NVFP4
+    decoder's value (1.25 B a weight streamed, not 4); anything else as its exact f32 decode."""
 
     fmt: int
     w: torch.Tensor  # f32 [n_out, n_in] | int8 [n_out, n_in]
-    d: torch.Tensor | None  # Q8_0: f32 [n_out, n_in / 32]
+    d: torch.Tensor | None  # Q8_0: f32 [n_out, n_in / 32]; NVFP4: f32 [n_out, n_in / 16]
     n_out: int
     n_in: int
+    s: torch.Tensor | None = None  # NVFP4: f32 [n_out] scale2 (ones for ggml's type 40)
 
     @property
     def nbytes(self) -> int:
-        return self.w.numel() * self.w.element_size() + (self.d.numel() * 4 if self.d is not None else 0)
+        return sum(t.numel() * t.element_size() for t in (self.w, self.d, self.s) if t is not None)
 
     @staticmethod
     def native(w) -> bool:
-        """The GEMM reads this QWeight's stored blocks directly (else its f32 decode)."""
-        return w.fmt == G.Q8_0 and "qs" in w.fields
+        """The GEMM reads this QWeight's stored blocks directly, as int8 codes (else its f32 decode)."""
+        if w.fmt == G.Q8_0:
+            return "qs" in w.fields
+        return w.fmt in (G.NVFP4_E2M1, G.NVFP4) and "qs" in w.fields and w.n_in % 32 == 0
 
     @classmethod
     def of(cls, w) -> "CpuMat":
         """From an engine QWeight (engine/weights.py)."""
         if cls.native(w):
-            return cls(FMT_Q8_0, w.fields["qs"].contiguous(), w.fields["d"].to(torch.float32).contiguous(),
-                       w.n_out, w.n_in)
+            if w.fmt == G.Q8_0:
+                return cls(FMT_Q8_0, w.fields["qs"].contiguous(), w.fields["d"].to(torch.float32).contiguous(),
+                           w.n_out, w.n_in)
+            return cls(FMT_NVFP4, *_nvfp4_codes(w), w.n_out, w.n_in, _nvfp4_scale2(w))
         return cls(FMT_F32, w.decode().to(torch.float32).contiguous(), None, w.n_out, w.n_in)
 
     @classmethod
     def cat(cls, mats: list["CpuMat"]) -> "CpuMat":
         """Rows stacked in order (one GEMM for projections that read one input); formats that
         differ are all taken as f32 (the same values, so the same outputs)."""
-        if all(m.fmt == FMT_Q8_0 for m in mats):
-            return cls(FMT_Q8_0, torch.cat([m.w for m in mats], 0), torch.cat([m.d for m in mats], 0),
-                       sum(m.n_out for m in mats), mats[0].n_in)
-        return cls(FMT_F32, torch.cat([m.decode() for m in mats], 0), None, sum(m.n_out for m in mats),
-                   mats[0].n_in)
+        n_out = sum(m.n_out for m in mats)
+        fmt = mats[0].fmt
+        if fmt != FMT_F32 and all(m.fmt == fmt for m in mats):
+            s = torch.cat([m.s for m in mats], 0) if fmt == FMT_NVFP4 else None
+            return cls(fmt, torch.cat([m.w for m in mats], 0), torch.cat([m.d for m in mats], 0),
+                       n_out, mats[0].n_in, s)
+        return cls(FMT_F32, torch.cat([m.decode() for m in mats], 0), None, n_out, mats[0].n_in)
 
     def decode(self) -> torch.Tensor:
-        """f32 [n_out, n_in] (ggml dequantize_row_q8_0: q * d)."""
+        """f32 [n_out, n_in]: ggml dequantize_row_q8_0 q * d; NVFP4 (q * d) * s (cpu.c's order)."""
         if self.fmt == FMT_F32:
             return self.w
-        return (self.w.to(torch.float32).view(self.n_out, -1, 32) * self.d.unsqueeze(-1)).view(self.n_out, self.n_in)
+        assert self.d is not None
+        g = 32 if self.fmt == FMT_Q8_0 else 16
+        w = self.w.to(torch.float32).view(self.n_out, -1, g) * self.d.unsqueeze(-1)
+        if self.fmt == FMT_NVFP4:
+            assert self.s is not None
+            w = w * self.s.view(-1, 1, 1)
+        return w.view(self.n_out, self.n_in)
+
+
+def _nvfp4_codes(w) -> tuple[torch.Tensor, torch.Tensor]:
+    """An NVFP4 QWeight's resident fields (engine/nvfp4.py) -> (kvalues_fp4 codes int8 [r, n_in],
+    per-16 scales f32 [r, n_in/16]). kvalues_fp4 = 2 x E2M1, so the companion's scale is E4M3FN / 2
+    (exact in f32): 2e * (s / 2) = e * s, the decoder's first product."""
+    from ..nvfp4 import _tables
+
+    qs, r, n_in = w.fields["qs"], w.n_out, w.n_in
+    t = _tables("cpu")
+    if w.fmt == G.NVFP4_E2M1:
+        codes = torch.stack([qs & 0xF, qs >> 4], -1).view(r, n_in)  # low nibble = even index
+        d = t["e4m3"][w.fields["sc"].long()] * 0.5
+    else:
+        q = qs.view(r, n_in // 16, 8)
+        codes = torch.cat([q & 0xF, q >> 4], -1).view(r, n_in)  # per 16: low nibble j, high j + 8
+        d = t["ue4m3"][w.fields["d"].long()]
+    kv = t["q1"].to(torch.int8)[codes.long()]  # ggml kvalues_fp4 (integers in [-12, 12])
+    return kv.contiguous(), d.to(torch.float32).contiguous()
+
+
+def _nvfp4_scale2(w) -> torch.Tensor:
+    if w.fmt == G.NVFP4_E2M1:
+        return w.fields["s2"].to(torch.float32).contiguous()
+    return torch.ones(w.n_out, dtype=torch.float32)
 
 
 @dataclass
@@ -180,7 +220,8 @@ def gemm(m: CpuMat, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
         out = torch.empty((T, m.n_out), dtype=torch.float32)
     else:
         assert out.shape == (T, m.n_out) and out.dtype == torch.float32 and out.stride(1) == 1
-    rc = _lib.mu_gemm(m.fmt, m.w.data_ptr(), m.d.data_ptr() if m.d is not None else None, m.n_out, m.n_in,
+    rc = _lib.mu_gemm(m.fmt, m.w.data_ptr(), m.d.data_ptr() if m.d is not None else None,
+                      m.s.data_ptr() if m.s is not None else None, m.n_out, m.n_in,
                       x.data_ptr(), x.stride(0), T, out.data_ptr(), out.stride(0))
     if rc:
         raise LaneError(f"CPU gemm refused fmt {m.fmt} with n_in {m.n_in}")
