@@ -47,6 +47,7 @@ def test_gemm_fixed_order_any_rows_any_threads(n_in, threads):
     g = torch.Generator().manual_seed(n_in)
     qw = _q8_weight(37, n_in, seed=n_in)
     q8 = C.CpuMat.of(qw)
+    assert C.CpuMat.resident_bytes(qw) == q8.nbytes
     assert q8.fmt == C.FMT_Q8_0
     assert torch.equal(q8.decode(), qw.decode())  # ggml's q * d, bit for bit
     f32 = C.CpuMat(C.FMT_F32, qw.decode().contiguous(), None, 37, n_in)

@@ -137,6 +137,7 @@ def _nvfp4_mats(fmt: G):
     w, _ = _every_byte_weight(fmt)
     m = C.CpuMat.of(w)
     assert m.fmt == C.FMT_NVFP4 and m.w.dtype == torch.int8 and m.nbytes < w.n_out * w.n_in * 2
+    assert C.CpuMat.resident_bytes(w) == m.nbytes  # the cache's budget check counts what it will hold
     return w, m
 
 

@@ -143,7 +143,7 @@ class Linear:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        size = w.n_out * w.n_in * (1 if CpuMat.native(w) else 4)  # int8 codes (+ scales) or f32
+        size = CpuMat.resident_bytes(w)
         if self._cached_bytes + size > CPU_CACHE_BYTES:
             return None
         m = CpuMat.of(w)

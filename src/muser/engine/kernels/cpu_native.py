@@ -131,6 +131,16 @@ class CpuMat:
         return w.fmt in (G.NVFP4_E2M1, G.NVFP4) and "qs" in w.fields and w.n_in % 32 == 0
 
     @classmethod
+    def resident_bytes(cls, w) -> int:
+        """The bytes `of(w)` will hold, known before building it (the cache's budget check)."""
+        n, k = w.n_out, w.n_in
+        if not cls.native(w):
+            return n * k * 4
+        if w.fmt == G.Q8_0:
+            return n * k + n * (k // 32) * 4
+        return n * k + n * (k // 16) * 4 + n * 4  # codes, per-16 scales, scale2 a row
+
+    @classmethod
     def of(cls, w) -> "CpuMat":
         """From an engine QWeight (engine/weights.py)."""
         if cls.native(w):
