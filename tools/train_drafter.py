@@ -172,6 +172,14 @@ def drafter_from_gguf(path: str | Path, D: dict, hidden: int, dev) -> dict:
     return {k: (v.to(dev) if k != "layers" else [{n: t.to(dev) for n, t in L.items()} for L in v]) for k, v in W.items()}
 
 
+def training_pair(target_path, drafter_path, dev):
+    """A shipped target and its drafter GGUF as this code builds them: (target net, GGUF facts, draft
+    geometry, net geometry, drafter weights)."""
+    target, geo, facts = load_target(target_path, dev)
+    D = draft_geometry(geo)
+    return target, facts, D, net_geometry(D, geo.hidden), drafter_from_gguf(drafter_path, D, geo.hidden, dev)
+
+
 def draw_prompts(stream, cfg: DistillConfig, batch: int, gen) -> tuple[int, object]:
     """One group's prompts: a length p drawn uniformly from [prompt_min, prompt_max], then `batch` windows
     of `stream` (int64 CPU) at uniform random offsets -> (p, prompts [batch, p] int64 CPU)."""
@@ -642,10 +650,7 @@ def score(a: argparse.Namespace) -> int:
     from muser.bench.kinds.spec import natural_mid_prompts, natural_prompts, synthetic_prompt
 
     torch.set_num_threads(a.threads)
-    target, geo, facts = load_target(a.target, "cpu")
-    D = draft_geometry(geo)
-    ng = net_geometry(D, geo.hidden)
-    W = drafter_from_gguf(a.drafter, D, geo.hidden, "cpu")
+    target, facts, D, ng, W = training_pair(a.target, a.drafter, "cpu")
     K, k, n_new, layers, mask = D["block_size"], a.verify_len, a.max_tokens, list(D["target_layers"]), facts["ids"]["mask"]
     cfg = DistillConfig()
 

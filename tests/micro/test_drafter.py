@@ -182,14 +182,6 @@ def test_distill_trains_a_tiny_target(td):
     assert rec["gen"]["prompt_lengths"] and all(8 <= p <= 24 for p in rec["gen"]["prompt_lengths"])
 
 
-def _training_pair(td, path, draft):
-    """The shipped target and drafter as the training code builds them (tools/train_drafter.py):
-    (target net, GGUF facts, draft geometry, net geometry, drafter weights)."""
-    target, geo, facts = td.load_target(path, "cpu")
-    D = td.draft_geometry(geo)
-    return target, facts, D, td.net_geometry(D, geo.hidden), td.drafter_from_gguf(draft, D, geo.hidden, "cpu")
-
-
 def test_training_blocks_propose_what_the_runtime_proposes(td, export_mod):
     """The training graph (tools/micro_net.py features, draft_blocks) against Muser's runtime (engine
     captures, muser.spec.Drafter.propose) on the shipped pair, first round after a held-out prompt: the
@@ -212,7 +204,7 @@ def test_training_blocks_propose_what_the_runtime_proposes(td, export_mod):
         runtime = s.d.propose(s.ctx, x, 15)
     finally:
         m.close()
-    target, facts, D, ng, W = _training_pair(td, path, draft)
+    target, facts, D, ng, W = td.training_pair(path, draft, "cpu")
     full = torch.tensor([ids + [x] + [facts["ids"]["mask"]] * 15])  # positions after n are never read
     with torch.no_grad():
         ctx = td.drafter_context(W, ng, target, D["target_layers"], full)
@@ -250,7 +242,7 @@ def test_training_rounds_are_the_runtime_rounds(td):
         runtime = g.spec.accepted_lengths
     finally:
         m.close()
-    target, facts, D, ng, W = _training_pair(td, path, draft)
+    target, facts, D, ng, W = td.training_pair(path, draft, "cpu")
     K = D["block_size"]
     seqs = target.greedy(torch.tensor([ids]), n_new + K)
     assert seqs[0, len(ids):len(ids) + n_new].tolist() == toks
