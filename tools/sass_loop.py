@@ -129,7 +129,14 @@ def main(argv=None) -> int:
     from muser.gguf.types import GgmlType as G
 
     fmt = G[a.fmt]
-    w = repack("t", fmt, a.n_out, a.n_in, torch.from_numpy(random_bytes(fmt, a.n_out, a.n_in, 1)))
+    from muser.engine import nvfp4 as nv
+
+    if fmt in nv.NVFP4_FORMATS:
+        payload, sc, s2 = nv.random_bytes(fmt, a.n_out, a.n_in, 1)
+        extra = (torch.from_numpy(sc), s2) if sc is not None else ()
+        w = repack("t", fmt, a.n_out, a.n_in, torch.from_numpy(payload), *extra)
+    else:
+        w = repack("t", fmt, a.n_out, a.n_in, torch.from_numpy(random_bytes(fmt, a.n_out, a.n_in, 1)))
     x = torch.zeros(a.T, a.n_in)
     cfg = tuple(int(v) for v in a.config.split(",")) if a.config else None
     from muser.engine.kernels import qmatvec_v3 as mod

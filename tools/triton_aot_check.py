@@ -119,6 +119,11 @@ def drive(rec: Recorder) -> None:
         knv.dequant_nvfp4_triton(w)
         for T in (1, 2, 3, 5, 9, 16):
             knv.matvec_nvfp4(w, torch.zeros(T, n_in), torch.empty(T, n_out))
+        p3 = q3.pack(w)  # the decode path's layout for NVFP4 (qmatvec_v3 FMT 8 / 9)
+        q3.dequant_v3(p3)
+        q3.dequant_v3(p3, bn=4, j=8)
+        for T in (1, 2, 3, 5, 9, 16):
+            q3.matvec_v3(p3, torch.zeros(T, n_in), torch.empty(T, n_out))
     from muser.engine.kernels import fused
 
     for R, N in ((1, 6656), (16, 6656), (4, 512)):

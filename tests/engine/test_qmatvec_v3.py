@@ -15,7 +15,7 @@ import torch
 from muser.engine.weights import random_bytes, repack
 from muser.gguf.types import GgmlType as G
 
-FORMATS = (G.Q4_K, G.Q5_K, G.Q6_K)
+FORMATS = (G.Q4_K, G.Q5_K, G.Q6_K, G.NVFP4_E2M1, G.NVFP4)
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +27,12 @@ def v3(kernels):
 
 
 def _w(fmt, n_out, n_in, seed=0):
+    if fmt in (G.NVFP4_E2M1, G.NVFP4):
+        from muser.engine import nvfp4
+
+        raw, sc, s2 = nvfp4.random_bytes(fmt, n_out, n_in, seed)
+        return repack("t", fmt, n_out, n_in, torch.from_numpy(raw.copy()),
+                      None if sc is None else torch.from_numpy(sc.copy()), s2)
     raw = random_bytes(fmt, n_out, n_in, seed)
     return repack("t", fmt, n_out, n_in, torch.from_numpy(raw.copy()))
 
@@ -61,7 +67,7 @@ def test_v3_decoder_every_scale_and_quant_value(v3):
     _, m = v3
     g = torch.Generator().manual_seed(3)
     d = torch.tensor([6.0e-8, -6.0e-8, 1e-4, -3.5, 65504.0, -65504.0, 0.0, -0.0], dtype=torch.float16)
-    for fmt in FORMATS:
+    for fmt in (G.Q4_K, G.Q5_K, G.Q6_K):  # NVFP4: test_v3_decoder_every_nvfp4_code_and_scale_byte
         n_out, nb = 8, 8
         w = _w(fmt, n_out, nb * 256, 7)
         if fmt == G.Q6_K:
@@ -75,6 +81,32 @@ def test_v3_decoder_every_scale_and_quant_value(v3):
             w.fields["dmin"] = d[torch.randint(0, 8, (n_out, nb), generator=g)]
         ref = w.decode().view(torch.int32)
         assert torch.equal(m.dequant_v3(m.pack(w)).view(torch.int32), ref), fmt.name
+
+
+@pytest.mark.parametrize("fmt", (G.NVFP4_E2M1, G.NVFP4), ids=lambda f: f.name)
+def test_v3_decoder_every_nvfp4_code_and_scale_byte(v3, fmt):
+    """Every E2M1 code against every scale byte (E4M3FN of both signs, zero and subnormal; UE4M3
+    with its ignored bit 7), both scale slots of a unit, and a negative scale2: the decoded weight
+    is the reference decoder's bit for bit, the sign of every zero included."""
+    _, m = v3
+    n_in = 256 * 16  # 16 codes x 256 bytes, one (code, byte) pair per element
+    w = _w(fmt, 2, n_in, 5)
+    code = torch.arange(n_in) % 16
+    byte = (torch.arange(n_in) // 16) % 256
+    if fmt == G.NVFP4_E2M1:
+        byte = torch.where((byte & 0x7F) == 0x7F, byte - 1, byte)  # NaN bytes are refused at load
+        w.fields["qs"] = (code[0::2] | (code[1::2] << 4)).to(torch.uint8).repeat(2, 1)
+        w.fields["sc"] = byte[0::16].to(torch.uint8).repeat(2, 1)
+        w.fields["s2"] = torch.tensor([3.0e-3, -7.5e-4], dtype=torch.float32)
+    else:  # per 16: low nibble element j, high nibble element j + 8
+        c = code.view(-1, 2, 8)
+        w.fields["qs"] = (c[:, 0] | (c[:, 1] << 4)).reshape(-1).to(torch.uint8).repeat(2, 1)
+        w.fields["d"] = byte[0::16].to(torch.uint8).repeat(2, 1)
+    assert code.view(-1, 16)[:, 8].eq(8).all()  # code 8 (the signed zero) in every block
+    ref = w.decode().view(torch.int32)
+    p = m.pack(w)
+    assert torch.equal(m.decode(p).view(torch.int32), ref)
+    assert torch.equal(m.dequant_v3(p).view(torch.int32), ref)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)

@@ -142,7 +142,7 @@ class ModelWeights:
             L.ffn_in = stack([L.ffn_gate, L.ffn_up])
 
     def pack_for_decode(self, drop_fields: bool) -> None:
-        """The decode kernel's layout (kernels/qmatvec_v3) for every K-quant matrix, and the
+        """The decode kernel's layout (kernels/qmatvec_v3) for every K-quant and NVFP4 matrix, and the
         stacks of projections that read one input. The embedding is read a row at a time and
         keeps its repacked form."""
         from .kernels.qmatvec_v3 import pack_matrices, stack

@@ -199,16 +199,17 @@ def dequant_triton(w: QWeight, block_n: int = 4) -> torch.Tensor:
 
 def matvec(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The engine's decode-shaped projection on CUDA: x [T, n_in] f32 (T <= 16) -> [T, n_out]: the
-    packed-layout kernel (qmatvec_v3) where the weight carries that layout (K-quants), NVFP4's
-    own tile decoder, else this module's kernel. Every one is row-invariant."""
-    if w.fmt in NVFP4_FORMATS:
-        from .nvfp4 import matvec_nvfp4
-
-        return matvec_nvfp4(w, x, out)
+    packed-layout kernel (qmatvec_v3) where the weight carries that layout (K-quants and NVFP4
+    matrices, packed at load), NVFP4's tile decoder for an unpacked NVFP4 weight, else this
+    module's kernel. Every one is row-invariant."""
     if w.packed is not None:
         from . import qmatvec_v3
 
         return qmatvec_v3.matvec_v3(w.packed, x, out)
+    if w.fmt in NVFP4_FORMATS:
+        from .nvfp4 import matvec_nvfp4
+
+        return matvec_nvfp4(w, x, out)
     if not w.fields:
         raise LaneError(f"tensor {w.name!r}: neither its fields nor a packed layout are resident")
     return matvec_triton(w, x, out)

@@ -1,6 +1,6 @@
 """Fused dequant + matvec, third design: a device layout built for the decode loop (book ch. 1:
 decode streams every weight byte once; the loop must issue few instructions per weight and keep
-many bytes in flight). Q4_K, Q5_K and Q6_K, 1..16 activation rows.
+many bytes in flight). Q4_K, Q5_K, Q6_K and both NVFP4 forms, 1..16 activation rows.
 
 Why a third layout (bench/NOTES.md, "v2 in SASS"): the v2 loop spends ~28 instructions per
 weight, most of them cross-thread reductions and layout shuffles through shared memory, because
@@ -23,8 +23,15 @@ The decoded weight is ggml's value bit for bit (tested through `dequant_v3`, whi
 decoder): Q4_K/Q5_K fma(d1, q, -m1) with d1 = d * sc and m1 = dmin * m each rounded once, where
 d1 * q is exact in f32 (11 + 6 + 5 significant bits), so the only rounding is ggml's subtraction
 (ggml-quants.c dequantize_row_q4_K: y = d1 * q - m1); Q6_K (d * sc) * (q - 32) with d * sc exact
-(dequantize_row_q6_K: y = d * sc[is] * q). Integer -> float by the 0x4B000000 trick (2^23 + q,
-minus 2^23). The dot accumulates in f32 by fma in a [ROWS, BN, J, 4] accumulator reduced once at
+(dequantize_row_q6_K: y = d * sc[is] * q); NVFP4 kvalues_fp4[q] * d (type 40) and
+(e2m1 * e4m3fn) * scale2 (the companion form), each product exact but the last. Integer -> float
+by the 0x4B000000 trick (2^23 + q, minus 2^23).
+
+NVFP4 (`q` as for Q4_K, holding the E2M1 codes; `s` the unit's two per-16 scale bytes, low byte
+first; `dd` the companion form's scale2 per row, f32 [N]; the same 4.5 bits a weight as stored):
+the matvec multiplies the exact E2M1 values by the activations, sums each 16-block's four
+products of a lane, and applies the block's scale to that sum in f32, and scale2 once per output
+(the book's 7.3: scales after the value products); the dequant kernel forms ggml's decoded weight. The dot accumulates in f32 by fma in a [ROWS, BN, J, 4] accumulator reduced once at
 the end by a fixed pairwise tree: an order that differs from the reference at the ulp level (the
 exact lane's contract) and that is the same for every row count, so a row's bits do not depend on
 how it was batched (row invariance).
@@ -52,9 +59,11 @@ try:  # Triton is optional on the CPU; the CUDA backend requires it.
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     HAVE_TRITON = False
 
-FORMATS = (G.Q4_K, G.Q5_K, G.Q6_K)
+FORMATS = (G.Q4_K, G.Q5_K, G.Q6_K, G.NVFP4_E2M1, G.NVFP4)
+NVFP4 = (G.NVFP4_E2M1, G.NVFP4)
 UNIT = 32
-_CODE = {G.Q4_K: 5, G.Q5_K: 6, G.Q6_K: 7}  # the FMT constexpr (same codes as weights.FMT_CODE)
+# the FMT constexpr (same codes as weights.FMT_CODE)
+_CODE = {G.Q4_K: 5, G.Q5_K: 6, G.Q6_K: 7, G.NVFP4_E2M1: 8, G.NVFP4: 9}
 
 # Row invariance (DESIGN.md "Exactness contract"): every output is the same f32 sum whatever the
 # row bucket, so decode, verify and batched decode give a row the same bits. Each output keeps
@@ -100,8 +109,8 @@ class Packed:
         return sum(t.numel() * t.element_size() for t in self.fields.values())
 
     def pointers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        f = self.fields
-        return f["q"], f.get("h", f["q"]), f["s"], f["dd"]
+        f = self.fields  # absent slots repeat q (never dereferenced)
+        return f["q"], f.get("h", f["q"]), f["s"], f.get("dd", f["q"])
 
 
 def _wrap32(v: torch.Tensor) -> torch.Tensor:
@@ -126,8 +135,25 @@ def _values(w: QWeight, f: dict[str, torch.Tensor], r: int) -> tuple[torch.Tenso
     return lo, hi
 
 
+def _nvfp4_codes(w: QWeight, f: dict[str, torch.Tensor], r: int) -> torch.Tensor:
+    """The 4-bit codes of NVFP4 rows in element order, uint8 [r, n_in] (engine/nvfp4.py layouts)."""
+    qs = f["qs"]
+    if w.fmt == G.NVFP4_E2M1:  # low nibble = even element
+        return torch.stack([qs & 0xF, qs >> 4], -1).view(r, w.n_in)
+    q = qs.view(r, w.n_in // 16, 8)  # ggml type 40, per 16: low nibble j, high nibble j + 8
+    return torch.cat([q & 0xF, q >> 4], -1).view(r, w.n_in)
+
+
 def _pack_rows(w: QWeight, f: dict[str, torch.Tensor], r: int) -> dict[str, torch.Tensor]:
     nu = w.n_in // UNIT
+    if w.fmt in NVFP4:
+        lo = _nvfp4_codes(w, f, r).view(r, nu, 8, 4).to(torch.int64)
+        sh = (4 * torch.arange(8, device=lo.device, dtype=torch.int64)).view(1, 1, 8, 1)
+        sb = f["sc" if w.fmt == G.NVFP4_E2M1 else "d"].view(r, nu, 2).to(torch.int64)  # per-16 scale bytes
+        out = {"q": _wrap32((lo << sh).sum(2)).view(r, nu * 4), "s": _wrap16(sb[:, :, 0] | (sb[:, :, 1] << 8))}
+        if w.fmt == G.NVFP4_E2M1:
+            out["dd"] = f["s2"].clone()  # scale2 per row [r] f32
+        return out
     lo, hi = _values(w, f, r)
     lo = lo.view(r, nu, 8, 4).to(torch.int64)  # [r, unit, e, w]: element 4e + w of the unit
     sh = (4 * torch.arange(8, device=lo.device, dtype=torch.int64)).view(1, 1, 8, 1)
@@ -171,6 +197,15 @@ def unpack(p: Packed) -> dict[str, torch.Tensor]:
     f = p.fields
     q = f["q"].view(r, nu, 4).to(torch.int64) & 0xFFFFFFFF
     sh = (4 * torch.arange(8, device=q.device, dtype=torch.int64)).view(1, 1, 8, 1)
+    if p.fmt in NVFP4:
+        codes = ((q.unsqueeze(2) >> sh) & 0xF).to(torch.uint8).view(r, p.n_in)  # element order
+        s = f["s"].to(torch.int64) & 0xFFFF
+        sb = torch.stack([s & 0xFF, s >> 8], -1).to(torch.uint8).view(r, p.n_in // 16)
+        if p.fmt == G.NVFP4_E2M1:
+            c = codes.view(r, p.n_in // 2, 2)
+            return {"qs": c[:, :, 0] | (c[:, :, 1] << 4), "sc": sb, "s2": f["dd"].clone()}
+        c = codes.view(r, p.n_in // 16, 2, 8)
+        return {"qs": (c[:, :, 0] | (c[:, :, 1] << 4)).view(r, p.n_in // 2), "d": sb}
     lo = ((q.unsqueeze(2) >> sh) & 0xF).view(r, nb, 256)  # element order
     mp = {k: torch.from_numpy(v).to(q.device) for k, v in index_maps(p.fmt).items()}
     if p.fmt in (G.Q4_K, G.Q5_K):
@@ -211,6 +246,7 @@ def decode(p: Packed) -> torch.Tensor:
 
 
 if HAVE_TRITON:
+    from .nvfp4 import _e4m3
     from .qmatvec import _lane_tree
 
     @triton.jit
@@ -232,26 +268,40 @@ if HAVE_TRITON:
         words = tl.reshape(words, (row.shape[0], J, 4))  # [BN, J, 4]
         sv = tl.load(sp + row[:, None] * NU + (u + zero)[None, :], mask=m2, other=0).to(tl.int32)  # [BN, J]
         NB = NU // 8
-        # [J, BN] then transposed: a pointer with no contiguity gets its threads along dim 0, so
-        # the transpose puts them along the units, as for `sv` (same per 8 units)
-        dv = tl.trans(tl.load(dp + (u // 8 + zero)[:, None] + (row * NB)[None, :], mask=tl.trans(m2), other=0))
-        if FMT == 6:
-            h0 = tl.load(hp + row[:, None] * NU + (u + zero)[None, :], mask=m2, other=0)
-            h1 = h0
-        elif FMT == 7:
-            # stride-2 pointers: transposed loads, as for `dv`
-            h0 = tl.trans(tl.load(hp + (u * 2 + zero)[:, None] + (row * (NU * 2))[None, :], mask=tl.trans(m2), other=0))
-            h1 = tl.trans(tl.load(hp + (u * 2 + 1 + zero)[:, None] + (row * (NU * 2))[None, :], mask=tl.trans(m2),
-                                  other=0))
+        if FMT >= 8:  # NVFP4: no per-256 field and no high bits (scale2 is applied per output)
+            dv = sv * 0
+            h0 = dv
+            h1 = dv
         else:
-            h0 = sv * 0
-            h1 = h0
+            # [J, BN] then transposed: a pointer with no contiguity gets its threads along dim 0, so
+            # the transpose puts them along the units, as for `sv` (same per 8 units)
+            dv = tl.trans(tl.load(dp + (u // 8 + zero)[:, None] + (row * NB)[None, :], mask=tl.trans(m2), other=0))
+            if FMT == 6:
+                h0 = tl.load(hp + row[:, None] * NU + (u + zero)[None, :], mask=m2, other=0)
+                h1 = h0
+            elif FMT == 7:
+                # stride-2 pointers: transposed loads, as for `dv`
+                h0 = tl.trans(tl.load(hp + (u * 2 + zero)[:, None] + (row * (NU * 2))[None, :], mask=tl.trans(m2),
+                                      other=0))
+                h1 = tl.trans(tl.load(hp + (u * 2 + 1 + zero)[:, None] + (row * (NU * 2))[None, :],
+                                      mask=tl.trans(m2), other=0))
+            else:
+                h0 = sv * 0
+                h1 = h0
         return words, h0, h1, sv, dv
 
     @triton.jit
     def _scales(FMT: tl.constexpr, sv, dv):
-        """Per-(row, unit) factors [BN, J]: Q4_K/Q5_K (d1, -m1); Q6_K (d * sc_lo, d * sc_hi)."""
-        if FMT == 7:
+        """Per-(row, unit) factors [BN, J]: Q4_K/Q5_K (d1, -m1); Q6_K (d * sc_lo, d * sc_hi); NVFP4 the
+        scales of the unit's two 16-element blocks (companion: E4M3FN x 0.5, the E2M1 values being
+        read as ggml's doubled ones; ggml type 40: ue4m3_to_fp32, which already halves)."""
+        if FMT >= 8:
+            a = _e4m3(sv & 0xFF, FMT == 9)
+            b = _e4m3((sv >> 8) & 0xFF, FMT == 9)
+            if FMT == 8:
+                a = a * 0.5  # exact: an E4M3FN value halved stays normal in f32
+                b = b * 0.5
+        elif FMT == 7:
             d = dv.to(tl.float32)  # f16 -> f32 exact
             lo = ((sv << 24) >> 24).to(tl.float32)  # signed low byte
             hi = ((sv << 16) >> 24).to(tl.float32)  # signed high byte
@@ -284,9 +334,27 @@ if HAVE_TRITON:
         return q
 
     @triton.jit
+    def _fp4_values(words, e: tl.constexpr):
+        """NVFP4 codes of nibble e -> ggml's kvalues_fp4 (0, 1, 2, 3, 4, 6, 8, 12 with the sign bit)
+        as f32 [BN, J, 4]: the magnitude from a nibble table in one int32 (0xC8643210), made f32 as
+        2^23 + m - 2^23 (exact), the code's sign bit moved onto it (code 8 gives -0.0)."""
+        if e > 0:
+            m4 = (words >> (4 * e - 2)) & 0x1C  # 4 * (code & 7)
+        else:
+            m4 = (words << 2) & 0x1C
+        mag = ((((-932957680) >> m4) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        if e < 7:
+            sgn = (words << (28 - 4 * e)) & -2147483648  # the code's bit 3 at bit 31
+        else:
+            sgn = words & -2147483648
+        return (mag.to(tl.int32, bitcast=True) ^ sgn).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _weights_e(FMT: tl.constexpr, e: tl.constexpr, words, h0, h1, a, b, ASM: tl.constexpr):
         """Decoded weights of nibble e: f32 [BN, J, 4] (element 4e + w of each unit)."""
         wi = tl.arange(0, 4)
+        if FMT >= 8:  # NVFP4: the scale-free values (_fp4_values); the kernels apply the scales
+            return _fp4_values(words, e)
         q = _nibble(words, e, ASM)  # 2^23 + the low 4 bits, as f32 bits
         if FMT == 6:  # 5th bit of element i = 4e + w sits at bit i of h0; move it to bit 4
             if e == 0:
@@ -322,8 +390,19 @@ if HAVE_TRITON:
         u = c * J + tl.arange(0, J)
         wi = tl.arange(0, 4)
         m3 = nmask[:, None, None] & (u < NU)[None, :, None]
+        if FMT == 8:
+            s2 = tl.load(dp + row, mask=nmask, other=0.0)  # [BN] scale2 per row
         for e in tl.static_range(8):
             w = _weights_e(FMT, e, words, h0, h1, a, b, ASM)
+            if FMT >= 8:  # NVFP4: value * its block's scale, exact (ggml dequantize_row_nvfp4)
+                if e < 4:
+                    w = w * a[:, :, None]
+                else:
+                    w = w * b[:, :, None]
+                if FMT == 8:
+                    w = w * s2[:, None, None]  # (e2m1 * e4m3fn) * scale2: one rounding (book 7.2)
+                else:  # ggml's kvalues_fp4 has +0 at code 8 (the companion codebook's -0.0 stays)
+                    w = tl.where(((words >> (4 * e)) & 0xF) == 8, 0.0, w)
             k = (u * 32 + 4 * e)[:, None] + wi[None, :]  # [J, 4]
             tl.store(out + row[:, None, None] * K + k[None, :, :], w, mask=m3)
 
@@ -360,23 +439,53 @@ if HAVE_TRITON:
                 kw = c * (J * 4) + tl.arange(0, J * 4)
                 xb = x + (tl.arange(0, NW) * 0)[:, None] + ((kw // 4) * 32 + kw % 4)[None, :]  # [NW, J*4]
                 xm = (tl.arange(0, NW) < NW)[:, None] & (kw < NU * 4)[None, :]
-                for e in tl.static_range(8):
-                    w = _weights_e(FMT, e, words, h0, h1, a, b, ASM)  # [BN, J, 4]
-                    xe = tl.reshape(tl.load(xb + 4 * e, mask=xm, other=0.0), (1, NW, J, 4))
-                    acc = tl.fma(tl.reshape(w, (BN // NW, NW, J, 4)), xe, acc)  # f32
+                if FMT >= 8:  # NVFP4: each 16-block's dot of values, then times its scale (f32)
+                    for e in tl.static_range(8):
+                        v = tl.reshape(_fp4_values(words, e), (BN // NW, NW, J, 4))
+                        xe = tl.reshape(tl.load(xb + 4 * e, mask=xm, other=0.0), (1, NW, J, 4))
+                        if e % 4 == 0:
+                            t = v * xe
+                        else:
+                            t = tl.fma(v, xe, t)
+                        if e == 3:
+                            acc = tl.fma(t, tl.reshape(tl.broadcast_to(a[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4)), acc)
+                        if e == 7:
+                            acc = tl.fma(t, tl.reshape(tl.broadcast_to(b[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4)), acc)
+                else:
+                    for e in tl.static_range(8):
+                        w = _weights_e(FMT, e, words, h0, h1, a, b, ASM)  # [BN, J, 4]
+                        xe = tl.reshape(tl.load(xb + 4 * e, mask=xm, other=0.0), (1, NW, J, 4))
+                        acc = tl.fma(tl.reshape(w, (BN // NW, NW, J, 4)), xe, acc)  # f32
             else:
                 xm = rmask[:, None, None] & (u < NU)[None, :, None]  # [ROWS, J, 1]
                 xb4 = x + r[:, None, None] * sx + (u * 32)[None, :, None] + wi[None, None, :]  # [ROWS, J, 4]
-                for e in tl.static_range(8):
-                    w = _weights_e(FMT, e, words, h0, h1, a, b, ASM)  # [BN, J, 4]
-                    xe4 = tl.load(xb4 + 4 * e, mask=xm, other=0.0)  # [ROWS, J, 4]
-                    acc4 = tl.fma(w[None, :, :, :], xe4[:, None, :, :], acc4)  # f32
+                if FMT >= 8:  # as the one-row path, in the same order (row invariance)
+                    for e in tl.static_range(8):
+                        v = _fp4_values(words, e)  # [BN, J, 4]
+                        xe4 = tl.load(xb4 + 4 * e, mask=xm, other=0.0)  # [ROWS, J, 4]
+                        if e % 4 == 0:
+                            t4 = v[None, :, :, :] * xe4[:, None, :, :]
+                        else:
+                            t4 = tl.fma(v[None, :, :, :], xe4[:, None, :, :], t4)
+                        if e == 3:
+                            acc4 = tl.fma(t4, a[None, :, :, None], acc4)
+                        if e == 7:
+                            acc4 = tl.fma(t4, b[None, :, :, None], acc4)
+                else:
+                    for e in tl.static_range(8):
+                        w = _weights_e(FMT, e, words, h0, h1, a, b, ASM)  # [BN, J, 4]
+                        xe4 = tl.load(xb4 + 4 * e, mask=xm, other=0.0)  # [ROWS, J, 4]
+                        acc4 = tl.fma(w[None, :, :, :], xe4[:, None, :, :], acc4)  # f32
         # the J * 4 lanes of each output by one fixed tree, whatever the bucket (row invariance)
         if ROWS == 1:
             res = _lane_tree(tl.reshape(acc, (BN, J * 4)), BN, J * 4)  # [BN]
+            if FMT == 8:  # the companion form's per-row scale2, once per output
+                res = res * tl.load(dp + row, mask=nmask, other=0.0)
             tl.store(y + n, res, mask=nmask)
         else:
             res4 = tl.reshape(_lane_tree(tl.reshape(acc4, (ROWS * BN, J * 4)), ROWS * BN, J * 4), (ROWS, BN))
+            if FMT == 8:
+                res4 = res4 * tl.load(dp + row, mask=nmask, other=0.0)[None, :]
             tl.store(y + r[:, None] * sy + n[None, :], res4, mask=rmask[:, None] & nmask[None, :])
 
 
@@ -419,7 +528,7 @@ def pack_matrices(ws, drop_fields: bool) -> None:
     for w in ws:
         if supports(w.fmt) and w.packed is None:
             w.packed = pack(w)
-            if drop_fields:
+            if drop_fields and "isi" not in w.fields:  # W4A4 verify rows read the repacked fields
                 w.fields = {}
 
 
