@@ -113,7 +113,7 @@ def test_cuda_forward_launches_do_not_depend_on_rows(fk, make_gguf, monkeypatch,
 
     path = make_gguf(SynthSpec(dtype=dtype, hidden=256, ffn=256))
     eng = Engine.open(path, device="cpu", lane="exact", kv="f32")
-    if dtype == "F16":  # CUDA keeps F16 projections unstacked (qmatvec_v3.stack: K-quants only)
+    if dtype == "F16":  # CUDA keeps F16 projections unstacked (qmatvec_v3.stack: K-quant and NVFP4 layouts only)
         for L in eng.weights.layers:
             L.attn_in = L.ffn_in = None
     else:
