@@ -1,5 +1,7 @@
-"""Fused NVFP4 dequant + matvec for 1..16 activation rows (CUDA decode / verify shape), reading the
-resident NVFP4 fields of engine/nvfp4.py, and a dequant-only kernel sharing its tile decoder.
+"""Fused NVFP4 dequant + matvec for 1..16 activation rows over the resident NVFP4 fields of
+engine/nvfp4.py (an NVFP4 weight without the decode layout: the engine packs its matrices into
+kernels/qmatvec_v3 at load), a dequant-only kernel sharing its tile decoder, and the E4M3 /
+UE4M3 scale decoder qmatvec_v3 uses.
 
 The tile decoder builds every E2M1 value, E4M3FN scale and UE4M3 scale exactly in f32 (E2M1 by
 selection, E4M3 normals by assembling the f32 bit pattern, subnormals as man * 2^-9), then

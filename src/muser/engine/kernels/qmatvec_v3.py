@@ -30,8 +30,11 @@ by the 0x4B000000 trick (2^23 + q, minus 2^23).
 NVFP4 (`q` as for Q4_K, holding the E2M1 codes; `s` the unit's two per-16 scale bytes, low byte
 first; `dd` the companion form's scale2 per row, f32 [N]; the same 4.5 bits a weight as stored):
 the matvec multiplies the exact E2M1 values by the activations, sums each 16-block's four
-products of a lane, and applies the block's scale to that sum in f32, and scale2 once per output
-(the book's 7.3: scales after the value products); the dequant kernel forms ggml's decoded weight. The dot accumulates in f32 by fma in a [ROWS, BN, J, 4] accumulator reduced once at
+products of a lane, applies the block's scale to that sum in f32, and scale2 once per output
+(the scales in f32 after the exact value products); the dequant kernel forms ggml's decoded
+weight.
+
+The dot accumulates in f32 by fma in a [ROWS, BN, J, 4] accumulator reduced once at
 the end by a fixed pairwise tree: an order that differs from the reference at the ulp level (the
 exact lane's contract) and that is the same for every row count, so a row's bits do not depend on
 how it was batched (row invariance).
