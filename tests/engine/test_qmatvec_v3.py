@@ -245,3 +245,81 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
     b.append(es.verify([5, 9, 17])[-1])  # 3 rows: the 4-D v3 path
     for x, y in zip(a, b):
         assert np.max(np.abs(x - y)) <= 2e-4 * max(1.0, float(np.max(np.abs(x))))
+
+
+def _run_fp4_ptx(text: str, words: np.ndarray) -> list[np.ndarray]:
+    """Executes the NVFP4 decoder's PTX (the few opcodes it uses, by the PTX ISA's definitions)
+    over uint32 words; returns the eight f32 outputs $0..$7."""
+    reg: dict[str, np.ndarray] = {"$8": words.astype(np.uint32)}
+
+    def val(tok: str) -> np.ndarray:
+        tok = tok.strip()
+        return reg[tok] if tok in reg else np.full(words.shape, int(tok, 0), dtype=np.uint32)
+
+    def prmt(a, b, c):
+        src = (b.astype(np.uint64) << np.uint64(32)) | a.astype(np.uint64)  # bytes 0..7 = a, then b
+        out = np.zeros(words.shape, dtype=np.uint32)
+        for i in range(4):
+            sel = (c >> np.uint32(4 * i)) & np.uint32(0xF)
+            byte = ((src >> ((sel & np.uint32(7)).astype(np.uint64) * np.uint64(8))) & np.uint64(0xFF)).astype(np.uint32)
+            byte = np.where(sel & np.uint32(8), np.where(byte & np.uint32(0x80), np.uint32(0xFF), np.uint32(0)), byte)
+            out |= byte << np.uint32(8 * i)
+        return out
+
+    for line in text.split(";"):
+        line = line.strip().strip("{}").strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if op == "mov.b32" and rest.startswith("{"):
+            halves, src = rest.split("}")
+            lo, hi = (h.strip() for h in halves.strip("{ ").split(","))
+            p = val(src.strip(", "))
+            reg[lo], reg[hi] = p & np.uint32(0xFFFF), p >> np.uint32(16)
+            continue
+        d, *args = (t.strip() for t in rest.split(","))
+        x = [val(t) for t in args]
+        if op == "mov.b32":
+            reg[d] = x[0]
+        elif op == "and.b32":
+            reg[d] = x[0] & x[1]
+        elif op == "or.b32":
+            reg[d] = x[0] | x[1]
+        elif op == "shr.u32":
+            reg[d] = x[0] >> x[1]
+        elif op == "shl.b32":
+            reg[d] = x[0] << x[1]
+        elif op == "prmt.b32":
+            reg[d] = prmt(*x)
+        elif op == "cvt.f32.f16":
+            reg[d] = x[0].astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+        else:
+            raise AssertionError(f"opcode {op} not emulated")
+    return [reg[f"${i}"].view(np.float32) for i in range(8)]
+
+
+@pytest.mark.parametrize("fmt", (G.NVFP4_E2M1, G.NVFP4), ids=lambda f: f.name)
+def test_v3_nvfp4_permute_decoder_gives_every_code_its_value(v3, fmt):
+    """The compiled kernels' byte-permute decoder (PTX text, run by an emulator of its opcodes) and
+    the plain integer decoder the interpreter runs give every code at every word position ggml's
+    kvalues_fp4 value with the code's sign (code 8: -0.0), bit for bit."""
+    _, m = v3
+    if not m.HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    n_in = 32 * 16 * 4  # every code at every (e, w) slot of a unit, with mixed neighbours
+    w = _w(fmt, 3, n_in, 9)
+    code = (torch.arange(n_in) + torch.arange(n_in) // 512) % 16
+    if fmt == G.NVFP4_E2M1:
+        w.fields["qs"] = (code[0::2] | (code[1::2] << 4)).to(torch.uint8).repeat(3, 1)
+    else:
+        c = code.view(-1, 2, 8)
+        w.fields["qs"] = (c[:, 0] | (c[:, 1] << 4)).reshape(-1).to(torch.uint8).repeat(3, 1)
+    p = m.pack(w)
+    words = p.fields["q"].view(3, n_in // 32, 4).numpy().view(np.uint32)  # [r, unit, w]
+    mag = np.array([0, 1, 2, 3, 4, 6, 8, 12], dtype=np.float32)
+    codes = code.view(n_in // 32, 8, 4).numpy()  # [unit, e, w]: element 4e + w
+    want = np.where(codes >= 8, -mag[codes & 7], mag[codes & 7]).astype(np.float32)
+    got = _run_fp4_ptx(m._FP4_PTX.value, words)
+    for e in range(8):
+        assert np.array_equal(got[e][0].view(np.uint32), want[:, e].view(np.uint32)), e
+    assert torch.equal(m.unpack(p)["qs"], w.fields["qs"])

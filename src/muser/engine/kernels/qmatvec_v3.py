@@ -27,9 +27,14 @@ d1 * q is exact in f32 (11 + 6 + 5 significant bits), so the only rounding is gg
 (e2m1 * e4m3fn) * scale2 (the companion form), each product exact but the last. Integer -> float
 by the 0x4B000000 trick (2^23 + q, minus 2^23).
 
-NVFP4 (`q` as for Q4_K, holding the E2M1 codes; `s` the unit's two per-16 scale bytes, low byte
-first; `dd` the companion form's scale2 per row, f32 [N]; the same 4.5 bits a weight as stored):
-the matvec multiplies the exact E2M1 values by the activations, sums each 16-block's four
+NVFP4 (`q` 4 words per unit, word w holding the E2M1 codes of elements 4e + w, e = 0..7, each
+code's 3-bit magnitude index at bits 4e and its sign at bit 8e + 7 (e < 4) or 8(e - 4) + 3;
+`s` the unit's two per-16 scale bytes, low byte first; `dd` the companion form's scale2 per
+row, f32 [N]; the same 4.5 bits a weight as stored). With that order each half-word is the
+selector of one byte permute (PTX prmt) that reads four magnitudes' f16 high bytes from a
+two-word table, and the signs are or-ed onto the byte tops in one mask: about 2.5 instructions
+a weight to an f32 value (tools/sass_loop.py) against ~9 for shift-and-mask decoding. The
+matvec multiplies the exact E2M1 values by the activations, sums each 16-block's four
 products of a lane, applies the block's scale to that sum in f32, and scale2 once per output
 (the scales in f32 after the exact value products); the dequant kernel forms ggml's decoded
 weight.
@@ -67,6 +72,14 @@ NVFP4 = (G.NVFP4_E2M1, G.NVFP4)
 UNIT = 32
 # the FMT constexpr (same codes as weights.FMT_CODE)
 _CODE = {G.Q4_K: 5, G.Q5_K: 6, G.Q6_K: 7, G.NVFP4_E2M1: 8, G.NVFP4: 9}
+# NVFP4 word layout (module doc): code e of a word is element 4e + w; its 3-bit magnitude index
+# sits at bits 4e (e < 4) or 16 + 4(e - 4), its sign at bit 8e + 7 (e < 4) or 8(e - 4) + 3, so
+# that the low and high half-words are byte-permute selectors and the signs land on byte tops
+_FP4_MAG_SHIFT = torch.tensor([0, 4, 8, 12, 16, 20, 24, 28], dtype=torch.int64)
+_FP4_SIGN_SHIFT = torch.tensor([7, 15, 23, 31, 3, 11, 19, 27], dtype=torch.int64)
+# the f16 high byte of ggml's kvalues_fp4 magnitudes 0, 1, 2, 3, 4, 6, 8, 12 (the low byte is 0),
+# as the two table words of a byte permute
+_FP4_F16_HI = (0x42403C00, 0x4A484644)
 
 # Row invariance (DESIGN.md "Exactness contract"): every output is the same f32 sum whatever the
 # row bucket, so decode, verify and batched decode give a row the same bits. Each output keeps
@@ -150,10 +163,11 @@ def _nvfp4_codes(w: QWeight, f: dict[str, torch.Tensor], r: int) -> torch.Tensor
 def _pack_rows(w: QWeight, f: dict[str, torch.Tensor], r: int) -> dict[str, torch.Tensor]:
     nu = w.n_in // UNIT
     if w.fmt in NVFP4:
-        lo = _nvfp4_codes(w, f, r).view(r, nu, 8, 4).to(torch.int64)
-        sh = (4 * torch.arange(8, device=lo.device, dtype=torch.int64)).view(1, 1, 8, 1)
+        c = _nvfp4_codes(w, f, r).view(r, nu, 8, 4).to(torch.int64)  # [r, unit, e, w]
+        mag, sgn = _FP4_MAG_SHIFT.to(c.device).view(1, 1, 8, 1), _FP4_SIGN_SHIFT.to(c.device).view(1, 1, 8, 1)
+        word = (((c & 7) << mag) | ((c >> 3) << sgn)).sum(2)  # the bit positions are disjoint
         sb = f["sc" if w.fmt == G.NVFP4_E2M1 else "d"].view(r, nu, 2).to(torch.int64)  # per-16 scale bytes
-        out = {"q": _wrap32((lo << sh).sum(2)).view(r, nu * 4), "s": _wrap16(sb[:, :, 0] | (sb[:, :, 1] << 8))}
+        out = {"q": _wrap32(word).view(r, nu * 4), "s": _wrap16(sb[:, :, 0] | (sb[:, :, 1] << 8))}
         if w.fmt == G.NVFP4_E2M1:
             out["dd"] = f["s2"].clone()  # scale2 per row [r] f32
         return out
@@ -201,7 +215,9 @@ def unpack(p: Packed) -> dict[str, torch.Tensor]:
     q = f["q"].view(r, nu, 4).to(torch.int64) & 0xFFFFFFFF
     sh = (4 * torch.arange(8, device=q.device, dtype=torch.int64)).view(1, 1, 8, 1)
     if p.fmt in NVFP4:
-        codes = ((q.unsqueeze(2) >> sh) & 0xF).to(torch.uint8).view(r, p.n_in)  # element order
+        qe = q.unsqueeze(2)  # [r, unit, 1, w]
+        mag, sgn = _FP4_MAG_SHIFT.to(q.device).view(1, 1, 8, 1), _FP4_SIGN_SHIFT.to(q.device).view(1, 1, 8, 1)
+        codes = (((qe >> mag) & 7) | (((qe >> sgn) & 1) << 3)).to(torch.uint8).view(r, p.n_in)  # element order
         s = f["s"].to(torch.int64) & 0xFFFF
         sb = torch.stack([s & 0xFF, s >> 8], -1).to(torch.uint8).view(r, p.n_in // 16)
         if p.fmt == G.NVFP4_E2M1:
@@ -336,28 +352,71 @@ if HAVE_TRITON:
             q = ((words >> (4 * e)) & 0xF) | 0x4B000000
         return q
 
+    # NVFP4 codes -> f32 values, eight per word: the magnitudes' f16 high bytes by one byte permute
+    # per half-word (PTX prmt; the half-word's nibbles are the selectors), the signs or-ed onto the
+    # byte tops, byte pairs spread into f16x2 words (low bytes 0), each half made f32 (exact)
+    _FP4_PTX = tl.constexpr("""{
+    .reg .b32 ta, tb, s, h, t, p;
+    .reg .b16 lo, hi;
+    mov.b32 ta, %d;
+    mov.b32 tb, %d;
+    and.b32 s, $8, 0x7777;
+    prmt.b32 h, ta, tb, s;
+    and.b32 t, $8, 0x80808080;
+    or.b32 h, h, t;
+    prmt.b32 p, h, 0, 0x1404;
+    mov.b32 {lo, hi}, p;
+    cvt.f32.f16 $0, lo;
+    cvt.f32.f16 $1, hi;
+    prmt.b32 p, h, 0, 0x3424;
+    mov.b32 {lo, hi}, p;
+    cvt.f32.f16 $2, lo;
+    cvt.f32.f16 $3, hi;
+    shr.u32 s, $8, 16;
+    and.b32 s, s, 0x7777;
+    prmt.b32 h, ta, tb, s;
+    shl.b32 t, $8, 4;
+    and.b32 t, t, 0x80808080;
+    or.b32 h, h, t;
+    prmt.b32 p, h, 0, 0x1404;
+    mov.b32 {lo, hi}, p;
+    cvt.f32.f16 $4, lo;
+    cvt.f32.f16 $5, hi;
+    prmt.b32 p, h, 0, 0x3424;
+    mov.b32 {lo, hi}, p;
+    cvt.f32.f16 $6, lo;
+    cvt.f32.f16 $7, hi;
+    }""" % _FP4_F16_HI)
+
     @triton.jit
-    def _fp4_values(words, e: tl.constexpr):
-        """NVFP4 codes of nibble e -> ggml's kvalues_fp4 (0, 1, 2, 3, 4, 6, 8, 12 with the sign bit)
-        as f32 [BN, J, 4]: the magnitude from a nibble table in one int32 (0xC8643210), made f32 as
-        2^23 + m - 2^23 (exact), the code's sign bit moved onto it (code 8 gives -0.0)."""
-        if e > 0:
-            m4 = (words >> (4 * e - 2)) & 0x1C  # 4 * (code & 7)
+    def _fp4_value(words, e: tl.constexpr):
+        """Value of code e (plain integer form, for the interpreter): the magnitude from a nibble
+        table in one int32 (0xC8643210), made f32 as 2^23 + m - 2^23 (exact), the sign moved onto
+        it (code 8 gives -0.0, as the permute path does)."""
+        m4 = ((words >> (4 * e)) & 7) * 4
+        if e < 4:
+            sgn = (words << (24 - 8 * e)) & -2147483648  # sign at bit 8e + 7
         else:
-            m4 = (words << 2) & 0x1C
+            sgn = (words << (28 - 8 * (e - 4))) & -2147483648  # sign at bit 8(e - 4) + 3
         mag = ((((-932957680) >> m4) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        if e < 7:
-            sgn = (words << (28 - 4 * e)) & -2147483648  # the code's bit 3 at bit 31
-        else:
-            sgn = words & -2147483648
         return (mag.to(tl.int32, bitcast=True) ^ sgn).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _fp4_values(words, ASM: tl.constexpr):
+        """NVFP4 words [BN, J, 4] -> ggml's kvalues_fp4 values (0, 1, 2, 3, 4, 6, 8, 12 with the
+        sign) of codes 0..7, eight f32 [BN, J, 4] (element 4e + w of each unit)."""
+        if ASM:
+            v = tl.inline_asm_elementwise(_FP4_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(tl.float32,) * 8,
+                                          is_pure=True, pack=1)
+        else:
+            v = (_fp4_value(words, 0), _fp4_value(words, 1), _fp4_value(words, 2), _fp4_value(words, 3),
+                 _fp4_value(words, 4), _fp4_value(words, 5), _fp4_value(words, 6), _fp4_value(words, 7))
+        return v
+
+    @triton.jit
     def _weights_e(FMT: tl.constexpr, e: tl.constexpr, words, h0, h1, a, b, ASM: tl.constexpr):
-        """Decoded weights of nibble e: f32 [BN, J, 4] (element 4e + w of each unit)."""
+        """Decoded K-quant weights of nibble e: f32 [BN, J, 4] (element 4e + w of each unit)."""
         wi = tl.arange(0, 4)
-        if FMT >= 8:  # NVFP4: the scale-free values (_fp4_values); the kernels apply the scales
-            return _fp4_values(words, e)
         q = _nibble(words, e, ASM)  # 2^23 + the low 4 bits, as f32 bits
         if FMT == 6:  # 5th bit of element i = 4e + w sits at bit i of h0; move it to bit 4
             if e == 0:
@@ -395,17 +454,21 @@ if HAVE_TRITON:
         m3 = nmask[:, None, None] & (u < NU)[None, :, None]
         if FMT == 8:
             s2 = tl.load(dp + row, mask=nmask, other=0.0)  # [BN] scale2 per row
+        if FMT >= 8:
+            vals = _fp4_values(words, ASM)
         for e in tl.static_range(8):
-            w = _weights_e(FMT, e, words, h0, h1, a, b, ASM)
             if FMT >= 8:  # NVFP4: value * its block's scale, exact (ggml dequantize_row_nvfp4)
+                w = vals[e]
+                if FMT == 9:  # ggml's kvalues_fp4 has +0 at code 8 (the companion codebook's -0.0 stays)
+                    w = tl.where(w == 0.0, 0.0, w)
                 if e < 4:
                     w = w * a[:, :, None]
                 else:
                     w = w * b[:, :, None]
                 if FMT == 8:
                     w = w * s2[:, None, None]  # (e2m1 * e4m3fn) * scale2: one rounding (book 7.2)
-                else:  # ggml's kvalues_fp4 has +0 at code 8 (the companion codebook's -0.0 stays)
-                    w = tl.where(((words >> (4 * e)) & 0xF) == 8, 0.0, w)
+            else:
+                w = _weights_e(FMT, e, words, h0, h1, a, b, ASM)
             k = (u * 32 + 4 * e)[:, None] + wi[None, :]  # [J, 4]
             tl.store(out + row[:, None, None] * K + k[None, :, :], w, mask=m3)
 
@@ -443,8 +506,9 @@ if HAVE_TRITON:
                 xb = x + (tl.arange(0, NW) * 0)[:, None] + ((kw // 4) * 32 + kw % 4)[None, :]  # [NW, J*4]
                 xm = (tl.arange(0, NW) < NW)[:, None] & (kw < NU * 4)[None, :]
                 if FMT >= 8:  # NVFP4: each 16-block's dot of values, then times its scale (f32)
+                    vals = _fp4_values(words, ASM)
                     for e in tl.static_range(8):
-                        v = tl.reshape(_fp4_values(words, e), (BN // NW, NW, J, 4))
+                        v = tl.reshape(vals[e], (BN // NW, NW, J, 4))
                         xe = tl.reshape(tl.load(xb + 4 * e, mask=xm, other=0.0), (1, NW, J, 4))
                         if e % 4 == 0:
                             t = v * xe
@@ -463,8 +527,9 @@ if HAVE_TRITON:
                 xm = rmask[:, None, None] & (u < NU)[None, :, None]  # [ROWS, J, 1]
                 xb4 = x + r[:, None, None] * sx + (u * 32)[None, :, None] + wi[None, None, :]  # [ROWS, J, 4]
                 if FMT >= 8:  # as the one-row path, in the same order (row invariance)
+                    vals = _fp4_values(words, ASM)
                     for e in tl.static_range(8):
-                        v = _fp4_values(words, e)  # [BN, J, 4]
+                        v = vals[e]  # [BN, J, 4]
                         xe4 = tl.load(xb4 + 4 * e, mask=xm, other=0.0)  # [ROWS, J, 4]
                         if e % 4 == 0:
                             t4 = v[None, :, :, :] * xe4[:, None, :, :]
