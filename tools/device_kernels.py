@@ -100,7 +100,14 @@ def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -
     fmt = G[fmt_name]
     if smoke:
         n_out, n_in = min(n_out, 64), min(n_in, 512)
-    w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 3).copy()).to(device))
+    if fmt in (G.NVFP4, G.NVFP4_E2M1):
+        from muser.engine import nvfp4
+
+        raw, sc, s2 = nvfp4.random_bytes(fmt, n_out, n_in, 3)
+        w = repack("t", fmt, n_out, n_in, torch.from_numpy(raw.copy()).to(device),
+                   None if sc is None else torch.from_numpy(sc.copy()).to(device), s2)
+    else:
+        w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 3).copy()).to(device))
     if qmatvec_v3.supports(fmt):
         w.packed = qmatvec_v3.pack(w)
         nbytes = w.packed.nbytes
@@ -215,6 +222,8 @@ def main(argv=None) -> int:
         print(f"invariance {dtype:10} kv {kv}: ok={r['ok']} {cells or r.get('error', '')}", flush=True)
         save()
     shapes = sorted({(f, n_out, n_in) for (f, _, n_out, n_in) in qmatvec_v3.TUNED})
+    # the same shapes in ggml's NVFP4 (type 40): the storage lane's bytes per second beside the K-quants'
+    shapes += sorted({("NVFP4", n_out, n_in) for (_, n_out, n_in) in shapes if n_out >= 4096})
     if a.smoke:
         shapes = shapes[:2] + [("Q8_0", 64, 512)]
     for fmt, n_out, n_in in shapes:
