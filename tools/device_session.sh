@@ -5,7 +5,7 @@
 #   bash tools/device_session.sh [--cpu-dry] [--carry DIR] [--deadline S] [--depths 0,8192]
 #                                [--kv-lengths 2048,8192,32768] [--nvfp4-mix nvfp4-ggml]
 #                                [--kind-box S (150)] [--kvpack-box S (420)]
-#                                [--llama-server PATH] STAGE...
+#                                [--llama-server PATH] [--reuse-gates] STAGE...
 #
 # Stages, in the order given (build and fixture start in the background at t = 0; the stages
 # that need their outputs wait for them inside their own time box):
@@ -44,7 +44,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"
 DRY=0 CARRY=.device/gpubench DEADLINE=585 LLAMA_SERVER="" DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
-KIND_BOX=150 KVPACK_BOX=420
+KIND_BOX=150 KVPACK_BOX=420 REUSE_GATES=0
 STAGES=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -57,6 +57,7 @@ while [ $# -gt 0 ]; do
     --llama-server) LLAMA_SERVER=${2:?--llama-server PATH}; shift ;;
     --kind-box) KIND_BOX=${2:?--kind-box SECONDS}; shift ;;
     --kvpack-box) KVPACK_BOX=${2:?--kvpack-box SECONDS}; shift ;;
+    --reuse-gates) REUSE_GATES=1 ;;
     build|fixture|kernels|gate|speed|kvpack|nvfp4|serve|sampling|spec) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
@@ -73,6 +74,10 @@ has() { local s; for s in "${STAGES[@]}"; do [ "$s" = "$1" ] && return 0; done; 
 
 W=${MUSER_DEVICE_WORK:-/tmp/muser-dev}
 R=$W/out/receipts L=$W/out/logs
+# the wide Gate 2 receipts of earlier calls on this (warm) machine are kept: --reuse-gates gates this
+# call's speed kinds by one of them when it names this tree's SHA and the mix (gate_receipt)
+mkdir -p "$W/gates" && cp "$W"/out/receipts/*-engine-gate2-wide-*.json "$W/gates/" 2>/dev/null
+rm -f "$W"/gate-*.done
 rm -rf "$W/out" && mkdir -p "$R" "$L" "$OUT"
 LB=/tmp/llama-cuda
 BENCH=$LB/llama.cpp/build/bin/llama-bench SERVER=$LB/llama.cpp/build/bin/llama-server
@@ -159,8 +164,22 @@ wide_gate_bg() {  # MIX
       --geometry $GEOM --kv f16 --gate-tokens 16 --budget $(( DEADLINE - 70 )) --workdir "$W"
     touch "$W/gate-$1.done" ) &
 }
-has gate && wide_gate_bg q4_k_xl
-has nvfp4 && wide_gate_bg "$NVFP4_MIX"
+earlier_gate() {  # MIX -> an earlier call's wide Gate 2 receipt for MIX of this tree (copied into $R)
+  local f
+  [ -n "${MUSER_GIT_SHA:-}" ] || return 1
+  f=$(grep -l "\"git_sha\": \"$MUSER_GIT_SHA\"" $(grep -l "\"dtype\": \"$1\"" "$W"/gates/*-engine-gate2-wide-$DEV.json \
+        2>/dev/null) 2>/dev/null | head -1)
+  [ -n "$f" ] && cp "$f" "$R/" && echo "$R/$(basename "$f")"
+}
+gate_bg() {  # MIX: this call's gate, or with --reuse-gates an earlier one of this tree
+  local g
+  if [ $REUSE_GATES = 1 ] && g=$(earlier_gate "$1"); then
+    record "gate-$1" 0 0 "reused $(basename "$g") (an earlier call on this machine, same tree)"
+    touch "$W/gate-$1.done"
+  else wide_gate_bg "$1"; fi
+}
+has gate && gate_bg q4_k_xl
+has nvfp4 && gate_bg "$NVFP4_MIX"
 
 # --- the comparator's figures: one llama-bench run per file (read by the speed kinds) -------------
 llama_json() {  # GGUF NAME -> $W/NAME.json: pp512, pp16, tg128, tg1 at the first depth (5 reps), and
