@@ -60,7 +60,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -838,8 +838,11 @@ def distill_device(a: argparse.Namespace) -> int:
             run["weights"] = {"file": WEIGHTS, "sha256": save_weights(out, arrs)}
             save()
 
-        _, rec = distill(target, geo, streams["train"], streams["heldout"], facts["ids"]["mask"], left,
-                         smoke=a.smoke, log=lambda m: print(m, flush=True), extra={"target": run["target"], "data": data},
+        cfg = SMOKE_DISTILL if a.smoke else DistillConfig()
+        if a.kd_weight is not None:
+            cfg = replace(cfg, kd_weight=a.kd_weight)
+        _, rec = distill(target, geo, streams["train"], streams["heldout"], facts["ids"]["mask"], left, cfg=cfg,
+                         log=lambda m: print(m, flush=True), extra={"target": run["target"], "data": data},
                          baseline=a.baseline, on_progress=progress, on_trained=trained, prompts=prompts, bench=bench)
         run["drafter"] = rec
     except Exception as e:
@@ -1033,6 +1036,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--deadline-s", type=float, default=380.0, help="wall seconds from start for everything")
     d.add_argument("--baseline", default=None, help="a drafter GGUF evaluated on the same held-out continuations")
     d.add_argument("--smoke", action="store_true", help="the CPU, tiny sizes, a minute")
+    d.add_argument("--kd-weight", type=float, default=None,
+                   help="weight of the T=0.7 distillation term (default DistillConfig's; 0: greedy CE only)")
     sc = sub.add_parser("score", help="the training code's acceptance on the bench's prompts and the evaluation's")
     sc.add_argument("--target", default=str(REPO / "models" / "muse-glimmer-micro-q8_0.gguf"))
     sc.add_argument("--drafter", default=str(REPO / "models" / "muse-glimmer-micro-dflash.gguf"))
