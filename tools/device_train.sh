@@ -18,7 +18,8 @@
 #
 # The drafter alone, for the shipped target (tools/train_drafter.py distill-device): the tree's own
 # tools/ and src/ and models/muse-glimmer-micro-q8_0.gguf (+ .pin.json), with one folder carried:
-#   .device/drafter   tools/train_drafter.py carry (train.xz, heldout.xz, drafter-carry.json; 2.3 MB)
+#   .device/drafter   tools/train_drafter.py carry (train.xz, heldout.xz, bench-heldout.u16,
+#                     drafter-carry.json; 2.4 MB)
 # Needs only the machine's torch, numpy and tokenizers. Writes into $OUT: drafter-weights.npz,
 # drafter-run.json, device-stdout.txt. The script keeps its own deadline (DEADLINE_S, default 380 s);
 # `timeout` sends SIGTERM at 398 s (the script evaluates briefly and saves) and SIGKILL 12 s later, so one
@@ -28,8 +29,8 @@ set -uo pipefail
 if [ "${1:-}" = drafter ]; then
     shift
     D=${CARRY:-.device/drafter}
-    for f in "$D/drafter-carry.json" "$D/train.xz" "$D/heldout.xz" models/muse-glimmer-micro-q8_0.gguf \
-             models/muse-glimmer-micro-q8_0.pin.json; do
+    for f in "$D/drafter-carry.json" "$D/train.xz" "$D/heldout.xz" "$D/bench-heldout.u16" \
+             models/muse-glimmer-micro-q8_0.gguf models/muse-glimmer-micro-q8_0.pin.json; do
         if [ ! -s "$f" ]; then
             echo "device_train: $f is missing: carry .device/drafter (tools/train_drafter.py carry)" >&2
             exit 2

@@ -3,7 +3,9 @@
 
     tools/train_drafter.py carry [--out .device/drafter]
         here: the text the device run reads (a deterministic half of the stdlib train split and the whole
-        stdlib held-out split, muser.corpus rule), xz-framed, with drafter-carry.json (hashes, counts)
+        stdlib held-out split, muser.corpus rule), xz-framed, the held-out prompts of `muser bench spec`'s
+        classes (its code, the target's tokenizer), with drafter-carry.json (hashes, counts, the
+        vocabulary's line-ending ids)
     bash tools/device_train.sh drafter       (on one H200; runs `distill-device`, see that script)
     tools/train_drafter.py distill-device --target models/muse-glimmer-micro-q8_0.gguf --carry .device/drafter \
         --out OUT [--deadline-s 380] [--baseline models/muse-glimmer-micro-dflash.gguf] [--smoke]
@@ -24,17 +26,27 @@
   1. greedy continuations of the target, KV-cached and batched (MicroGlimmer.greedy, f32 matmuls with
      TF32 off, so the labels are the target's own argmax up to the rare flip that dequantized f32
      arithmetic against ggml's Q8_0 activation rounding can cause): groups of sequences, one prompt
-     length per group (prompts cut at random offsets of the train stream), DistillConfig.gen_new each;
+     length per group, DistillConfig.gen_new (80) tokens each. The prompts are drawn from the TRAIN split
+     like `muser bench spec`'s classes (TrainPrompts): file starts ([BOS] + a file's first tokens, the
+     natural class) and cuts at line boundaries inside files (natural-mid's boundary rule), plus windows
+     at random offsets of the stream; the bench's own held-out prompts (natural, natural-mid, synthetic,
+     built by its code into the carry) are continued for the per-round evaluation;
   2. the drafter trained on them: the drafter sees the target's layer-input residuals at its target
      layers for every context position (TF32 matmuls) and learns to fill the block [x_n, <mask> x 15] at
      positions n..n+15 with the target's greedy tokens n+1..n+15; anchors n lie in the generated part
-     (n >= prompt - 1), where those tokens ARE the target's greedy path from n; the context of a block
+     (n >= prompt - 1), where those tokens ARE the target's greedy path from n, half of them in the first
+     rounds' span right after the prompt (where the bench's rounds start); the context of a block
      is every position before n (the drafter's context ABI: sink 64 + window 2048 covers the micro
      model's whole context). Loss: cross-entropy per block row, weighted 0.9^(row-1) (acceptance is
-     prefix-bound). Embedding and LM head are the target's (shared, frozen, not shipped);
-  3. evaluation on greedy continuations of held-out prompts (the stdlib held-out split) and of train
-     prompts not trained on: mean accepted length of 15 (and of 7, the default verify length), top-1
-     per block row, every anchor of the generated part; optionally the same for a baseline drafter GGUF.
+     prefix-bound), plus KL from the target's softmax at T = 0.7 (its logits come from the same forward
+     that captures the features) for sampled verification. Embedding and LM head are the target's
+     (shared, frozen, not shipped);
+  3. evaluation: the bench's per-round metric (mean accepted per greedy round of 64 tokens, every round
+     drafting, verify length 15 and 7) on the held-out bench-class prompts; on greedy continuations of
+     held-out prompts at random offsets (the stdlib held-out split) and of train prompts not trained on:
+     mean accepted length of 15 (and of 7, the default verify length), top-1 per block row, every anchor
+     of the generated part, the expected accepted length under T = 0.7; optionally the same for a
+     baseline drafter GGUF.
 """
 
 from __future__ import annotations
@@ -48,7 +60,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -64,36 +76,56 @@ DRAFT = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "block_si
          "window": 2048, "rope_base": 10000.0, "eps": 1e-6}
 CARRY = REPO / ".device" / "drafter"
 CARRY_MANIFEST = "drafter-carry.json"
+BENCH_FILE = "bench-heldout.u16"
+TARGET = REPO / "models" / "muse-glimmer-micro-q8_0.gguf"
 RUN_RECORD = "drafter-run.json"
 WEIGHTS = "drafter-weights.npz"
+
+
+# the prompt classes a training group is drawn from (TrainPrompts): file starts and cuts at line
+# boundaries inside files (the bench's natural / natural-mid classes, muser.bench.kinds.spec), and
+# windows at random offsets of the stream
+PROMPT_CLASSES = ("start", "mid", "offset")
+BENCH_PROMPT_TOKENS = 256  # muser bench spec --prompt-tokens (its default)
+TRAIN_PROMPT_RULE = ("the carried train split only; per group a class drawn by class_mix and a length p uniform in "
+                     "[prompt_min, prompt_max]: start = [BOS] + a file's first p - 1 ids, mid = [BOS] + the p - 1 "
+                     "ids ending at a line boundary of a file (a token whose bytes end in a newline), offset = "
+                     "p ids at a uniform random offset of the stream")
 
 
 @dataclass
 class DistillConfig:
     """Sizes of one distillation (the defaults are the H200 run's; SMOKE_DISTILL the CPU smoke's)."""
-    gen_new: int = 160  # greedy tokens generated after each prompt
+    gen_new: int = 80  # greedy tokens generated after each prompt (the bench generates 64)
     prompt_min: int = 32  # prompt lengths drawn per group from [prompt_min, prompt_max]
     prompt_max: int = 320
-    gen_batch: int = 2048  # sequences per group (one greedy call)
-    gen_seqs: int = 49152  # training sequences wanted (generation stops earlier at gen_frac of the budget)
+    class_mix: tuple[float, float, float] = (0.4, 0.4, 0.2)  # P(group class), PROMPT_CLASSES order
+    gen_batch: int = 2048  # sequences per group (one greedy call; a file-start group: one per eligible file)
+    gen_seqs: int = 98304  # training sequences wanted (generation stops earlier at gen_frac of the budget)
     gen_frac: float = 0.3
-    held_groups: int = 4  # held-out prompts: groups x held_batch sequences
+    held_groups: int = 4  # held-out prompts at random offsets: groups x held_batch sequences
     held_batch: int = 128
-    check_batch: int = 256  # train prompts generated but never trained on (in-distribution check)
+    check_batch: int = 256  # train mid-file prompts generated but never trained on (in-distribution check)
+    bench_new: int = 64  # tokens the per-round metric covers on the held-out bench-class prompts
+    bench_per_class: int = 0  # held-out bench-class prompts kept per class (0: all the carry holds)
     batch: int = 128  # sequences per step
     anchors: int = 32  # blocks per sequence per step
+    first_frac: float = 0.5  # share of the anchors drawn from the first rounds: [p - 1, p - 1 + first_span)
+    first_span: int = 16
+    kd_weight: float = 0.5  # weight of KL(target softmax at kd_temp || drafter's) beside the greedy CE
+    kd_temp: float = 0.7  # the bench's sampled mode (T = 0.7)
     lr: float = 1.5e-3
     warmup: int = 100
     eval_every_s: float = 30.0
     eval_batch: int = 64  # sequences per evaluation chunk
     max_steps: int = 10 ** 9
-    reserve_s: float = 20.0  # kept for the final evaluation
+    reserve_s: float = 30.0  # kept for the final evaluation
 
 
-SMOKE_DISTILL = DistillConfig(gen_new=24, prompt_min=8, prompt_max=24, gen_batch=4, gen_seqs=8, gen_frac=0.9,
-                              held_groups=1, held_batch=4, check_batch=4, batch=4, anchors=4, warmup=2,
-                              eval_every_s=0.0, eval_batch=4, max_steps=3, reserve_s=1.0)
-
+SMOKE_DISTILL = DistillConfig(gen_new=24, prompt_min=8, prompt_max=24, class_mix=(0.5, 0.5, 0.0), gen_batch=4,
+                              gen_seqs=8, gen_frac=0.9, held_groups=1, held_batch=4, check_batch=4, bench_new=12,
+                              bench_per_class=2, batch=4, anchors=4, first_span=4, warmup=2, eval_every_s=0.0,
+                              eval_batch=4, max_steps=3, reserve_s=1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,29 +222,89 @@ def draw_prompts(stream, cfg: DistillConfig, batch: int, gen) -> tuple[int, obje
     return p, torch.stack([stream[s:s + p] for s in starts.tolist()])
 
 
-def generate_groups(target, stream, cfg: DistillConfig, n_groups: int, batch: int, gen, stop_at: float,
-                    log=print) -> list[tuple[int, object]]:
-    """Up to n_groups greedy groups (prompt length p, sequences [batch, p + gen_new] int64 on the target's
-    device): prompts cut at random offsets of `stream` (int64 CPU), one p per group, drawn uniformly from
-    [prompt_min, prompt_max]. Stops early at wall time stop_at (after at least one group) or on SIGTERM."""
+class TrainPrompts:
+    """Prompts like those of `muser bench spec`, cut from a stream of documents ([BOS] ids [EOS] each,
+    tools/corpus_carry.py encode) of the TRAIN split: "start" = [BOS] + a file's first p - 1 ids (the
+    natural class, muser.bench.kinds.spec.start_prompts), "mid" = [BOS] + the p - 1 ids ending at a line
+    boundary inside a file (natural-mid's boundary rule, spec.ends_line: the carry lists the vocabulary's
+    line-ending ids; every boundary with p - 1 ids of its file before it, not only the midpoint's, and
+    no round-trip check: that only matters to a comparator given the text), "offset" = a window at a
+    uniform random offset of the stream (draw_prompts)."""
+
+    def __init__(self, stream, bos: int, line_end_ids: list[int]):
+        import torch
+
+        self.stream, self.bos = stream, bos
+        n = stream.numel()
+        bos_at = (stream == bos).nonzero().flatten()  # one per document: specials are not parsed in text
+        self.doc_start = bos_at + 1  # a document's first id
+        self.doc_end = torch.cat((bos_at[1:], torch.tensor([n]))) - 1  # its EOS (exclusive end of its ids)
+        ends = torch.isin(stream, torch.tensor(line_end_ids, dtype=stream.dtype)).nonzero().flatten() + 1
+        doc = torch.searchsorted(bos_at, ends - 1, right=True) - 1  # the document holding token end - 1
+        keep = doc >= 0
+        self.cut_end, self.cut_doc = ends[keep], doc[keep]  # a cut keeps ids [.., end) of its document
+
+    def eligible(self, cls: str, p: int):
+        """Indices of the documents (start) or cuts (mid) that have p - 1 ids for a prompt of length p."""
+        if cls == "start":
+            return ((self.doc_end - self.doc_start) >= p - 1).nonzero().flatten()
+        return ((self.cut_end - self.doc_start[self.cut_doc]) >= p - 1).nonzero().flatten()
+
+    def draw(self, cls: str, cfg: DistillConfig, batch: int, gen) -> tuple[int, object]:
+        """One group of class cls: (p, prompts [b, p] int64 CPU); a start group holds each eligible file
+        at most once (b = min(batch, eligible files)), a mid group distinct cuts where there are enough.
+        A class with nothing eligible at the drawn p falls back to offsets."""
+        import torch
+
+        if cls == "offset":
+            return draw_prompts(self.stream, cfg, batch, gen)
+        p = int(torch.randint(cfg.prompt_min, cfg.prompt_max + 1, (1,), generator=gen))
+        idx = self.eligible(cls, p)
+        if idx.numel() == 0:
+            return draw_prompts(self.stream, cfg, batch, gen)
+        if cls == "start" or idx.numel() >= batch:
+            pick = idx[torch.randperm(idx.numel(), generator=gen)[:batch]]
+        else:
+            pick = idx[torch.randint(0, idx.numel(), (batch,), generator=gen)]
+        first = self.doc_start[pick] if cls == "start" else self.cut_end[pick] - (p - 1)
+        win = first[:, None] + torch.arange(p - 1)
+        return p, torch.cat((torch.full((pick.numel(), 1), self.bos, dtype=self.stream.dtype), self.stream[win]), 1)
+
+    def draw_group(self, cfg: DistillConfig, batch: int, gen) -> tuple[str, int, object]:
+        """A class drawn by cfg.class_mix, then its group: (class, p, prompts)."""
+        import torch
+
+        cls = PROMPT_CLASSES[int(torch.multinomial(torch.tensor(cfg.class_mix), 1, generator=gen))]
+        return (cls, *self.draw(cls, cfg, batch, gen))
+
+
+def generate_groups(target, draw, cfg: DistillConfig, n_groups: int, gen, stop_at: float,
+                    log=print) -> tuple[list[tuple[int, object]], list[str]]:
+    """Up to n_groups greedy groups (prompt length p, sequences [b, p + gen_new] int64 on the target's
+    device), the prompts of each from draw(gen) -> (class, p, prompts [b, p] int64 CPU), and each group's
+    class. Stops early at wall time stop_at (after at least one group) or on SIGTERM."""
     import torch
 
     dev = next(target.parameters()).device
     out: list[tuple[int, object]] = []
+    classes: list[str] = []
     for _ in range(n_groups):
         if STOP["why"] or (out and time.time() > stop_at):
             break
-        p, prompts = draw_prompts(stream, cfg, batch, gen)
+        cls, p, prompts = draw(gen)
         out.append((p, target.greedy(prompts.to(dev), cfg.gen_new)))
+        classes.append(cls)
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    log(f"drafter: generated {len(out)} groups, {sum(int(s.shape[0]) for _, s in out)} sequences")
-    return out
+    log(f"drafter: generated {len(out)} groups, {sum(int(s.shape[0]) for _, s in out)} sequences "
+        f"({', '.join(f'{c} {classes.count(c)}' for c in PROMPT_CLASSES if c in classes)} groups)")
+    return out, classes
 
 
-def target_features(target, layers: list[int], ids):
+def target_features(target, layers: list[int], ids, final: bool = False):
     """ids [B, T] -> the target's input residuals at `layers` (what the engine captures), concatenated
-    [B, T, n_cap*H] f32; no gradient."""
+    [B, T, n_cap*H] f32; no gradient. final: also the target's last hidden state after its output norm
+    [B, T, H] (target_logits turns rows of it into the target's logits)."""
     import torch
     import torch.nn.functional as F
 
@@ -222,26 +314,54 @@ def target_features(target, layers: list[int], ids):
     with torch.no_grad():
         x = mn.rms(F.embedding(ids, target.token_embd), g.rms_eps)
         caps = []
-        for il, b in enumerate(target.blocks[: max(layers) + 1]):
+        for il, b in enumerate(target.blocks):
             if il in layers:
                 caps.append(x)
-            if il < max(layers):
-                x = b(x, target.cos, target.sin, target.mask)
-        return torch.cat(caps, -1)
+            if il == max(layers) and not final:
+                break
+            x = b(x, target.cos, target.sin, target.mask)
+        feats = torch.cat(caps, -1)
+        return (feats, mn.rms(x, g.rms_eps) * target.output_norm) if final else feats
 
 
-def drafter_context(W: dict, ng, target, layers: list[int], ids) -> list:
-    """The drafter's injected K/V, per draft layer, for every position of ids [B, T] (bf16 on CUDA)."""
+def target_logits(target, hidden):
+    """Rows of target_features' final hidden state [..., H] -> the target's logits [..., vocab] f32 (logit
+    scale, then softcap: micro_net.MicroGlimmer.forward)."""
+    import torch
+    import torch.nn.functional as F
+
+    g = target.g
+    with torch.no_grad():
+        return g.softcap * torch.tanh(F.linear(hidden, target.output).float() * g.logit_scale / g.softcap)
+
+
+def drafter_context(W: dict, ng, target, layers: list[int], ids, final: bool = False):
+    """The drafter's injected K/V, per draft layer, for every position of ids [B, T] (bf16 on CUDA);
+    final: (that, the target's final hidden state [B, T, H], target_features)."""
     import torch
 
     from muser.spec.net import context_kv, fuse
 
-    feats = target_features(target, layers, ids)
+    feats, last = target_features(target, layers, ids, final=True) if final else (
+        target_features(target, layers, ids), None)
     B, T = ids.shape
     pos = torch.arange(T, device=ids.device)[None].expand(B, T)
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
         fz = fuse(W, feats, ng)
-        return [context_kv(W, il, fz, pos, ng) for il in range(ng.n_layers)]
+        ctx = [context_kv(W, il, fz, pos, ng) for il in range(ng.n_layers)]
+    return (ctx, last) if final else ctx
+
+
+def row_target_logits(target, last, anchors, K: int):
+    """The target's logits behind each row's label: row j of the block at anchor n is labelled with
+    ids[n + j], the target's greedy token after position n + j - 1 -> [B, A, K, vocab] f32 (row 0, the
+    known token, reads position n - 1 and is never weighted)."""
+    import torch
+
+    B, A = anchors.shape
+    pos = (anchors[:, :, None] + torch.arange(K, device=anchors.device) - 1).clamp(min=0).reshape(B, A * K)
+    rows = torch.gather(last, 1, pos[:, :, None].expand(-1, -1, last.shape[-1]))
+    return target_logits(target, rows).view(B, A, K, -1)
 
 
 def draft_blocks(W: dict, ng, target, ctx: list, ids, anchors, mask_id: int, K: int):
@@ -273,12 +393,17 @@ def draft_blocks(W: dict, ng, target, ctx: list, ids, anchors, mask_id: int, K: 
 
 def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smoke: bool = False,
             log=print, cfg: DistillConfig | None = None, extra: dict | None = None,
-            baseline: str | Path | None = None, on_progress=None, on_trained=None) -> tuple[dict, dict]:
+            baseline: str | Path | None = None, on_progress=None, on_trained=None,
+            prompts: TrainPrompts | None = None, bench: list[tuple[str, str, list[int]]] | None = None
+            ) -> tuple[dict, dict]:
     """Train a drafter for `target` (a micro_net.MicroGlimmer on its device) within budget_s wall seconds,
-    prompts from the int64 CPU streams train_ids (training) / held_ids (evaluation). Returns (tensors: GGUF
-    name -> f32 numpy array in numpy order, record: geometry, sizes, curve, held-out acceptance; `extra`
-    merged in; on_progress(record) after each stage; on_trained(tensors) once training ends, before the
-    final evaluation, so a run cut short during it still keeps the weights)."""
+    prompts from the int64 CPU streams train_ids (training) / held_ids (evaluation): with `prompts` (a
+    TrainPrompts of train_ids) groups of the bench's classes by cfg.class_mix, else windows at random
+    offsets only. `bench`: held-out prompts of the bench's classes (class, name, ids), scored per greedy
+    round as `muser bench spec` runs them. Returns (tensors: GGUF name -> f32 numpy array in numpy order,
+    record: geometry, sizes, curve, held-out acceptance; `extra` merged in; on_progress(record) after each
+    stage; on_trained(tensors) once training ends, before the final evaluation, so a run cut short
+    during it still keeps the weights)."""
     import torch
     import torch.nn.functional as F
 
@@ -296,14 +421,29 @@ def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smo
                                    if dev.type == "cuda" else "f32"}, "curve": [], **(extra or {})}
     progress = on_progress or (lambda r: None)
 
+    def offsets(stream, batch: int):
+        return lambda g: ("offset", *draw_prompts(stream, cfg, batch, g))
+
     # 1. greedy continuations, f32: the labels are the target's own argmax
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     t0 = time.time()
-    gen = torch.Generator().manual_seed(1234)
-    held = generate_groups(target, held_ids, cfg, cfg.held_groups, cfg.held_batch, gen, math.inf, log)
-    check = generate_groups(target, train_ids, cfg, 1, cfg.check_batch, gen, math.inf, log)
-    pool = generate_groups(target, train_ids, cfg, max(1, -(-cfg.gen_seqs // cfg.gen_batch)), cfg.gen_batch, gen,
-                           t_start + cfg.gen_frac * budget_s, log)
+    gen = torch.Generator().manual_seed(1234)  # the held-out groups are its first draws (score repeats them)
+    held, _ = generate_groups(target, offsets(held_ids, cfg.held_batch), cfg, cfg.held_groups, gen, math.inf, log)
+    check, check_cls = generate_groups(target, offsets(train_ids, cfg.check_batch) if prompts is None else
+                                       (lambda g: ("mid", *prompts.draw("mid", cfg, cfg.check_batch, g))),
+                                       cfg, 1, gen, math.inf, log)
+    pool, pool_cls = generate_groups(target, offsets(train_ids, cfg.gen_batch) if prompts is None else
+                                     (lambda g: prompts.draw_group(cfg, cfg.gen_batch, g)),
+                                     cfg, max(1, -(-cfg.gen_seqs // cfg.gen_batch)), gen,
+                                     t_start + cfg.gen_frac * budget_s, log)
+    bench_groups = []  # (class, names, p, sequences [b, p + bench_new + K]): labels for every anchor of the rounds
+    for cls in ("natural", "natural-mid", "synthetic"):
+        sel = [(name, ids) for c, name, ids in bench or [] if c == cls][: cfg.bench_per_class or None]
+        for p in sorted({len(ids) for _, ids in sel}):
+            names = [name for name, ids in sel if len(ids) == p]
+            x = torch.tensor([ids for _, ids in sel if len(ids) == p], dtype=torch.long, device=dev)
+            if not STOP["why"]:
+                bench_groups.append((cls, names, p, target.greedy(x, cfg.bench_new + K)))
     t_gen = time.time() - t0
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     if not (held and check and pool):  # SIGTERM during generation: nothing to train on
@@ -311,13 +451,17 @@ def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smo
         return {}, rec
     n_pool = sum(int(s.shape[0]) for _, s in pool)
     rec["gen"] = {"s": round(t_gen, 2), "train_sequences": n_pool, "train_groups": len(pool),
-                  "prompt_lengths": [p for p, _ in pool], "new_tokens": cfg.gen_new,
-                  "train_generated_tokens": n_pool * cfg.gen_new,
+                  "prompt_lengths": [p for p, _ in pool], "classes": pool_cls,
+                  "class_sequences": {c: sum(int(s.shape[0]) for (_, s), k in zip(pool, pool_cls) if k == c)
+                                      for c in PROMPT_CLASSES},
+                  "new_tokens": cfg.gen_new, "train_generated_tokens": n_pool * cfg.gen_new,
                   "heldout_sequences": sum(int(s.shape[0]) for _, s in held),
-                  "check_sequences": int(check[0][1].shape[0]),
+                  "check_sequences": int(check[0][1].shape[0]), "check_class": check_cls[0],
+                  "bench_heldout_prompts": {c: sum(len(n) for k, n, _, _ in bench_groups if k == c)
+                                            for c in ("natural", "natural-mid", "synthetic")},
                   "tokens_per_s": round((n_pool + sum(int(s.shape[0]) for _, s in held + check)) * cfg.gen_new
                                         / max(t_gen, 1e-9))}
-    log("drafter: generation " + json.dumps(rec["gen"]))
+    log("drafter: generation " + json.dumps({k: v for k, v in rec["gen"].items() if k not in ("classes",)}))
     progress(rec)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
@@ -327,9 +471,10 @@ def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smo
     log(f"drafter: {rec['n_params']:,} params, geometry {D}")
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     row_w = torch.tensor([0.0] + [0.9 ** (i - 1) for i in range(1, K)], device=dev)
+    kd_t = cfg.kd_temp
 
-    def context(Wd, ids):
-        return drafter_context(Wd, ng, target, layers, ids)
+    def context(Wd, ids, final: bool = False):
+        return drafter_context(Wd, ng, target, layers, ids, final=final)
 
     def blocks(Wd, ctx, ids, anchors):
         return draft_blocks(Wd, ng, target, ctx, ids, anchors, mask_id, K)
@@ -338,10 +483,20 @@ def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smo
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
         return (ce.view(labels.shape) * row_w).sum() / (row_w.sum() * labels.shape[0] * labels.shape[1])
 
+    def weighted_kd(logits, tlogits):
+        """KL(target softmax at kd_temp || drafter softmax at kd_temp) per row, weighted as the CE, times
+        kd_temp^2 (the gradient scale of the hard term; Hinton et al.). A greedy drafter proposes a point
+        mass, which T = 0.7 verification accepts with the target's probability of it."""
+        kl = F.kl_div(F.log_softmax(logits / kd_t, -1), F.log_softmax(tlogits / kd_t, -1), reduction="none",
+                      log_target=True).sum(-1)  # [B, A, K]
+        return kd_t * kd_t * (kl * row_w).sum() / (row_w.sum() * kl.shape[0] * kl.shape[1])
+
     def evaluate(Wd, groups, stride: int = 1, max_seqs: int | None = None) -> dict:
         """Every stride-th anchor of the generated part (n from p-1 to T-K) of each group's sequences:
-        mean accepted prefix of the 15 proposals and of the first 7, top-1 per row, weighted CE."""
-        n_blk, loss_sum, acc15, acc7 = 0, 0.0, 0.0, 0.0
+        mean accepted prefix of the 15 proposals and of the first 7, top-1 per row, weighted CE, and the
+        expected accepted prefix of the first 7 under T = kd_temp verification along the greedy path
+        (sum over j of the product of the target's probabilities of the drafter's proposals 1..j)."""
+        n_blk, loss_sum, acc15, acc7, samp7 = 0, 0.0, 0.0, 0.0, 0.0
         rows = torch.zeros(K - 1, dtype=torch.float64, device=dev)
         with torch.no_grad():
             for p, seqs in groups:
@@ -352,25 +507,60 @@ def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smo
                 an = torch.arange(p - 1, T - K + 1, stride, device=dev)
                 for i in range(0, seqs.shape[0], cfg.eval_batch):
                     ids = seqs[i:i + cfg.eval_batch]
-                    ctx = context(Wd, ids)
+                    ctx, last = context(Wd, ids, final=True)
                     for j in range(0, an.numel(), cfg.anchors):
                         a = an[j:j + cfg.anchors][None].expand(ids.shape[0], -1)
                         logits, labels = blocks(Wd, ctx, ids, a)
-                        hit = (logits.argmax(-1) == labels)[:, :, 1:]  # [B, A, 15]
+                        prop = logits.argmax(-1)
+                        hit = (prop == labels)[:, :, 1:]  # [B, A, 15]
                         run = hit.int().cumprod(-1)
+                        pt = torch.softmax(row_target_logits(target, last, a, K) / kd_t, -1)
+                        pd = torch.gather(pt, -1, prop[..., None])[..., 0][:, :, 1:8]  # [B, A, 7]
                         nb = hit.shape[0] * hit.shape[1]
                         loss_sum += float(weighted_ce(logits, labels)) * nb
                         acc15 += float(run.sum())
                         acc7 += float(run[:, :, :7].sum())
+                        samp7 += float(pd.double().cumprod(-1).sum())
                         rows += hit.double().sum((0, 1))
                         n_blk += nb
         n = max(n_blk, 1)
         return {"blocks": n_blk, "loss": round(loss_sum / n, 4), "mean_accepted_15": round(acc15 / n, 4),
-                "mean_accepted_7": round(acc7 / n, 4), "top1_row1": round(float(rows[0]) / n, 4),
-                "top1_by_row": [round(float(r) / n, 4) for r in rows]}
+                "mean_accepted_7": round(acc7 / n, 4), f"expected_accepted_7_t{kd_t}": round(samp7 / n, 4),
+                "top1_row1": round(float(rows[0]) / n, 4), "top1_by_row": [round(float(r) / n, 4) for r in rows]}
+
+    def bench_eval(Wd, max_prompts: int | None = None) -> dict:
+        """The bench's per-round metric on the held-out bench-class prompts: mean accepted per greedy round
+        of bench_new tokens, every round drafting, verify length 15 and 7 (round_lengths over anchor_hits,
+        the rounds muser.spec.SpecSession commits), per class and natural + natural-mid pooled."""
+        out: dict = {}
+        pooled: dict[int, list[int]] = {15: [], 7: []}
+        for cls, names, p, seqs in bench_groups:
+            if STOP["why"] and out:
+                break
+            seqs = seqs[:max_prompts]
+            hits = torch.cat([anchor_hits(Wd, ng, target, layers, seqs[i:i + cfg.eval_batch], p, cfg.bench_new + 1,
+                                          mask_id, K, chunk=cfg.anchors) for i in range(0, seqs.shape[0], cfg.eval_batch)])
+            run = hits.int().cumprod(-1)  # [B, bench_new + 1, 15]: anchors p - 1 .. p - 1 + bench_new
+            r = out.setdefault(cls, {"prompts": 0, "first_prompts": names[:3]})
+            r["prompts"] += int(seqs.shape[0])
+            for k in (15, 7):
+                rl = [x for acc in run[:, :, :k].sum(-1) for x in round_lengths(acc[1:].tolist(), cfg.bench_new, k)]
+                r.setdefault(f"_rl{k}", []).extend(rl)
+                if cls != "synthetic":
+                    pooled[k].extend(rl)
+            r.setdefault("_ev7", []).append(run[:, : cfg.bench_new - K + 2, :7].sum(-1).float().flatten())
+        for cls, r in out.items():
+            for k in (15, 7):
+                rl = r.pop(f"_rl{k}")
+                r[f"rounds_{k}"], r[f"per_round_accepted_of_{k}"] = len(rl), round(sum(rl) / max(len(rl), 1), 3)
+            r["every_anchor_accepted_of_7"] = round(float(torch.cat(r.pop("_ev7")).mean()), 3)
+        out["natural+natural-mid"] = {f"per_round_accepted_of_{k}": round(sum(v) / max(len(v), 1), 3)
+                                      for k, v in pooled.items()}
+        return out
 
     sizes = torch.tensor([float(s.shape[0]) for _, s in pool])
     step_gen = torch.Generator().manual_seed(99)
+    n_first = round(cfg.anchors * cfg.first_frac)
     t_train = time.time()
     total_s = budget_s - (t_train - t_start) - cfg.reserve_s
     rec["train_budget_s"] = round(total_s, 2)
@@ -385,8 +575,16 @@ def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smo
         p, seqs = pool[int(torch.multinomial(sizes, 1, generator=step_gen))]
         ids = seqs[torch.randint(0, seqs.shape[0], (cfg.batch,), generator=step_gen).to(dev)]
         T = ids.shape[1]
-        anchors = torch.randint(p - 1, T - K + 1, (cfg.batch, cfg.anchors), generator=step_gen).to(dev)
-        loss = weighted_ce(*blocks(W, context(W, ids), ids, anchors))
+        # the bench's rounds start right after the prompt: n_first anchors from the first rounds' span
+        anchors = torch.cat((torch.randint(p - 1, min(p - 1 + cfg.first_span, T - K + 1), (cfg.batch, n_first),
+                                           generator=step_gen),
+                             torch.randint(p - 1, T - K + 1, (cfg.batch, cfg.anchors - n_first), generator=step_gen)),
+                            1).to(dev)
+        ctx, last = context(W, ids, final=True) if cfg.kd_weight > 0 else (context(W, ids), None)
+        logits, labels = blocks(W, ctx, ids, anchors)
+        ce = weighted_ce(logits, labels)
+        kd = weighted_kd(logits, row_target_logits(target, last, anchors, K)) if cfg.kd_weight > 0 else ce * 0
+        loss = ce + cfg.kd_weight * kd
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -394,7 +592,9 @@ def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smo
         step += 1
         if step == 1 or time.time() - last_eval >= cfg.eval_every_s:
             pt = {"step": step, "t": round(time.time() - t_start, 2), "loss": round(float(loss.detach()), 4),
-                  "lr": lr, "heldout": evaluate(W, held, stride=4, max_seqs=16)}
+                  "ce": round(float(ce.detach()), 4), "kd": round(float(kd.detach()), 4), "lr": lr,
+                  "heldout": evaluate(W, held, stride=4, max_seqs=16),
+                  "bench_per_round_of_7": {c: r["per_round_accepted_of_7"] for c, r in bench_eval(W, 32).items()}}
             del pt["heldout"]["top1_by_row"]
             log("drafter: " + json.dumps(pt))
             rec["curve"].append(pt)
@@ -414,13 +614,14 @@ def distill(target, geo, train_ids, held_ids, mask_id: int, budget_s: float, smo
         on_trained(tensors)
     t_eval = time.time()
     cut = 16 if STOP["why"] else None  # SIGTERM leaves seconds: a smaller evaluation, then save
-    rec["eval"] = {"heldout_gen": evaluate(W, held, max_seqs=cut),
+    rec["eval"] = {"bench_heldout": bench_eval(W, cut), "heldout_gen": evaluate(W, held, max_seqs=cut),
                    "train_gen_unseen": evaluate(W, check, max_seqs=cut),
                    "train_gen_pool": evaluate(W, [(p, s[: cfg.check_batch]) for p, s in pool[:1]], max_seqs=cut)}
     if baseline is not None and not STOP["why"]:
         try:
-            rec["baseline"] = {"gguf": Path(baseline).name,
-                               "heldout_gen": evaluate(drafter_from_gguf(baseline, D, H, dev), held)}
+            Wb = drafter_from_gguf(baseline, D, H, dev)
+            rec["baseline"] = {"gguf": Path(baseline).name, "bench_heldout": bench_eval(Wb),
+                               "heldout_gen": evaluate(Wb, held)}
         except SystemExit as e:  # a baseline of another geometry: recorded, not fatal
             rec["baseline"] = {"gguf": Path(baseline).name, "error": str(e)}
     rec["eval_s"] = round(time.time() - t_eval, 2)
@@ -446,15 +647,32 @@ def save_weights(out: str | Path, arrs: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 # the carry (here) and the drafter-only device run
 
-def write_carry(out: Path = CARRY, root: Path | None = None) -> dict:
+def write_carry(out: Path = CARRY, root: Path | None = None, target: Path = TARGET) -> dict:
     """OUT/train.xz (the stdlib train split's files at even positions in corpus order) and OUT/heldout.xz
-    (the whole stdlib held-out split), framed (muser.corpus.frame) and xz-compressed, and
-    OUT/drafter-carry.json: per shard file, SHA-256 of the .xz and of the framed bytes, documents, bytes,
-    (the framed bytes' SHA-256 is the sample's split hash, muser.corpus.split_sha256)."""
+    (the whole stdlib held-out split), framed (muser.corpus.frame) and xz-compressed; OUT/bench-heldout.u16:
+    the held-out split's prompts of `muser bench spec`'s classes, built by its own code with the target
+    GGUF's tokenizer (every natural prompt of BENCH_PROMPT_TOKENS, every natural-mid cut of those files,
+    the synthetic prompt; little-endian uint16, back to back); and OUT/drafter-carry.json: per shard file,
+    SHA-256 of the .xz and of the framed bytes, documents, bytes (the framed bytes' SHA-256 is the
+    sample's split hash, muser.corpus.split_sha256), the tokenizer's SHA-256, the vocabulary's line-ending
+    ids (the bench's line boundary rule, for TrainPrompts' mid-file cuts) and the bench prompts' classes,
+    names and lengths."""
     from muser import corpus
+    from muser.bench.kinds.ppl import provenance
+    from muser.bench.kinds.spec import MID_RULE, ends_line, mid_prompts, start_prompts, synthetic_ids
+    from muser.gguf.identity import tokenizer_sha256
+    from muser.gguf.reader import read_gguf
+    from muser.text import Tokenizer
 
     docs = corpus.load_docs(root or corpus.DEFAULT_ROOT)
     picks = {"train": corpus.split_docs(docs, "train")[::2], "heldout": corpus.split_docs(docs, "heldout")}
+    f = read_gguf(target)
+    try:
+        tok, tok_sha, prov = Tokenizer.from_gguf(f), tokenizer_sha256(f), provenance(f)
+    finally:
+        f.close()
+    if corpus.split_sha256(picks["heldout"]) != prov["corpus"]["heldout"]["sha256"]:
+        raise SystemExit(f"the held-out split under {root or corpus.DEFAULT_ROOT} is not the one {target} records")
     out.mkdir(parents=True, exist_ok=True)
     man: dict = {"rule": "muser.corpus stdlib splits: train = the train split's files at even indices in corpus "
                          "order; heldout = the whole held-out split", "root": str(root or corpus.DEFAULT_ROOT),
@@ -467,8 +685,35 @@ def write_carry(out: Path = CARRY, root: Path | None = None) -> dict:
         man["shards"][split] = {"file": fn, "xz_sha256": hashlib.sha256(xz).hexdigest(),
                                 "sha256": hashlib.sha256(blob).hexdigest(), "docs": len(ds),
                                 "bytes": sum(len(d.data) for d in ds), "tokens": None}
+    nat = start_prompts(tok, picks["heldout"], None, BENCH_PROMPT_TOKENS)
+    mid, cuts = mid_prompts(tok, picks["heldout"], [name for name, _ in nat], BENCH_PROMPT_TOKENS)
+    rows = ([("natural", n, ids) for n, ids in nat] + [("natural-mid", n, ids) for n, ids in mid]
+            + [("synthetic", *synthetic_ids(tok, BENCH_PROMPT_TOKENS))])
+    blob = np.concatenate([np.asarray(ids, dtype="<u2") for _, _, ids in rows]).tobytes()
+    (out / BENCH_FILE).write_bytes(blob)
+    man["tokenizer_sha256"] = tok_sha
+    man["line_end_ids"] = [t for t in range(tok.vocab_size) if ends_line(tok, t)]
+    man["bench_heldout"] = {"file": BENCH_FILE, "sha256": hashlib.sha256(blob).hexdigest(),
+                            "prompt_tokens": BENCH_PROMPT_TOKENS, "mid_rule": MID_RULE,
+                            "rule": "muser.bench.kinds.spec start_prompts / mid_prompts / synthetic_ids over the "
+                                    "whole held-out split (the bench takes its first --prompts files)",
+                            "mid_skipped": sum("skipped" in c for c in cuts),
+                            "prompts": [[cls, name, len(ids)] for cls, name, ids in rows]}
     (out / CARRY_MANIFEST).write_text(json.dumps(man, indent=1) + "\n")
     return man
+
+
+def read_bench_prompts(carry: Path, man: dict) -> list[tuple[str, str, list[int]]]:
+    """The carry's held-out bench-class prompts (class, name, ids), the file's SHA-256 checked."""
+    info = man["bench_heldout"]
+    raw = (carry / info["file"]).read_bytes()
+    if hashlib.sha256(raw).hexdigest() != info["sha256"]:
+        raise SystemExit(f"{carry / info['file']}: sha256 differs from {CARRY_MANIFEST}")
+    ids = np.frombuffer(raw, dtype="<u2").astype(np.int64)
+    ends = np.cumsum([n for _, _, n in info["prompts"]])
+    if ends[-1] != ids.size:
+        raise SystemExit(f"{carry / info['file']}: {ids.size} ids, {CARRY_MANIFEST} lists {int(ends[-1])}")
+    return [(cls, name, ids[e - n:e].tolist()) for (cls, name, n), e in zip(info["prompts"], ends)]
 
 
 def load_target(path: str | Path, dev):
@@ -570,6 +815,15 @@ def distill_device(a: argparse.Namespace) -> int:
         streams[split] = torch.from_numpy(ids.astype(np.int64))
         data["shards"][split] = {k: info[k] for k in ("file", "sha256", "docs", "bytes")}
         data["shards"][split].update(tokens=int(ids.size), ids_sha256=hashlib.sha256(ids.tobytes()).hexdigest())
+    if man["tokenizer_sha256"] != ident.tokenizer_sha256:
+        raise SystemExit(f"{carry}: carried for tokenizer {man['tokenizer_sha256']}, {a.target} has "
+                         f"{ident.tokenizer_sha256}")
+    bench = read_bench_prompts(carry, man)
+    prompts = TrainPrompts(streams["train"], facts["ids"]["bos"], man["line_end_ids"])
+    data["bench_heldout"] = {k: man["bench_heldout"][k] for k in ("file", "sha256", "prompt_tokens", "rule")}
+    data["bench_heldout"]["prompts"] = {c: sum(r[0] == c for r in bench) for c in ("natural", "natural-mid", "synthetic")}
+    data["train_prompts"] = {"rule": TRAIN_PROMPT_RULE, "files": int(prompts.doc_start.numel()),
+                             "line_boundaries": int(prompts.cut_end.numel())}
     run["data"] = data
     stage("tokenize", t)
 
@@ -584,9 +838,12 @@ def distill_device(a: argparse.Namespace) -> int:
             run["weights"] = {"file": WEIGHTS, "sha256": save_weights(out, arrs)}
             save()
 
-        _, rec = distill(target, geo, streams["train"], streams["heldout"], facts["ids"]["mask"], left,
-                         smoke=a.smoke, log=lambda m: print(m, flush=True), extra={"target": run["target"], "data": data},
-                         baseline=a.baseline, on_progress=progress, on_trained=trained)
+        cfg = SMOKE_DISTILL if a.smoke else DistillConfig()
+        if a.kd_weight is not None:
+            cfg = replace(cfg, kd_weight=a.kd_weight)
+        _, rec = distill(target, geo, streams["train"], streams["heldout"], facts["ids"]["mask"], left, cfg=cfg,
+                         log=lambda m: print(m, flush=True), extra={"target": run["target"], "data": data},
+                         baseline=a.baseline, on_progress=progress, on_trained=trained, prompts=prompts, bench=bench)
         run["drafter"] = rec
     except Exception as e:
         import traceback
@@ -779,6 +1036,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--deadline-s", type=float, default=380.0, help="wall seconds from start for everything")
     d.add_argument("--baseline", default=None, help="a drafter GGUF evaluated on the same held-out continuations")
     d.add_argument("--smoke", action="store_true", help="the CPU, tiny sizes, a minute")
+    d.add_argument("--kd-weight", type=float, default=None,
+                   help="weight of the T=0.7 distillation term (default DistillConfig's; 0: greedy CE only)")
     sc = sub.add_parser("score", help="the training code's acceptance on the bench's prompts and the evaluation's")
     sc.add_argument("--target", default=str(REPO / "models" / "muse-glimmer-micro-q8_0.gguf"))
     sc.add_argument("--drafter", default=str(REPO / "models" / "muse-glimmer-micro-dflash.gguf"))

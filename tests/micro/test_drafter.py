@@ -88,10 +88,120 @@ def test_carry_follows_the_split_rule(carry):
     (carry / "train.xz").write_bytes((carry / "train.xz").read_bytes()[:-1] + b"\0")
     with pytest.raises(corpus.CorpusError, match="sha256"):
         cc.read_shard(carry, man["shards"]["train"])
-    cc_info = man["shards"]["train"]
+    bench = (carry / "bench-heldout.u16").read_bytes()
     (carry / "train.xz").unlink()
+    (carry / "bench-heldout.u16").unlink()
     _load("train_drafter").write_carry(carry)  # rebuilt byte for byte
-    assert json.loads((carry / "drafter-carry.json").read_text())["shards"]["train"] == cc_info
+    assert json.loads((carry / "drafter-carry.json").read_text()) == man
+    assert (carry / "bench-heldout.u16").read_bytes() == bench
+    assert hashlib.sha256((carry / "train.xz").read_bytes()).hexdigest() == man["shards"]["train"]["xz_sha256"]
+
+
+def test_carry_holds_the_bench_prompts(td, carry):
+    """The carried held-out prompts are `muser bench spec`'s own (its code, the held-out split), so the
+    run's per-round metric scores the bench's first prompts among more of the same classes."""
+    import muser
+    from muser import corpus
+    from muser.bench.kinds.spec import natural_mid_prompts, natural_prompts, synthetic_prompt
+
+    man = json.loads((carry / "drafter-carry.json").read_text())
+    rows = td.read_bench_prompts(carry, man)
+    m = muser.load(SHIPPED / "muse-glimmer-micro-q8_0.gguf", device="cpu")
+    try:
+        nat = natural_prompts(m, 5, 256, None)
+        mid, _ = natural_mid_prompts(m, [name for name, _ in nat], 256, None)
+        syn = synthetic_prompt(m, 256)
+    finally:
+        m.close()
+    by_cls = {c: [(n, ids) for k, n, ids in rows if k == c] for c in ("natural", "natural-mid", "synthetic")}
+    assert by_cls["natural"][:5] == nat and by_cls["synthetic"] == [syn]
+    assert [x for x in by_cls["natural-mid"] if x[0].split("@")[0] in dict(nat)] == mid
+    held = {d.relpath for d in corpus.split_docs(corpus.load_docs(), "heldout")}
+    assert len(by_cls["natural"]) > 50 and {n.split("@")[0] for n, _ in by_cls["natural"] + by_cls["natural-mid"]} <= held
+    (carry / "bench-heldout.u16").write_bytes(b"\1\0" + (carry / "bench-heldout.u16").read_bytes()[2:])
+    with pytest.raises(SystemExit, match="sha256"):
+        td.read_bench_prompts(carry, man)
+    td.write_carry(carry)
+
+
+@pytest.fixture(scope="module")
+def train_prompts(td, carry):
+    """TrainPrompts over the carried train shard, tokenized as distill-device does, with the muser
+    tokenizer of the same GGUF and the shard's documents."""
+    from muser.gguf.reader import read_gguf
+    from muser.text import Tokenizer
+
+    cc, ct = _load("corpus_carry"), _load("corpus")
+    man = json.loads((carry / "drafter-carry.json").read_text())
+    f = read_gguf(SHIPPED / "muse-glimmer-micro-q8_0.gguf")
+    try:
+        tok = Tokenizer.from_gguf(f)
+        hf = ct.tokenizer_from_vocab(list(f.get("tokenizer.ggml.tokens")), list(f.get("tokenizer.ggml.merges")))
+    finally:
+        f.close()
+    docs = cc.read_shard(carry, man["shards"]["train"])
+    stream = torch.from_numpy(cc.encode(hf, docs).astype(np.int64))
+    return td.TrainPrompts(stream, tok.bos_id, man["line_end_ids"]), tok, docs
+
+
+def test_train_prompts_follow_the_bench_rules(td, train_prompts):
+    """File starts are the bench's natural rule (spec.start_prompts) on train files, mid-file prompts end
+    at the bench's line boundaries (spec.ends_line) inside one train file, and neither reaches the
+    held-out split (the carried train shard is all TrainPrompts sees)."""
+    from muser import corpus
+    from muser.bench.kinds.spec import ends_line, start_prompts
+
+    tp, tok, docs = train_prompts
+    assert tp.doc_start.numel() == len(docs) and tp.cut_end.numel() > 100_000
+    train = {d.relpath: d for d in corpus.split_docs(corpus.load_docs(), "train")}
+    held = {d.relpath for d in corpus.split_docs(corpus.load_docs(), "heldout")}
+    assert {r for r, _ in docs} <= train.keys() and not {r for r, _ in docs} & held
+    cfg = td.DistillConfig(prompt_min=40, prompt_max=40)
+    gen = torch.Generator().manual_seed(5)
+    p, starts = tp.draw("start", cfg, 2048, gen)
+    bench = [ids for _, ids in start_prompts(tok, [train[r] for r, _ in docs], None, p - 1)]
+    assert p == 40 and len(bench) > 700 and sorted(starts.tolist()) == sorted(bench)  # each train file once
+    p, mids = tp.draw("mid", cfg, 64, gen)
+    assert mids.shape == (64, 40) and len({tuple(x) for x in mids.tolist()}) == 64
+    for x in mids.tolist():
+        assert x[0] == tok.bos_id and ends_line(tok, x[-1]) and tok.bos_id not in x[1:]
+        text = tok.decode_bytes(x[1:])
+        assert any(text in d for _, d in docs)  # a window of one train file
+    longest = int((tp.doc_end - tp.doc_start).max()) + 2  # no file holds a prompt this long
+    p, win = tp.draw("start", td.DistillConfig(prompt_min=longest, prompt_max=longest), 4, gen)
+    assert p == longest and win.shape == (4, longest)  # nothing eligible: windows at random offsets
+
+
+def test_train_prompts_are_deterministic(td, train_prompts):
+    tp = train_prompts[0]
+    cfg = td.DistillConfig()
+
+    def groups(seed):
+        gen = torch.Generator().manual_seed(seed)
+        return [tp.draw_group(cfg, 256, gen) for _ in range(6)]
+
+    a, b = groups(3), groups(3)
+    assert [(c, p) for c, p, _ in a] == [(c, p) for c, p, _ in b] and all(torch.equal(x[2], y[2]) for x, y in zip(a, b))
+    assert {c for c, _, _ in a + groups(4) + groups(5)} >= {"start", "mid"}
+    assert [x[2].tolist() for x in a] != [x[2].tolist() for x in groups(4)]
+
+
+def test_row_target_logits_are_the_labels_distributions(td):
+    """The distillation target of row j of the block at anchor n is the target's logits at position
+    n + j - 1, the ones whose argmax is the row's greedy label."""
+    g, m, stream = _tiny_target()
+    ids = m.greedy(stream[:12].view(2, 6), 30)
+    feats, last = td.target_features(m, [1, 4, 7], ids, final=True)
+    assert torch.equal(feats, td.target_features(m, [1, 4, 7], ids))
+    anchors = torch.tensor([[5, 9], [6, 14]])
+    rows = td.row_target_logits(m, last, anchors, 16)
+    with torch.no_grad():
+        full = m(ids)
+    for b in range(2):
+        for a in range(2):
+            n = int(anchors[b, a])
+            assert torch.allclose(rows[b, a, 1:], full[b, n:n + 15], atol=1e-4)
+            assert rows[b, a, 1:].argmax(-1).tolist() == ids[b, n + 1:n + 16].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +237,15 @@ def test_smoke_run_records_and_exports(td, smoke_out, tmp_path):
         assert ev["blocks"] == 4 * (24 - 16 + 2) and 0.0 <= ev["top1_row1"] <= 1.0  # anchors p-1 .. T-16
         assert ev["mean_accepted_7"] <= ev["mean_accepted_15"] <= 15 and len(ev["top1_by_row"]) == 15
     assert rec["baseline"]["heldout_gen"]["blocks"] == rec["eval"]["heldout_gen"]["blocks"]
+    assert rec["gen"]["class_sequences"]["start"] + rec["gen"]["class_sequences"]["mid"] == 8
+    assert rec["gen"]["bench_heldout_prompts"] == {"natural": 2, "natural-mid": 2, "synthetic": 1}
+    for side in (rec["eval"], rec["baseline"]):
+        b = side["bench_heldout"]
+        assert b["natural"]["first_prompts"] == ["asynchat.py", "chunk.py"] and b["natural"]["rounds_7"] > 0
+        for cls in ("natural", "natural-mid", "synthetic"):
+            assert 0.0 <= b[cls]["per_round_accepted_of_7"] <= 7 and 0.0 <= b[cls]["per_round_accepted_of_15"] <= 15
+        assert 0.0 <= side["heldout_gen"]["expected_accepted_7_t0.7"] <= 7
+    assert run["data"]["bench_heldout"]["prompts"]["natural"] > 50
     assert run["data"]["shards"]["train"]["tokens"] > 1_000_000
     with np.load(smoke_out / "drafter-weights.npz") as z:
         assert {z[k].dtype for k in z.files if z[k].ndim == 2} == {np.dtype("float16")}

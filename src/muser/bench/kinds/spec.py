@@ -101,9 +101,14 @@ def heldout_docs(model, root: str | None) -> list:
 
 
 def natural_prompts(model, n: int, n_tokens: int, root: str | None) -> list[tuple[str, list[int]]]:
-    tok = model.tokenizer
+    return start_prompts(model.tokenizer, heldout_docs(model, root), n, n_tokens)
+
+
+def start_prompts(tok, docs: list, n: int | None, n_tokens: int) -> list[tuple[str, list[int]]]:
+    """The natural class over `docs` (muser.corpus.Doc, in order): (relpath, [BOS] + the first n_tokens
+    tokens) of the first n documents holding that many (every such document when n is None)."""
     out = []
-    for d in heldout_docs(model, root):
+    for d in docs:
         ids = tok.encode(d.text[: 16 * n_tokens], add_special=False)
         if len(ids) >= n_tokens:
             out.append((d.relpath, [tok.bos_id] + ids[:n_tokens]))
@@ -112,13 +117,18 @@ def natural_prompts(model, n: int, n_tokens: int, root: str | None) -> list[tupl
     return out
 
 
+def ends_line(tok, token: int) -> bool:
+    """MID_RULE's line boundary: the end of a token whose bytes end in a newline."""
+    return tok.decode_bytes([token]).endswith(b"\n")
+
+
 def mid_cut(tok, text: str, n_tokens: int) -> dict:
     """Where MID_RULE cuts `text`: {"file_tokens", "midpoint", "end"} (the window is ids[end - n_tokens:end]),
     or {"file_tokens", "midpoint", "skipped": reason}."""
     ids = tok.encode(text, add_special=False)
     mid = len(ids) // 2
     cut: dict = {"file_tokens": len(ids), "midpoint": mid}
-    ends = [e for e in range(max(mid, 1), len(ids) + 1) if tok.decode_bytes([ids[e - 1]]).endswith(b"\n")]
+    ends = [e for e in range(max(mid, 1), len(ids) + 1) if ends_line(tok, ids[e - 1])]
     if not ends:
         return dict(cut, skipped="no line boundary at or after the midpoint")
     if ends[0] < n_tokens:
@@ -134,20 +144,29 @@ def mid_cut(tok, text: str, n_tokens: int) -> dict:
 def natural_mid_prompts(model, names: list[str], n_tokens: int,
                         root: str | None) -> tuple[list[tuple[str, list[int]]], list[dict]]:
     """MID_RULE's prompts of the held-out files `names` (in that order), and every file's cut or skip."""
-    tok = model.tokenizer
-    docs = {d.relpath: d for d in heldout_docs(model, root)}
+    return mid_prompts(model.tokenizer, heldout_docs(model, root), names, n_tokens)
+
+
+def mid_prompts(tok, docs: list, names: list[str], n_tokens: int) -> tuple[list[tuple[str, list[int]]], list[dict]]:
+    """The natural-mid class: MID_RULE's prompts of the documents `names` of `docs` (in that order), and
+    every file's cut or skip."""
+    by_name = {d.relpath: d for d in docs}
     prompts, cuts = [], []
     for name in names:
-        cut = mid_cut(tok, docs[name].text, n_tokens)
+        cut = mid_cut(tok, by_name[name].text, n_tokens)
         cuts.append({"file": name, **cut})
         if "end" in cut:
-            ids = tok.encode(docs[name].text, add_special=False)
+            ids = tok.encode(by_name[name].text, add_special=False)
             prompts.append((f"{name}@{cut['end']}", [tok.bos_id] + ids[cut["end"] - n_tokens:cut["end"]]))
     return prompts, cuts
 
 
 def synthetic_prompt(model, n_tokens: int) -> tuple[str, list[int]]:
-    tok = model.tokenizer
+    return synthetic_ids(model.tokenizer, n_tokens)
+
+
+def synthetic_ids(tok, n_tokens: int) -> tuple[str, list[int]]:
+    """The synthetic class: [BOS] + a period-8 token pattern repeated to n_tokens."""
     period = tok.encode("x = [1, 2, 3]\n", add_special=False)[:8]
     reps = n_tokens // len(period) + 1
     return f"synthetic period-{len(period)}", [tok.bos_id] + (period * reps)[:n_tokens]
