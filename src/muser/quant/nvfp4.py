@@ -137,23 +137,45 @@ def quantize_nvfp4(values: np.ndarray, input_scale_inv: float | None = None) -> 
 # --- ggml's NVFP4 (type 40) --------------------------------------------------------------------
 
 
+_NVFP4_GGML_SLICE = 1 << 10  # blocks per pass: the temporaries stay in cache (~256 KB each)
+_E2M1_Q1_POS = E2M1_Q1[:8].astype(F32)  # kvalues_fp4[0..7], the non-negative half
+
+
 def quantize_nvfp4_ggml(x: np.ndarray) -> np.ndarray:
     """ggml-quants.c quantize_row_nvfp4_ref: float32 [nb, 64] -> block_nvfp4 bytes [nb, 36].
 
     Per 16-sub-block: ue = ggml_fp32_to_ue4m3(amax / 6), d = ggml_ue4m3_to_fp32(ue) (halved);
-    each value takes the first index minimising |kvalues_fp4[i] * d - x| (best_index_mxfp4)."""
+    each value takes the first index i minimising fabsf(kvalues_fp4[i] * d - x)
+    (best_index_mxfp4's strict '<' scan over all 16 codes).
+
+    The scan runs over the 8 magnitudes only, with the same float32 errors: for x < 0 the
+    error of code 8 + k is fabsf(-(k_v * d) + |x|) = the error of code k at |x| (rounding is
+    sign-symmetric), and every code of the other sign, and -0 (code 8), errs by >= |x| = the
+    error of code 0, which the scan meets first. So code = first argmin over magnitudes at |x|,
+    plus the sign bit when x < 0 and the magnitude is not 0."""
     nb = x.shape[0]
-    sub = x.reshape(nb, 4, 16)
-    amax = np.abs(sub).max(axis=-1)
-    ue = ue4m3_encode((amax / F32(6.0)).astype(F32))  # [nb, 4]
-    d = UE4M3_HALF_VALUES[ue]
-    grid = (E2M1_Q1.astype(F32)[None, None, :] * d[..., None]).astype(F32)  # [nb, 4, 16 codes]
-    err = np.abs(grid[:, :, None, :] - sub[..., None])  # [nb, 4, 16 values, 16 codes]
-    idx = err.argmin(axis=-1).astype(np.uint8)  # first minimum = the strict '<' scan
-    qs = idx[..., :8] | (idx[..., 8:] << 4)  # low nibble j, high nibble j + 8
     out = np.empty((nb, 36), dtype=np.uint8)
-    out[:, 0:4] = ue
-    out[:, 4:36] = qs.reshape(nb, 32)
+    for b0 in range(0, nb, _NVFP4_GGML_SLICE):
+        xs = np.asarray(x[b0 : b0 + _NVFP4_GGML_SLICE], dtype=F32)
+        n = xs.shape[0]
+        sub = xs.reshape(n * 4, 16)
+        a = np.abs(sub)  # [n*4, 16]
+        ue = ue4m3_encode((a.max(axis=1) / F32(6.0)).astype(F32))  # [n*4]
+        grid = (_E2M1_Q1_POS[None, :] * UE4M3_HALF_VALUES[ue][:, None]).astype(F32)  # [n*4, 8]
+        best = a.copy()  # the error of code 0: fabsf(0 * d - |x|) = |x|
+        idx = np.zeros(a.shape, dtype=np.uint8)
+        err = np.empty_like(a)
+        lt = np.empty(a.shape, dtype=bool)
+        for k in range(1, 8):
+            np.subtract(grid[:, k : k + 1], a, out=err)
+            np.abs(err, out=err)
+            np.less(err, best, out=lt)  # strict: the first minimum wins
+            np.minimum(err, best, out=best)
+            np.copyto(idx, np.uint8(k), where=lt)
+        idx |= ((sub < 0) & (idx > 0)).view(np.uint8) << 3
+        q = idx.reshape(n, 4, 16)
+        out[b0 : b0 + n, 0:4] = ue.reshape(n, 4)
+        out[b0 : b0 + n, 4:36] = (q[..., :8] | (q[..., 8:] << 4)).reshape(n, 32)  # low j, high j + 8
     return out
 
 
