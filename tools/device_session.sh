@@ -11,8 +11,10 @@
 # that need their outputs wait for them inside their own time box):
 #   build    the pinned llama.cpp, CUDA sm_90, from DIR/llama.cpp-src.tgz: llama-bench, then
 #            llama-server (-j10; ~5-6 min)
-#   fixture  the full geometry (tools/make_fixture.py --full: Q4_K mix, 16.75 GB) and, beside it
-#            when the nvfp4 stage is named, its NVFP4 form (--dtype nvfp4-ggml: ggml type 40, the file llama.cpp runs too)
+#   fixture  the full geometry (tools/make_fixture.py --full: Q4_K mix, 16.75 GB) and, once that is
+#            written and when the nvfp4 stage is named, its NVFP4 form by `muser quantize FULL NV
+#            --to nvfp4-ggml` (ggml type 40, the file llama.cpp runs too; one process per core;
+#            its time in nv.done and logs/fixture-<mix>.log)
 #   kernels  python3 tools/device_kernels.py --out ...: row invariance on CUDA (every format, both
 #            K/V types) and each full-geometry matvec shape timed at 1..16 rows, 200 s
 #   gate     Gate 2 at full width, 4 layers (tools/device_gate_wide.py), f16 K/V, Q4_K mix: the
@@ -133,21 +135,17 @@ if has build; then
   fi
 fi
 if has fixture; then
-  if [ $DRY = 1 ]; then
-    FX_Q4=(tools/make_fixture.py "$FULL" --dtype q4_k_xl --source blocks --layers 8)
-    FX_NV=(tools/make_fixture.py "$NV" --dtype "$NVFP4_MIX" --source blocks --layers 8)
-  else
-    FX_Q4=(tools/make_fixture.py "$FULL" --full)
-    FX_NV=(tools/make_fixture.py "$NV" --full --dtype "$NVFP4_MIX")
-  fi
+  if [ $DRY = 1 ]; then FX_Q4=(tools/make_fixture.py "$FULL" --dtype q4_k_xl --source blocks --layers 8)
+  else FX_Q4=(tools/make_fixture.py "$FULL" --full); fi
   ( t=$(date +%s); [ -s "$FULL" ] || $PY "${FX_Q4[@]}" >"$L/fixture-q4_k_xl.log" 2>&1
-    echo "rc=$? $(( $(date +%s) - t )) s $(stat -c %s "$FULL" 2>/dev/null) B" >"$W/full.done" ) &
+    echo "rc=$? $(( $(date +%s) - t )) s $(stat -c %s "$FULL" 2>/dev/null) B" >"$W/full.done"
+    if has nvfp4; then  # the NVFP4 file only for the stage that reads it: the Q4_K file re-encoded
+      t=$(date +%s); rc=0
+      [ -s "$NV" ] || { [ -s "$FULL" ] && $PY -m muser quantize "$FULL" "$NV" --to "$NVFP4_MIX" \
+                          >"$L/fixture-$NVFP4_MIX.log" 2>&1; } || rc=$?
+      echo "rc=$rc $(( $(date +%s) - t )) s $(stat -c %s "$NV" 2>/dev/null) B (muser quantize --to $NVFP4_MIX)" >"$W/nv.done"
+    fi ) &
   FX_PIDS="$!"
-  if has nvfp4; then  # the NVFP4 file only for the stage that reads it
-    ( t=$(date +%s); [ -s "$NV" ] || $PY "${FX_NV[@]}" >"$L/fixture-$NVFP4_MIX.log" 2>&1
-      echo "rc=$? $(( $(date +%s) - t )) s $(stat -c %s "$NV" 2>/dev/null) B" >"$W/nv.done" ) &
-    FX_PIDS="$FX_PIDS $!"
-  fi
 fi
 
 # Gate 2 at full width, 4 layers, f16 K/V (the speed kinds' --gate-receipt): mostly CPU work (the

@@ -52,3 +52,26 @@ def test_an_abbreviated_sha_is_refused_before_any_work(tmp_path):
                        text=True, timeout=60)
     assert p.returncode == 2 and "MUSER_GIT_SHA '1319bb1' is not a full 40-hex SHA" in p.stderr
     assert not (tmp_path / "work").exists()
+
+
+def test_cpu_dry_nvfp4_fixture_is_the_q4_k_file_quantized(tmp_path):
+    """With the nvfp4 stage named, the fixture stage writes the Q4_K file, then its NVFP4 form by
+    `muser quantize` (nv.done carries the quantize time); a deadline too short for the gate
+    skips the stages themselves, and the script waits for the fixture writers."""
+    from muser.gguf.reader import read_gguf
+    from muser.model.loader import open_model
+
+    p = run(tmp_path, "--cpu-dry", "--deadline", "60", "fixture", "nvfp4")
+    assert p.returncode == 0, p.stdout + p.stderr
+    work = tmp_path / "work"
+    done = (work / "nv.done").read_text()
+    assert done.startswith("rc=0 ") and done.rstrip().endswith("(muser quantize --to nvfp4-ggml)"), done
+    with tarfile.open(tmp_path / "out" / "logs.tgz") as t:
+        log = t.extractfile("logs/fixture-nvfp4-ggml.log").read().decode()
+    assert "Q4_K -> NVFP4" in log and "wrote " in log
+    m = open_model(work / "dry-nvfp4-ggml.gguf")
+    m.close()
+    with read_gguf(work / "dry-q4_k_xl.gguf") as q4, read_gguf(work / "dry-nvfp4-ggml.gguf") as nv:
+        assert q4.tensors["blk.0.ffn_up.weight"].type.ggml_type.name == "Q4_K"
+        assert nv.tensors["blk.0.ffn_up.weight"].type.ggml_type.name == "NVFP4"
+        assert nv.get_str("muser.weight_precision") == "nvfp4-ggml"
