@@ -73,7 +73,7 @@ TARGETS = ("q8_0", "q4_k", "q4_k_xl", "nvfp4", "nvfp4-w4a4", "nvfp4-ggml", "f32"
 SOURCE_TYPES = frozenset((DEQUANT_TYPES - {G.F8_E4M3FN}) | {G.NVFP4_E2M1})
 # llama.h llama_ftype of each ggml output (general.file_type).
 FILE_TYPE = {"q8_0": 7, "q4_k": 14, "q4_k_xl": 15, "nvfp4-ggml": 39, "f32": 0}
-_ROW_CHUNK_ELEMS = 1 << 22  # values decoded at a time inside a task
+_ROW_CHUNK_ELEMS = 1 << 18  # values decoded at a time inside a task (cache-sized: ~3x faster than 4M)
 _TASK_ELEMS = 1 << 26  # values per pool task (a split tensor is reassembled in the writer)
 
 
