@@ -279,3 +279,22 @@ def test_failing_pool_task_leaves_no_output(q4_source, tmp_path, capsys):
     _one_line_error(capsys, ["quantize", str(bad), str(d / "x.gguf"), "--to", "nvfp4-ggml", "--threads", "2",
                              "--quiet"], f"tensor {name!r}")
     assert list(d.iterdir()) == []
+
+
+def test_weights_already_in_their_target_type_are_copied(q4_source, converted, tmp_path):
+    """Q4_K mix -> q4_k_xl: every tensor's bytes as stored; native NVFP4 -> nvfp4-w4a4: payload,
+    scale bytes and scale2 as stored, the input scale added."""
+    same, w4a4 = tmp_path / "xl.gguf", tmp_path / "w4a4.gguf"
+    assert main(["quantize", str(q4_source), str(same), "--to", "q4_k_xl", "--quiet"]) == 0
+    with read_gguf(q4_source) as a, read_gguf(same) as b:
+        assert list(a.tensors) == list(b.tensors)
+        for name in a.tensors:
+            assert np.array_equal(a.raw(name), b.raw(name)), name
+    assert main(["quantize", str(converted["nvfp4"]), str(w4a4), "--to", "nvfp4-w4a4", "--quiet",
+                 "--input-scale-inv", "0.5"]) == 0
+    with read_gguf(converted["nvfp4"]) as a, read_gguf(w4a4) as b:
+        assert set(b.tensors) - set(a.tensors) == {n + ".nvfp4_input_scale_inv" for n in a.tensors
+                                                   if a.tensors[n].type.ggml_type == G.NVFP4_E2M1}
+        for name in a.tensors:
+            assert np.array_equal(a.raw(name), b.raw(name)), name
+        assert b.array("blk.0.attn_q.weight.nvfp4_input_scale_inv").tolist() == [0.5]

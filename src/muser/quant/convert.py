@@ -19,8 +19,8 @@ Targets (2-D weights; book 6.5, 7.3, 7.5):
               LM head F16
   f32         every 2-D weight dequantized to F32 from any stored type (the values the ggml
               dequantizers produce: exact for Q8_0, whose d * q needs at most 19 significant
-              bits); NVFP4 companions are folded into their weight. This is the source the other
-              targets need when only a quantized file ships.
+              bits); NVFP4 companions are folded into their weight. The other targets decode
+              the same values themselves: quantizing this copy or its source gives one file.
 A weight already stored in its target type is copied byte for byte (a native NVFP4 weight with
 its scale companions): quantizing decoded blocks into their own format again only adds error.
 
