@@ -97,6 +97,29 @@ def test_e2m1_encode_modelopt_boundaries():
     assert e2m1_encode(E2M1_VALUES).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11, 12, 13, 14, 15]
 
 
+def test_e2m1_encode_equals_the_sorted_search_on_every_kind_of_float():
+    """The bound counting equals searchsorted(bounds, |x|, 'left') + the odd-bound ties (the
+    ModelOpt rule as first written) on random bit patterns (NaN, inf, subnormals included) and
+    every bound, one ulp either side."""
+    from muser.quant.fp4 import E2M1_BOUNDS
+
+    def sorted_search(x):
+        a = np.abs(x)
+        code = np.searchsorted(E2M1_BOUNDS, a, side="left").astype(np.uint8)
+        tie_up = np.zeros(a.shape, dtype=bool)
+        for i in (1, 3, 5):
+            tie_up |= a == E2M1_BOUNDS[i]
+        return ((code + tie_up) | np.where(x < 0, 8, 0)).astype(np.uint8)
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(F32)
+    b = np.concatenate([E2M1_BOUNDS, -E2M1_BOUNDS])
+    x = np.concatenate([x, b, np.nextafter(b, F32(np.inf)), np.nextafter(b, F32(-np.inf)),
+                        F32([0, -0.0, np.inf, -np.inf, np.nan, 6, -6, 1e-45])])
+    x = np.concatenate([x, rng.standard_normal(100_000).astype(F32) * F32(3)])
+    assert np.array_equal(e2m1_encode(x), sorted_search(x))
+
+
 def test_ue4m3_tables_match_gguf_and_ggml_rounding():
     b = np.arange(256, dtype=np.uint8)
     assert np.array_equal(bits(UE4M3_HALF_VALUES), bits(GGUF_NVFP4.ue4m3_to_fp32(b).astype(F32)))
