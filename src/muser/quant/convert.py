@@ -242,7 +242,10 @@ _WORKER_SOURCE: GGUFFile | None = None  # the source, opened once per pool proce
 
 
 def _worker_open(path: str) -> None:
+    import signal
+
     global _WORKER_SOURCE
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops the pool and removes the temp file
     _WORKER_SOURCE = read_gguf(path)
 
 
