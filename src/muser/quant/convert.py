@@ -254,16 +254,20 @@ def _worker_task(t: _Task) -> tuple[np.ndarray | NVFP4Weight, float]:
     return _run_task(_WORKER_SOURCE, t)
 
 
+def _processes(threads: int, tasks: list[_Task]) -> int:
+    return 1 if threads == 1 or len(tasks) <= 1 else min(threads, len(tasks))
+
+
 def _results(f: GGUFFile, src: Path, tasks: list[_Task], threads: int) -> Iterator[tuple[np.ndarray | NVFP4Weight, float]]:
     """Each task's (data, seconds) in task order; with threads > 1 from a process pool with at
     most 2 * threads tasks in flight (the bound on memory held by finished, unwritten tasks)."""
-    if threads == 1 or len(tasks) <= 1:
+    if _processes(threads, tasks) == 1:
         for t in tasks:
             yield _run_task(f, t)
         return
     # spawn: a fresh interpreter per process, whatever threads the parent has started
     ctx = multiprocessing.get_context("spawn")
-    ex = ProcessPoolExecutor(min(threads, len(tasks)), mp_context=ctx, initializer=_worker_open,
+    ex = ProcessPoolExecutor(_processes(threads, tasks), mp_context=ctx, initializer=_worker_open,
                              initargs=(str(src),))
     pending: deque[Future] = deque()
     try:
@@ -278,7 +282,10 @@ def _results(f: GGUFFile, src: Path, tasks: list[_Task], threads: int) -> Iterat
 
 
 def default_threads() -> int:
-    return len(os.sched_getaffinity(0))
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, target: str,
@@ -368,8 +375,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, target: str,
             mix = Counter(f"{p.src.name} -> {p.dst.name}" for p in plans if len(p.shape) == 2)
             progress("source -> output types of the 2-D weights: "
                      + ", ".join(f"{k} x{n}" for k, n in sorted(mix.items())))
+            n_proc = _processes(threads, tasks)
             progress(f"wrote {dst} ({out.stat().st_size:,} B) in {time.perf_counter() - t0:.1f} s "
-                     f"({len(tasks)} tasks, {threads} process{'es' if threads > 1 else ''})")
+                     f"({len(tasks)} tasks, {n_proc} process{'es' if n_proc > 1 else ''})")
         return out
     finally:
         if results is not None:
