@@ -5,14 +5,16 @@
 #   bash tools/device_session.sh [--cpu-dry] [--carry DIR] [--deadline S] [--depths 0,8192]
 #                                [--kv-lengths 2048,8192,32768] [--nvfp4-mix nvfp4-ggml]
 #                                [--kind-box S (150)] [--kvpack-box S (420)]
-#                                [--llama-server PATH] [--reuse-gates] STAGE...
+#                                [--llama-server PATH] [--reuse-gates] [--gates-only] STAGE...
 #
 # Stages, in the order given (build and fixture start in the background at t = 0; the stages
 # that need their outputs wait for them inside their own time box):
 #   build    the pinned llama.cpp, CUDA sm_90, from DIR/llama.cpp-src.tgz: llama-bench, then
 #            llama-server (-j10; ~5-6 min)
-#   fixture  the full geometry (tools/make_fixture.py --full: Q4_K mix, 16.75 GB) and, beside it
-#            when the nvfp4 stage is named, its NVFP4 form (--dtype nvfp4-ggml: ggml type 40, the file llama.cpp runs too)
+#   fixture  the full geometry (tools/make_fixture.py --full: Q4_K mix, 16.75 GB) and, once that is
+#            written and when the nvfp4 stage is named, its NVFP4 form by `muser quantize FULL NV
+#            --to nvfp4-ggml` (ggml type 40, the file llama.cpp runs too; one process per core;
+#            its time in nv.done and logs/fixture-<mix>.log)
 #   kernels  python3 tools/device_kernels.py --out ...: row invariance on CUDA (every format, both
 #            K/V types) and each full-geometry matvec shape timed at 1..16 rows, 200 s
 #   gate     Gate 2 at full width, 4 layers (tools/device_gate_wide.py), f16 K/V, Q4_K mix: the
@@ -44,7 +46,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"
 DRY=0 CARRY=.device/gpubench DEADLINE=585 LLAMA_SERVER="" DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
-KIND_BOX=150 KVPACK_BOX=420 REUSE_GATES=0
+KIND_BOX=150 KVPACK_BOX=420 REUSE_GATES=0 GATES_ONLY=0
 STAGES=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -58,6 +60,7 @@ while [ $# -gt 0 ]; do
     --kind-box) KIND_BOX=${2:?--kind-box SECONDS}; shift ;;
     --kvpack-box) KVPACK_BOX=${2:?--kvpack-box SECONDS}; shift ;;
     --reuse-gates) REUSE_GATES=1 ;;
+    --gates-only) GATES_ONLY=1 ;;
     build|fixture|kernels|gate|speed|kvpack|nvfp4|serve|sampling|spec) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
@@ -138,21 +141,17 @@ if has build; then
   fi
 fi
 if has fixture; then
-  if [ $DRY = 1 ]; then
-    FX_Q4=(tools/make_fixture.py "$FULL" --dtype q4_k_xl --source blocks --layers 8)
-    FX_NV=(tools/make_fixture.py "$NV" --dtype "$NVFP4_MIX" --source blocks --layers 8)
-  else
-    FX_Q4=(tools/make_fixture.py "$FULL" --full)
-    FX_NV=(tools/make_fixture.py "$NV" --full --dtype "$NVFP4_MIX")
-  fi
+  if [ $DRY = 1 ]; then FX_Q4=(tools/make_fixture.py "$FULL" --dtype q4_k_xl --source blocks --layers 8)
+  else FX_Q4=(tools/make_fixture.py "$FULL" --full); fi
   ( t=$(date +%s); [ -s "$FULL" ] || $PY "${FX_Q4[@]}" >"$L/fixture-q4_k_xl.log" 2>&1
-    echo "rc=$? $(( $(date +%s) - t )) s $(stat -c %s "$FULL" 2>/dev/null) B" >"$W/full.done" ) &
+    echo "rc=$? $(( $(date +%s) - t )) s $(stat -c %s "$FULL" 2>/dev/null) B" >"$W/full.done"
+    if has nvfp4; then  # the NVFP4 file only for the stage that reads it: the Q4_K file re-encoded
+      t=$(date +%s); rc=0
+      [ -s "$NV" ] || { [ -s "$FULL" ] && $PY -m muser quantize "$FULL" "$NV" --to "$NVFP4_MIX" \
+                          >"$L/fixture-$NVFP4_MIX.log" 2>&1; } || rc=$?
+      echo "rc=$rc $(( $(date +%s) - t )) s $(stat -c %s "$NV" 2>/dev/null) B (muser quantize --to $NVFP4_MIX)" >"$W/nv.done"
+    fi ) &
   FX_PIDS="$!"
-  if has nvfp4; then  # the NVFP4 file only for the stage that reads it
-    ( t=$(date +%s); [ -s "$NV" ] || $PY "${FX_NV[@]}" >"$L/fixture-$NVFP4_MIX.log" 2>&1
-      echo "rc=$? $(( $(date +%s) - t )) s $(stat -c %s "$NV" 2>/dev/null) B" >"$W/nv.done" ) &
-    FX_PIDS="$FX_PIDS $!"
-  fi
 fi
 
 # Gate 2 at full width, 4 layers, f16 K/V (the speed kinds' --gate-receipt): mostly CPU work (the
@@ -163,6 +162,7 @@ wide_gate_bg() {  # MIX
       run_stage "gate-$1" $(( DEADLINE - 60 )) 60 $PY tools/device_gate_wide.py "$R" --dtype "$1" --device $DEV \
       --geometry $GEOM --kv f16 --gate-tokens 16 --budget $(( DEADLINE - 70 )) --workdir "$W"
     touch "$W/gate-$1.done" ) &
+  GATE_PIDS="${GATE_PIDS:-} $!"
 }
 earlier_gate() {  # MIX -> an earlier call's wide Gate 2 receipt for MIX of this tree (copied into $R)
   local f
@@ -252,6 +252,9 @@ for st in "${STAGES[@]}"; do
       if [ $DRY = 1 ]; then record sampling - 0 "dry run: the device-side candidates and the warm-up need CUDA"
       else mkdir -p "$R/sampling"; run_stage sampling 120 30 $PY tools/device_sampling.py --out "$R/sampling"; fi ;;
     speed|nvfp4)
+      # --gates-only: this call writes the file and the gate (a later call on the warm machine runs the
+      # speed kinds with --reuse-gates)
+      if [ $GATES_ONLY = 1 ]; then record $st - 0 "--gates-only: the file and the wide Gate 2 only"; continue; fi
       if [ $st = speed ]; then model=$FULL mix=q4_k_xl done_file=$W/full.done
       else model=$NV mix=$NVFP4_MIX done_file=$W/nv.done; fi
       { [ $st = nvfp4 ] || has gate; } && wait_for "$W/gate-$mix.done" $(( DEADLINE - 100 ))
@@ -286,8 +289,9 @@ for st in "${STAGES[@]}"; do
   esac
 done
 
-# the fixture writers finish (a later call on a warm machine reuses the files) while time is left
-for pid in ${FX_PIDS:-}; do
+# the fixture writers and the background gates finish (a later call on a warm machine reuses them)
+# while time is left
+for pid in ${FX_PIDS:-} ${GATE_PIDS:-}; do
   while kill -0 "$pid" 2>/dev/null && [ "$(left)" -gt 5 ]; do sleep 2; done
 done
 cat "$W"/*.done 2>/dev/null | sed 's/^/background: /'

@@ -74,3 +74,34 @@ def test_reuse_gates_takes_an_earlier_calls_gate_of_this_tree_only(tmp_path):
         with tarfile.open(tmp_path / "out" / "receipts.tgz") as t:
             names = t.getnames()
         assert ("receipts/20260101T000000Z-engine-gate2-wide-cpu.json" in names) == reused, names
+
+
+def test_gates_only_records_the_speed_stage_without_running_it(tmp_path):
+    p = run(tmp_path, "--cpu-dry", "--deadline", "70", "--gates-only", "gate", "speed")
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [r.split("\t") for r in (tmp_path / "out" / "stages.tsv").read_text().splitlines()]
+    assert ["speed", "-", "0", "--gates-only: the file and the wide Gate 2 only"] in rows, rows
+    assert not list((tmp_path / "work" / "out" / "receipts").glob("*-decode.json"))
+
+
+def test_cpu_dry_nvfp4_fixture_is_the_q4_k_file_quantized(tmp_path):
+    """With the nvfp4 stage named, the fixture stage writes the Q4_K file, then its NVFP4 form by
+    `muser quantize` (nv.done carries the quantize time); a deadline too short for the gate
+    skips the stages themselves, and the script waits for the fixture writers."""
+    from muser.gguf.reader import read_gguf
+    from muser.model.loader import open_model
+
+    p = run(tmp_path, "--cpu-dry", "--deadline", "60", "fixture", "nvfp4")
+    assert p.returncode == 0, p.stdout + p.stderr
+    work = tmp_path / "work"
+    done = (work / "nv.done").read_text()
+    assert done.startswith("rc=0 ") and done.rstrip().endswith("(muser quantize --to nvfp4-ggml)"), done
+    with tarfile.open(tmp_path / "out" / "logs.tgz") as t:
+        log = t.extractfile("logs/fixture-nvfp4-ggml.log").read().decode()
+    assert "Q4_K -> NVFP4" in log and "wrote " in log
+    m = open_model(work / "dry-nvfp4-ggml.gguf")
+    m.close()
+    with read_gguf(work / "dry-q4_k_xl.gguf") as q4, read_gguf(work / "dry-nvfp4-ggml.gguf") as nv:
+        assert q4.tensors["blk.0.ffn_up.weight"].type.ggml_type.name == "Q4_K"
+        assert nv.tensors["blk.0.ffn_up.weight"].type.ggml_type.name == "NVFP4"
+        assert nv.get_str("muser.weight_precision") == "nvfp4-ggml"

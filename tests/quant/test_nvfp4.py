@@ -97,6 +97,29 @@ def test_e2m1_encode_modelopt_boundaries():
     assert e2m1_encode(E2M1_VALUES).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11, 12, 13, 14, 15]
 
 
+def test_e2m1_encode_equals_the_sorted_search_on_every_kind_of_float():
+    """The bound counting equals searchsorted(bounds, |x|, 'left') + the odd-bound ties (the
+    ModelOpt rule as first written) on random bit patterns (NaN, inf, subnormals included) and
+    every bound, one ulp either side."""
+    from muser.quant.fp4 import E2M1_BOUNDS
+
+    def sorted_search(x):
+        a = np.abs(x)
+        code = np.searchsorted(E2M1_BOUNDS, a, side="left").astype(np.uint8)
+        tie_up = np.zeros(a.shape, dtype=bool)
+        for i in (1, 3, 5):
+            tie_up |= a == E2M1_BOUNDS[i]
+        return ((code + tie_up) | np.where(x < 0, 8, 0)).astype(np.uint8)
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(F32)
+    b = np.concatenate([E2M1_BOUNDS, -E2M1_BOUNDS])
+    x = np.concatenate([x, b, np.nextafter(b, F32(np.inf)), np.nextafter(b, F32(-np.inf)),
+                        F32([0, -0.0, np.inf, -np.inf, np.nan, 6, -6, 1e-45])])
+    x = np.concatenate([x, rng.standard_normal(100_000).astype(F32) * F32(3)])
+    assert np.array_equal(e2m1_encode(x), sorted_search(x))
+
+
 def test_ue4m3_tables_match_gguf_and_ggml_rounding():
     b = np.arange(256, dtype=np.uint8)
     assert np.array_equal(bits(UE4M3_HALF_VALUES), bits(GGUF_NVFP4.ue4m3_to_fp32(b).astype(F32)))
@@ -163,6 +186,77 @@ def test_all_zero_tensor_and_zero_groups():
     assert np.array_equal(w.dequantize(), W)
     z = quantize_nvfp4(np.zeros((2, 16), F32))
     assert z.scale2 == 1.0 and np.array_equal(z.dequantize(), np.zeros((2, 16), F32))
+
+
+# --- ggml's NVFP4 (type 40) quantizer --------------------------------------------------------
+
+
+def _nvfp4_ggml_transcription(x: np.ndarray) -> np.ndarray:
+    """quantize_row_nvfp4_ref as written in ggml-quants.c: every value scans all 16 codes of
+    kvalues_fp4 for the first minimum of fabsf(kvalues[i] * d - x)."""
+    nb = x.shape[0]
+    sub = x.reshape(nb, 4, 16)
+    ue = ue4m3_encode((np.abs(sub).max(axis=-1) / F32(6.0)).astype(F32))
+    d = UE4M3_HALF_VALUES[ue]
+    grid = (E2M1_Q1.astype(F32)[None, None, :] * d[..., None]).astype(F32)  # [nb, 4, 16 codes]
+    with np.errstate(invalid="ignore"):
+        err = np.abs(grid[:, :, None, :] - sub[..., None])  # [nb, 4, 16 values, 16 codes]
+    idx = err.argmin(axis=-1).astype(np.uint8)  # first minimum = the strict '<' scan
+    out = np.empty((nb, 36), dtype=np.uint8)
+    out[:, 0:4] = ue
+    out[:, 4:36] = (idx[..., :8] | (idx[..., 8:] << 4)).reshape(nb, 32)
+    return out
+
+
+def _nvfp4_ggml_edge_blocks(seed: int) -> np.ndarray:
+    """[nb, 64]: zeros and signed zeros, every grid point and every midpoint between neighbours
+    (ties) at exact power-of-two scales, one ulp either side of them, subnormal and tiny
+    blocks (d rounds to 0 or a UE4M3 subnormal), huge blocks (d saturates at 448 and the
+    errors of neighbouring codes round to the same float), heavy tails, one-signed blocks."""
+    rng = np.random.default_rng(seed)
+    k = E2M1_Q1[:8].astype(np.float64)
+    mids = (k[:-1] + k[1:]) / 2
+    rows = [np.zeros(64), np.where(rng.random(64) < 0.5, -0.0, 0.0)]
+    for e in (-12, -9, -3, 0, 4, 8):
+        d = 2.0**e  # amax 12 d: ue encodes 2 d exactly, so the grid is k * d
+        for pts in (k, mids):
+            v = rng.choice(pts, 64) * d * rng.choice([-1.0, 1.0], 64)
+            v[0] = 12 * d
+            rows.append(v)
+            f = v.astype(F32)
+            rows.append(np.nextafter(f, F32(np.inf)).astype(np.float64))
+            rows.append(np.nextafter(f, F32(-np.inf)).astype(np.float64))
+    for scale in (1e-45, 1e-41, 1e-38, 1e-6, 1e4, 3e6, 1e12, 1e30, 5e37):
+        rows.append(rng.standard_normal(64) * scale)
+    rows.append(rng.standard_t(1.2, 64) * 100)
+    rows.append(np.abs(rng.standard_normal(64)) + 5)
+    rows.append(-np.abs(rng.standard_normal(64)) - 5)
+    rows.append(np.repeat(rng.standard_normal(4), 16))
+    spread = rng.standard_normal(64)
+    spread[rng.integers(0, 64, 4)] = 3e38
+    rows.append(spread)
+    return np.array(rows).astype(F32)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ggml_nvfp4_quantizer_matches_the_transcription_and_ggml(seed):
+    from muser.quant.nvfp4 import quantize_nvfp4_ggml
+
+    from . import ggml_ref
+
+    rng = np.random.default_rng(100 + seed)
+    x = np.concatenate([
+        _nvfp4_ggml_edge_blocks(seed),
+        (rng.standard_normal((3000, 64)) * 10.0 ** rng.uniform(-8, 8, (3000, 1))).astype(F32),
+        rng.integers(-12, 13, (200, 64)).astype(F32) * F32(0.25),  # many exact ties
+    ])
+    got = quantize_nvfp4_ggml(x)
+    want = _nvfp4_ggml_transcription(x)
+    diff = (got != want).any(axis=1)
+    assert not diff.any(), f"blocks {np.flatnonzero(diff)[:8].tolist()} differ"
+    assert np.array_equal(got, ggml_ref.quantize_chunk(int(G.NVFP4), x.reshape(-1, 256)).reshape(-1, 36))
+    # the blocks above straddle the pass slices (1024 blocks): the slicing is invisible
+    assert np.array_equal(quantize_nvfp4_ggml(x[5:]), want[5:])
 
 
 # --- 7.4 contractions -----------------------------------------------------------------------

@@ -30,15 +30,15 @@ E2M1_BOUNDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=F32)
 def e2m1_encode(x: np.ndarray) -> np.ndarray:
     """float32 -> E2M1 codes (uint8 0..15), ModelOpt `_cast_fp4` semantics: code =
     #bounds strictly below |x| (+1 on a tie at an odd-index bound), saturating at 6.0; the sign
-    bit is set for x < 0 (so -0.0 encodes as +0)."""
+    bit is set for x < 0 (so -0.0 encodes as +0). NaN encodes as 7 (sorted past every bound)."""
     x = np.asarray(x, dtype=F32)
     a = np.abs(x)
-    code = np.searchsorted(E2M1_BOUNDS, a, side="left").astype(np.uint8)  # count of bounds < a
-    tie_up = np.zeros(a.shape, dtype=bool)
-    for i in (1, 3, 5):
-        tie_up |= a == E2M1_BOUNDS[i]
-    code = code + tie_up.astype(np.uint8)
-    return (code | np.where(x < 0, np.uint8(8), np.uint8(0))).astype(np.uint8)
+    code = np.zeros(a.shape, dtype=np.uint8)
+    for i, b in enumerate(E2M1_BOUNDS):  # even index: |x| > bound; odd index: |x| >= bound (tie up)
+        code += (a >= b) if i % 2 else (a > b)
+    code += np.isnan(a).view(np.uint8) * np.uint8(7)
+    code |= (x < 0).view(np.uint8) << 3
+    return code
 
 
 # --- E4M3FN (OCP FP8, "finite": no infinities, NaN only at 0x7F / 0xFF) -------------------------

@@ -137,23 +137,58 @@ def quantize_nvfp4(values: np.ndarray, input_scale_inv: float | None = None) -> 
 # --- ggml's NVFP4 (type 40) --------------------------------------------------------------------
 
 
+_NVFP4_GGML_SLICE = 1 << 10  # blocks per pass of the code scan: its temporaries stay in cache
+_E2M1_Q1_POS = E2M1_Q1[:8].astype(F32)  # kvalues_fp4[0..7], the non-negative half
+
+
+def _amax16(a: np.ndarray) -> np.ndarray:
+    """Row maxima of non-negative [n, 16] by halving (exact; a reduction over 16-wide rows is
+    several times slower)."""
+    h = np.maximum(a[:, :8], a[:, 8:])
+    h = np.maximum(h[:, :4], h[:, 4:])
+    h = np.maximum(h[:, :2], h[:, 2:])
+    return np.maximum(h[:, 0], h[:, 1])
+
+
 def quantize_nvfp4_ggml(x: np.ndarray) -> np.ndarray:
     """ggml-quants.c quantize_row_nvfp4_ref: float32 [nb, 64] -> block_nvfp4 bytes [nb, 36].
 
     Per 16-sub-block: ue = ggml_fp32_to_ue4m3(amax / 6), d = ggml_ue4m3_to_fp32(ue) (halved);
-    each value takes the first index minimising |kvalues_fp4[i] * d - x| (best_index_mxfp4)."""
+    each value takes the first index i minimising fabsf(kvalues_fp4[i] * d - x)
+    (best_index_mxfp4's strict '<' scan over all 16 codes).
+
+    The scan runs over the 8 magnitudes only, with the same float32 errors: for x < 0 the
+    error of code 8 + k is fabsf(-(k_v * d) + |x|) = the error of code k at |x| (rounding is
+    sign-symmetric), and every code of the other sign, and -0 (code 8), errs by >= |x| = the
+    error of code 0, which the scan meets first. So code = first argmin over magnitudes at |x|,
+    plus the sign bit when x < 0 and the magnitude is not 0."""
+    x = np.asarray(x, dtype=F32)
     nb = x.shape[0]
-    sub = x.reshape(nb, 4, 16)
-    amax = np.abs(sub).max(axis=-1)
-    ue = ue4m3_encode((amax / F32(6.0)).astype(F32))  # [nb, 4]
+    ue = ue4m3_encode((_amax16(np.abs(x.reshape(nb * 4, 16))) / F32(6.0)).astype(F32))  # [nb*4]
     d = UE4M3_HALF_VALUES[ue]
-    grid = (E2M1_Q1.astype(F32)[None, None, :] * d[..., None]).astype(F32)  # [nb, 4, 16 codes]
-    err = np.abs(grid[:, :, None, :] - sub[..., None])  # [nb, 4, 16 values, 16 codes]
-    idx = err.argmin(axis=-1).astype(np.uint8)  # first minimum = the strict '<' scan
-    qs = idx[..., :8] | (idx[..., 8:] << 4)  # low nibble j, high nibble j + 8
     out = np.empty((nb, 36), dtype=np.uint8)
-    out[:, 0:4] = ue
-    out[:, 4:36] = qs.reshape(nb, 32)
+    out[:, 0:4] = ue.reshape(nb, 4)
+    for b0 in range(0, nb, _NVFP4_GGML_SLICE):
+        n = min(_NVFP4_GGML_SLICE, nb - b0)
+        sub = x[b0 : b0 + n].reshape(n * 4, 16)
+        a = np.abs(sub)  # [n*4, 16]
+        dv = np.repeat(d[b0 * 4 : (b0 + n) * 4], 16).reshape(a.shape)  # each value's d
+        best = a.copy()  # the error of code 0: fabsf(0 * d - |x|) = |x|
+        idx = np.zeros(a.shape, dtype=np.uint8)
+        err = np.empty_like(a)
+        lt = np.empty(a.shape, dtype=bool)
+        kk = np.empty(a.shape, dtype=np.uint8)
+        for k in range(1, 8):
+            np.multiply(dv, _E2M1_Q1_POS[k], out=err)  # kvalues[k] * d
+            np.subtract(err, a, out=err)
+            np.abs(err, out=err)
+            np.less(err, best, out=lt)  # strict: the first minimum wins
+            np.minimum(err, best, out=best)
+            np.multiply(lt.view(np.uint8), np.uint8(k), out=kk)
+            np.maximum(idx, kk, out=idx)  # idx < k before step k: max == "k where lt"
+        idx |= ((sub < 0) & (idx > 0)).view(np.uint8) << 3
+        q = idx.reshape(n, 4, 16)
+        out[b0 : b0 + n, 4:36] = (q[..., :8] | (q[..., 8:] << 4)).reshape(n, 32)  # low j, high j + 8
     return out
 
 
