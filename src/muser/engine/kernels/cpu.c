@@ -194,7 +194,7 @@ static inline float dot_f32(const float *x, const float *w, int64_t n) {
  *   fmt 2, 3: NVFP4 as stored, 4.5 bits a weight: q uint8 [n_out, n_in / 2], two E2M1 codes a byte
  *          in ggml's block_nvfp4 order (per 16-value group, byte j holds element j in its low
  *          nibble and element j + 8 in its high one), d uint8 [n_out, n_in / 16] scale bytes,
- *          s f32 [n_out] (scale2; 1 for ggml's type 40). A code becomes ggml's kvalues_fp4
+ *          s f32 [n_out] (scale2; NULL for ggml's type 40: its w is q * d, which * 1 would not change). A code becomes ggml's kvalues_fp4
  *          (= 2 x E2M1, an integer) and a scale byte its f32 through a 256-entry table: fmt 2
  *          E4M3FN x 0.5 (the companion form), fmt 3 ggml's UE4M3 half (ggml_ue4m3_to_fp32 / 2).
  *          w = ((float)q * d) * s: q * d is exact, so w is the decoder's (e2m1 * e4m3fn) * scale2
@@ -270,7 +270,8 @@ typedef struct {
                 const uint8_t *q = (const uint8_t *)a->w + n * (K / 2);                           \
                 const uint8_t *sc = (const uint8_t *)a->d + n * (K / 16);                         \
                 const float *tab = nv_scale[a->fmt - 2];                                          \
-                v8 sn = splat(a->s[n]), c0, c1, c2, c3;                                           \
+                const int s1 = a->s == NULL; /* type 40: no scale2 multiply (x 1 is exact) */     \
+                v8 sn = splat(s1 ? 1.0f : a->s[n]), c0, c1, c2, c3;                               \
                 if (a->T == 1) {                                                                  \
                     const float *x = a->x;                                                        \
                     v8 a0 = splat(0), a1 = a0, a2 = a0, a3 = a0;                                  \
@@ -278,10 +279,12 @@ typedef struct {
                         v8 d0 = BC(tab + sc[2 * b]), d1 = BC(tab + sc[2 * b + 1]);                \
                         const float *xb = x + 32 * b;                                             \
                         NV4(q + 16 * b, &c0, &c1, &c2, &c3);                                      \
-                        a0 = a0 + ld8(xb) * ((c0 * d0) * sn);                                     \
-                        a1 = a1 + ld8(xb + 8) * ((c1 * d0) * sn);                                 \
-                        a2 = a2 + ld8(xb + 16) * ((c2 * d1) * sn);                                \
-                        a3 = a3 + ld8(xb + 24) * ((c3 * d1) * sn);                                \
+                        c0 = c0 * d0, c1 = c1 * d0, c2 = c2 * d1, c3 = c3 * d1;                   \
+                        if (!s1) c0 = c0 * sn, c1 = c1 * sn, c2 = c2 * sn, c3 = c3 * sn;          \
+                        a0 = a0 + ld8(xb) * c0;                                                   \
+                        a1 = a1 + ld8(xb + 8) * c1;                                               \
+                        a2 = a2 + ld8(xb + 16) * c2;                                              \
+                        a3 = a3 + ld8(xb + 24) * c3;                                              \
                     }                                                                             \
                     a->y[n] = finish(a0, a1, a2, a3, x, x, K, K);                                 \
                     continue;                                                                     \
@@ -291,10 +294,9 @@ typedef struct {
                     v8 d0 = BC(tab + sc[2 * b]), d1 = BC(tab + sc[2 * b + 1]);                    \
                     float *wb = wrow + 32 * b;                                                    \
                     NV4(q + 16 * b, &c0, &c1, &c2, &c3);                                          \
-                    st8(wb, (c0 * d0) * sn);                                                      \
-                    st8(wb + 8, (c1 * d0) * sn);                                                  \
-                    st8(wb + 16, (c2 * d1) * sn);                                                 \
-                    st8(wb + 24, (c3 * d1) * sn);                                                 \
+                    c0 = c0 * d0, c1 = c1 * d0, c2 = c2 * d1, c3 = c3 * d1;                       \
+                    if (!s1) c0 = c0 * sn, c1 = c1 * sn, c2 = c2 * sn, c3 = c3 * sn;              \
+                    st8(wb, c0), st8(wb + 8, c1), st8(wb + 16, c2), st8(wb + 24, c3);             \
                 }                                                                                 \
                 w = wrow;                                                                         \
             } else if (a->T == 1) {                                                               \

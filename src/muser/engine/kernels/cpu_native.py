@@ -112,7 +112,7 @@ class CpuMat:
     """A weight in the form the GEMM reads: Q8_0 as stored (int8 quants + f32 block scales, each
     scale the exact f32 of its f16); both NVFP4 forms as stored, 4.5 bits a weight: E2M1 codes
     two a byte in ggml's block_nvfp4 order (the companion form's bytes re-paired at load) + the
-    per-16 scale bytes (fmt says which decoder) + f32 scale2 a row. cpu.c turns a code into
+    per-16 scale bytes (fmt says which decoder) [+ the companion's f32 scale2 a row]. cpu.c turns a code into
     kvalues_fp4 and a byte into its f32 in registers, so w = (q * d) * s is the NVFP4 decoder's
     value; anything else as its exact f32 decode."""
 
@@ -121,7 +121,7 @@ class CpuMat:
     d: torch.Tensor | None  # Q8_0: f32 [n_out, n_in / 32]; NVFP4: uint8 [n_out, n_in / 16]
     n_out: int
     n_in: int
-    s: torch.Tensor | None = None  # NVFP4: f32 [n_out] scale2 (ones for ggml's type 40)
+    s: torch.Tensor | None = None  # companion NVFP4: f32 [n_out] scale2 (type 40 has none)
 
     @property
     def nbytes(self) -> int:
@@ -142,7 +142,8 @@ class CpuMat:
             return n * k * 4
         if w.fmt == G.Q8_0:
             return n * k + n * (k // 32) * 4
-        return n * (k // 2) + n * (k // 16) + n * 4  # codes, per-16 scale bytes, scale2 a row
+        s2 = n * 4 if w.fmt == G.NVFP4_E2M1 else 0
+        return n * (k // 2) + n * (k // 16) + s2  # codes, per-16 scale bytes, scale2 a row
 
     @classmethod
     def of(cls, w) -> "CpuMat":
@@ -161,7 +162,7 @@ class CpuMat:
         n_out = sum(m.n_out for m in mats)
         fmt = mats[0].fmt
         if fmt != FMT_F32 and all(m.fmt == fmt for m in mats):
-            s = torch.cat([m.s for m in mats], 0) if fmt in FMTS_NVFP4 else None
+            s = torch.cat([m.s for m in mats], 0) if fmt == FMT_NVFP4 else None
             return cls(fmt, torch.cat([m.w for m in mats], 0), torch.cat([m.d for m in mats], 0),
                        n_out, mats[0].n_in, s)
         return cls(FMT_F32, torch.cat([m.decode() for m in mats], 0), None, n_out, mats[0].n_in)
@@ -175,12 +176,13 @@ class CpuMat:
             return (self.w.to(torch.float32).view(self.n_out, -1, 32) * self.d.unsqueeze(-1)).view(self.n_out, -1)
         from ..nvfp4 import _tables
 
-        assert self.s is not None
         t = _tables("cpu")
         q = self.w.view(self.n_out, -1, 8)
         codes = torch.cat([q & 0xF, q >> 4], -1).long()  # [r, g, 16]: low nibble j, high j + 8
         d = t["e4m3"][self.d.long()] * 0.5 if self.fmt == FMT_NVFP4 else t["ue4m3"][self.d.long()]
-        w = (t["q1"][codes] * d.unsqueeze(-1)) * self.s.view(-1, 1, 1)
+        w = t["q1"][codes] * d.unsqueeze(-1)
+        if self.s is not None:
+            w = w * self.s.view(-1, 1, 1)
         return w.view(self.n_out, self.n_in)
 
 
@@ -204,10 +206,8 @@ def nvfp4_scale_table(fmt: int) -> torch.Tensor:
     return out
 
 
-def _nvfp4_scale2(w) -> torch.Tensor:
-    if w.fmt == G.NVFP4_E2M1:
-        return w.fields["s2"].to(torch.float32).contiguous()
-    return torch.ones(w.n_out, dtype=torch.float32)
+def _nvfp4_scale2(w) -> torch.Tensor | None:
+    return w.fields["s2"].to(torch.float32).contiguous() if w.fmt == G.NVFP4_E2M1 else None
 
 
 @dataclass
