@@ -357,22 +357,27 @@ GEMM_TASK(gemm_task_generic, , q8, bc, nv4_generic)
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#define MU_AVX2 __attribute__((target("avx2")))
+#define MU_AVX2 __attribute__((target("avx2,f16c")))
 MU_AVX2 static inline v8 q8_avx2(const int8_t *q) {
     return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
 }
 /* one vbroadcastss per scale: gcc builds two adjacent splat()s through a stack round trip */
 MU_AVX2 static inline v8 bc_avx2(const float *p) { return (v8)_mm256_broadcast_ss(p); }
-/* 16 code bytes -> 32 kvalues_fp4: the nibbles index a 16-byte table (pshufb), then widen */
+/* kvalues_fp4 as the high bytes of their f16 values (every one has a zero low byte; code 8 is
+ * +0, as the integer 0 converts) */
+static const uint8_t nv_kv_f16hi[16] = {0x00, 0x3C, 0x40, 0x42, 0x44, 0x46, 0x48, 0x4A,
+                                        0x00, 0xBC, 0xC0, 0xC2, 0xC4, 0xC6, 0xC8, 0xCA};
+/* 16 code bytes -> 32 kvalues_fp4: the nibbles index a 16-byte table (pshufb), a zero low byte
+ * is interleaved in and the f16 values widen exactly to f32 (vcvtph2ps, 8 lanes an op) */
 MU_AVX2 static inline void nv4_avx2(const uint8_t *qb, v8 *c0, v8 *c1, v8 *c2, v8 *c3) {
-    const __m128i tab = _mm_loadu_si128((const __m128i *)nv_kv), m4 = _mm_set1_epi8(0xF);
-    const __m128i v = _mm_loadu_si128((const __m128i *)qb);
+    const __m128i tab = _mm_loadu_si128((const __m128i *)nv_kv_f16hi), m4 = _mm_set1_epi8(0xF);
+    const __m128i z = _mm_setzero_si128(), v = _mm_loadu_si128((const __m128i *)qb);
     const __m128i lo = _mm_shuffle_epi8(tab, _mm_and_si128(v, m4));                     /* elements j */
     const __m128i hi = _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(v, 4), m4));  /* j + 8 */
-    *c0 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-    *c1 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-    *c2 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
-    *c3 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+    *c0 = (v8)_mm256_cvtph_ps(_mm_unpacklo_epi8(z, lo));
+    *c1 = (v8)_mm256_cvtph_ps(_mm_unpacklo_epi8(z, hi));
+    *c2 = (v8)_mm256_cvtph_ps(_mm_unpackhi_epi8(z, lo));
+    *c3 = (v8)_mm256_cvtph_ps(_mm_unpackhi_epi8(z, hi));
 }
 GEMM_TASK(gemm_task_avx2, MU_AVX2, q8_avx2, bc_avx2, nv4_avx2)
 #endif
@@ -384,7 +389,7 @@ void mu_gemm_baseline(int on) { baseline_only = on; }
 static task_fn gemm_task(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     static int avx2 = -1;
-    if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? 1 : 0;
     if (avx2 && !baseline_only) return gemm_task_avx2;
 #endif
     return gemm_task_generic;
