@@ -131,21 +131,38 @@ def test_triton_matvec_rows_are_bitwise_invariant(kernels, fmt):
 
 
 def _nvfp4_mats(fmt: G):
-    """(QWeight, the C GEMM's native form of it) on every code and scale byte, and random bytes."""
+    """(QWeight, the C GEMM's native form of it) on every code and scale byte: the stored bytes
+    resident (0.5625 B a weight, + 4 B a row of the companion's scale2), not an expansion."""
     from muser.engine.kernels import cpu_native as C
 
     w, _ = _every_byte_weight(fmt)
     m = C.CpuMat.of(w)
-    assert m.fmt == C.FMT_NVFP4 and m.w.dtype == torch.int8 and m.nbytes < w.n_out * w.n_in * 2
+    assert m.fmt == (C.FMT_NVFP4 if fmt == G.NVFP4_E2M1 else C.FMT_NVFP4_GGML) and m.w.dtype == torch.uint8
+    assert m.nbytes == w.n_out * w.n_in * 9 // 16 + (4 * w.n_out if fmt == G.NVFP4_E2M1 else 0)
     assert C.CpuMat.resident_bytes(w) == m.nbytes  # the cache's budget check counts what it will hold
     return w, m
 
 
 @pytest.mark.parametrize("fmt", NVFP4_FORMATS, ids=IDS.get)
+def test_cpu_nvfp4_scale_table_is_the_decoders(fmt):
+    """cpu.c's byte -> f32 table of each form has the bits of engine/nvfp4.py's (NaN where it has NaN)."""
+    from muser.engine.kernels import cpu_native as C
+    from muser.engine.nvfp4 import _tables
+
+    t = _tables("cpu")
+    ref = t["e4m3"] * 0.5 if fmt == G.NVFP4_E2M1 else t["ue4m3"]
+    got = C.nvfp4_scale_table(C.FMT_NVFP4 if fmt == G.NVFP4_E2M1 else C.FMT_NVFP4_GGML)
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(got), nan) and int(nan.sum()) == (2 if fmt == G.NVFP4_E2M1 else 0)
+    assert torch.equal(got[~nan].view(torch.int32), ref[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", NVFP4_FORMATS, ids=IDS.get)
 def test_cpu_gemm_reads_nvfp4_codes_bit_exact(fmt):
-    """The C GEMM's NVFP4 form ((kvalues_fp4 * scale/2) * scale2, decoded in registers) gives the
-    bits of the GEMM over the torch decoder's f32 matrix, for every row count, both ISA builds
-    and both thread counts; stacked with another NVFP4 weight of another scale2 as well."""
+    """The C GEMM's NVFP4 form (stored codes and scale bytes, (kvalues_fp4 * scale/2) * scale2
+    decoded in registers) gives the bits of the GEMM over the torch decoder's f32 matrix, for
+    every row count, both ISA builds and both thread counts, on every code against every scale
+    byte and on odd row counts; stacked with another NVFP4 weight of another scale2 as well."""
     from muser.engine.kernels import cpu_native as C
 
     w, m = _nvfp4_mats(fmt)
@@ -153,29 +170,43 @@ def test_cpu_gemm_reads_nvfp4_codes_bit_exact(fmt):
     assert torch.equal(m.decode(), ref_w)  # the same values (a -0 decode may read +0: same sums)
     nz = ref_w != 0
     assert torch.equal(m.decode()[nz].view(torch.int32), ref_w[nz].view(torch.int32))
-    f32 = C.CpuMat(C.FMT_F32, ref_w.contiguous(), None, w.n_out, w.n_in)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(17, w.n_in, generator=g)
-    y = C.gemm(f32, x)
+    odd = C.CpuMat.of(repack("o.weight", fmt, 13, w.n_in, *_rows(w, [5, 0, 63, 2, 9, 1, 33, 4, 8, 7, 40, 3, 11])))
+    cases = [(m, ref_w), (odd, odd.decode())]
     n = torch.get_num_threads()
     try:
-        for threads in (1, 2):
-            C.set_threads(threads)
-            for base in (False, True):
-                C.gemm_baseline(base)
-                try:
-                    for T in (1, 2, 5, 16, 17):
-                        assert torch.equal(C.gemm(m, x[:T]), y[:T]), (threads, base, T)
-                    assert torch.equal(C.gemm(m, x[9:10]), y[9:10])
-                finally:
-                    C.gemm_baseline(False)
+        for mat, wf in cases:
+            y = C.gemm(C.CpuMat(C.FMT_F32, wf.contiguous(), None, mat.n_out, mat.n_in), x)
+            for threads in (1, 2):
+                C.set_threads(threads)
+                for base in (False, True):
+                    C.gemm_baseline(base)
+                    try:
+                        for T in (1, 2, 3, 5, 16, 17):
+                            assert torch.equal(C.gemm(mat, x[:T]), y[:T]), (mat.n_out, threads, base, T)
+                        assert torch.equal(C.gemm(mat, x[9:10]), y[9:10])
+                    finally:
+                        C.gemm_baseline(False)
     finally:
         C.set_threads(n)
+    assert torch.equal(odd.decode(), w.decode(torch.tensor([5, 0, 63, 2, 9, 1, 33, 4, 8, 7, 40, 3, 11])))
     payload, sc, s2 = random_bytes(fmt, 24, w.n_in, 5)
     w2 = repack("u.weight", fmt, 24, w.n_in, torch.from_numpy(payload),
                 None if sc is None else torch.from_numpy(sc), None if s2 is None else s2 * 3.7)
     st = C.stack([w, w2])
-    assert st.mat.fmt == C.FMT_NVFP4
+    assert st.mat.fmt == m.fmt and st.mat.nbytes == m.nbytes + C.CpuMat.resident_bytes(w2)  # one form: native
     ref2 = C.gemm(C.CpuMat(C.FMT_F32, torch.cat([ref_w, w2.decode()]).contiguous(), None, w.n_out + 24, w.n_in), x)
-    for T in (1, 4, 17):
+    for T in (1, 3, 4, 16, 17):
         assert torch.equal(C.gemm(st.mat, x[:T]), ref2[:T]), T
+
+
+def _rows(w, rows: list[int]) -> tuple:
+    """repack's stored-byte arguments for the given rows of an NVFP4 QWeight (payload in the file's
+    row layout, then the companion's scale bytes and scale2)."""
+    f, idx = w.fields, torch.tensor(rows)
+    if w.fmt == G.NVFP4:  # the file's block_nvfp4 rows: 4 scale bytes then 32 code bytes a block
+        nb = w.n_in // 64
+        raw = torch.cat([f["d"][idx].view(-1, nb, 4), f["qs"][idx].view(-1, nb, 32)], -1).view(len(rows), -1)
+        return (raw,)
+    return f["qs"][idx], f["sc"][idx], float(f["s2"][0])

@@ -191,15 +191,54 @@ static inline float dot_f32(const float *x, const float *w, int64_t n) {
  *   fmt 0: W f32 [n_out, n_in]
  *   fmt 1: Q8_0: qs int8 [n_out, n_in], d f32 [n_out, n_in / 32]; w = (float)q * d, exactly
  *          ggml's dequantize_row_q8_0, formed in registers (the product is then x * w)
- *   fmt 2: NVFP4: q int8 [n_out, n_in] (ggml kvalues_fp4, = 2 x E2M1), d f32 [n_out, n_in / 16]
- *          (E4M3FN / 2, or ggml's UE4M3 half), s f32 [n_out] (scale2; 1 for ggml's type 40);
+ *   fmt 2, 3: NVFP4 as stored, 4.5 bits a weight: q uint8 [n_out, n_in / 2], two E2M1 codes a byte
+ *          in ggml's block_nvfp4 order (per 16-value group, byte j holds element j in its low
+ *          nibble and element j + 8 in its high one), d uint8 [n_out, n_in / 16] scale bytes,
+ *          s f32 [n_out] (scale2; NULL for ggml's type 40: its w is q * d, which * 1 would not change). A code becomes ggml's kvalues_fp4
+ *          (= 2 x E2M1, an integer) and a scale byte its f32 through a 256-entry table: fmt 2
+ *          E4M3FN x 0.5 (the companion form), fmt 3 ggml's UE4M3 half (ggml_ue4m3_to_fp32 / 2).
  *          w = ((float)q * d) * s: q * d is exact, so w is the decoder's (e2m1 * e4m3fn) * scale2
  *          (book 7.2) or kvalues_fp4[q] * ue4m3_half(d) (ggml dequantize_row_nvfp4) bit for bit */
+
+/* kvalues_fp4 (ggml-common.h): E2M1 code -> 2 x its value */
+static const int8_t nv_kv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* scale byte -> f32, [0]: E4M3FN x 0.5, [1]: UE4M3 half; engine/nvfp4.py _tables' values (mu_init) */
+static float nv_scale[2][256];
+void mu_init(void);
+
+static float e4m3_mag(uint32_t b) { /* 7 magnitude bits: subnormal m 2^-9, else (1 + m/8) 2^(e-7) */
+    uint32_t e = (b >> 3) & 0xF, m = b & 7;
+    union { uint32_t u; float f; } p2 = {(e + 127 - 7) << 23};
+    return e == 0 ? (float)m * 0x1p-9f : (1.0f + (float)m / 8.0f) * p2.f;
+}
+
+static void nv_tables(void) {
+    for (uint32_t b = 0; b < 256; b++) {
+        float mag = e4m3_mag(b & 0x7F);
+        nv_scale[0][b] = (b & 0x7F) == 0x7F ? NAN : ((b & 0x80) ? -mag : mag) * 0.5f;
+        nv_scale[1][b] = (b == 0 || b == 0x7F) ? 0.0f : mag * 0.5f; /* bit 7 ignored (unsigned) */
+    }
+}
+
+void mu_nvfp4_scales(int form, float *out) {
+    memcpy(out, nv_scale[form ? 1 : 0], sizeof(nv_scale[0]));
+}
+
+/* one 32-value block's codes (16 bytes: two groups) -> kvalues_fp4 as f32, elements 0..31 */
+static inline void nv4_generic(const uint8_t *qb, v8 *c0, v8 *c1, v8 *c2, v8 *c3) {
+    int8_t c[32];
+    for (int g = 0; g < 2; g++)
+        for (int j = 0; j < 8; j++) {
+            c[16 * g + j] = nv_kv[qb[8 * g + j] & 0xF];
+            c[16 * g + 8 + j] = nv_kv[qb[8 * g + j] >> 4];
+        }
+    *c0 = q8(c), *c1 = q8(c + 8), *c2 = q8(c + 16), *c3 = q8(c + 24);
+}
 
 typedef struct {
     int fmt;
     const void *w;
-    const float *d;
+    const void *d;
     const float *s;
     int64_t n_out, n_in;
     const float *x;
@@ -211,9 +250,10 @@ typedef struct {
 #define TT 4 /* rows of x sharing one pass over a weight row */
 
 /* The GEMM body, instantiated once per ISA (the Q8 loader and the BC broadcast are the only
- * intrinsics: int8 -> f32 is exact and a broadcast copies bits, so which instruction widens a quant
- * or splats a scale cannot change a value). */
-#define GEMM_TASK(NAME, ATTR, Q8, BC)                                                              \
+ * intrinsics, with NV4, the NVFP4 code decoder: int8 -> f32 is exact, a broadcast copies bits and a
+ * code's table entry is one integer, so which instruction widens a quant, looks up a code or splats
+ * a scale cannot change a value). */
+#define GEMM_TASK(NAME, ATTR, Q8, BC, NV4)                                                              \
     ATTR static void NAME(void *p, int ith, int nth) {                                            \
         const gemm_args *a = (const gemm_args *)p;                                                \
         int64_t n0, n1;                                                                           \
@@ -225,36 +265,44 @@ typedef struct {
             const float *w;                                                                       \
             if (a->fmt == 0) {                                                                    \
                 w = (const float *)a->w + n * K;                                                  \
-            } else if (a->fmt == 2) {                                                             \
-                /* NVFP4: 16-value groups, two per 32; decoded in registers, then as fmt 0 */     \
-                const int8_t *q = (const int8_t *)a->w + n * K;                                   \
-                const float *d = a->d + n * (K / 16);                                             \
-                v8 sn = splat(a->s[n]);                                                           \
-                float *dst = a->T == 1 ? NULL : wrow;                                             \
-                if (dst == NULL) {                                                                \
+            } else if (a->fmt >= 2) {                                                             \
+                /* NVFP4: 32-value blocks of two 16-value groups, decoded in registers */         \
+                const uint8_t *q = (const uint8_t *)a->w + n * (K / 2);                           \
+                const uint8_t *sc = (const uint8_t *)a->d + n * (K / 16);                         \
+                const float *tab = nv_scale[a->fmt - 2];                                          \
+                const int s1 = a->s == NULL; /* type 40: no scale2 multiply (x 1 is exact) */     \
+                v8 sn = splat(s1 ? 1.0f : a->s[n]), c0, c1, c2, c3;                               \
+                if (a->T == 1) {                                                                  \
                     const float *x = a->x;                                                        \
                     v8 a0 = splat(0), a1 = a0, a2 = a0, a3 = a0;                                  \
                     for (int64_t b = 0; b < K / 32; b++) {                                        \
-                        v8 d0 = BC(d + 2 * b), d1 = BC(d + 2 * b + 1);                            \
-                        const int8_t *qb = q + 32 * b;                                            \
+                        v8 d0 = BC(tab + sc[2 * b]), d1 = BC(tab + sc[2 * b + 1]);                \
                         const float *xb = x + 32 * b;                                             \
-                        a0 = a0 + ld8(xb) * ((Q8(qb) * d0) * sn);                                 \
-                        a1 = a1 + ld8(xb + 8) * ((Q8(qb + 8) * d0) * sn);                         \
-                        a2 = a2 + ld8(xb + 16) * ((Q8(qb + 16) * d1) * sn);                       \
-                        a3 = a3 + ld8(xb + 24) * ((Q8(qb + 24) * d1) * sn);                       \
+                        NV4(q + 16 * b, &c0, &c1, &c2, &c3);                                      \
+                        c0 = c0 * d0, c1 = c1 * d0, c2 = c2 * d1, c3 = c3 * d1;                   \
+                        if (!s1) c0 = c0 * sn, c1 = c1 * sn, c2 = c2 * sn, c3 = c3 * sn;          \
+                        a0 = a0 + ld8(xb) * c0;                                                   \
+                        a1 = a1 + ld8(xb + 8) * c1;                                               \
+                        a2 = a2 + ld8(xb + 16) * c2;                                              \
+                        a3 = a3 + ld8(xb + 24) * c3;                                              \
                     }                                                                             \
                     a->y[n] = finish(a0, a1, a2, a3, x, x, K, K);                                 \
                     continue;                                                                     \
                 }                                                                                 \
-                for (int64_t g = 0; g < K / 16; g++) {                                            \
-                    v8 dg = BC(d + g);                                                            \
-                    for (int j = 0; j < 16; j += 8) st8(dst + 16 * g + j, (Q8(q + 16 * g + j) * dg) * sn); \
+                /* several rows: the same values decoded once into a row buffer, then as fmt 0 */ \
+                for (int64_t b = 0; b < K / 32; b++) {                                            \
+                    v8 d0 = BC(tab + sc[2 * b]), d1 = BC(tab + sc[2 * b + 1]);                    \
+                    float *wb = wrow + 32 * b;                                                    \
+                    NV4(q + 16 * b, &c0, &c1, &c2, &c3);                                          \
+                    c0 = c0 * d0, c1 = c1 * d0, c2 = c2 * d1, c3 = c3 * d1;                       \
+                    if (!s1) c0 = c0 * sn, c1 = c1 * sn, c2 = c2 * sn, c3 = c3 * sn;              \
+                    st8(wb, c0), st8(wb + 8, c1), st8(wb + 16, c2), st8(wb + 24, c3);             \
                 }                                                                                 \
-                w = dst;                                                                          \
+                w = wrow;                                                                         \
             } else if (a->T == 1) {                                                               \
                 /* decode in registers: one block of 32 = four 8-lane groups, lanes 0..31 */      \
                 const int8_t *q = (const int8_t *)a->w + n * K;                                   \
-                const float *d = a->d + n * (K / 32);                                             \
+                const float *d = (const float *)a->d + n * (K / 32);                                             \
                 const float *x = a->x;                                                            \
                 v8 a0 = splat(0), a1 = a0, a2 = a0, a3 = a0;                                      \
                 for (int64_t b = 0; b < K / 32; b++) {                                            \
@@ -271,7 +319,7 @@ typedef struct {
             } else {                                                                              \
                 /* several rows: the same values decoded once into a row buffer */                \
                 const int8_t *q = (const int8_t *)a->w + n * K;                                   \
-                const float *d = a->d + n * (K / 32);                                             \
+                const float *d = (const float *)a->d + n * (K / 32);                                             \
                 for (int64_t b = 0; b < K / 32; b++) {                                            \
                     v8 db = splat(d[b]);                                                          \
                     for (int j = 0; j < 32; j += 8) st8(wrow + 32 * b + j, Q8(q + 32 * b + j) * db); \
@@ -305,17 +353,33 @@ typedef struct {
     }
 
 static inline v8 bc(const float *p) { return splat(*p); }
-GEMM_TASK(gemm_task_generic, , q8, bc)
+GEMM_TASK(gemm_task_generic, , q8, bc, nv4_generic)
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#define MU_AVX2 __attribute__((target("avx2")))
+#define MU_AVX2 __attribute__((target("avx2,f16c")))
 MU_AVX2 static inline v8 q8_avx2(const int8_t *q) {
     return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
 }
 /* one vbroadcastss per scale: gcc builds two adjacent splat()s through a stack round trip */
 MU_AVX2 static inline v8 bc_avx2(const float *p) { return (v8)_mm256_broadcast_ss(p); }
-GEMM_TASK(gemm_task_avx2, MU_AVX2, q8_avx2, bc_avx2)
+/* kvalues_fp4 as the high bytes of their f16 values (every one has a zero low byte; code 8 is
+ * +0, as the integer 0 converts) */
+static const uint8_t nv_kv_f16hi[16] = {0x00, 0x3C, 0x40, 0x42, 0x44, 0x46, 0x48, 0x4A,
+                                        0x00, 0xBC, 0xC0, 0xC2, 0xC4, 0xC6, 0xC8, 0xCA};
+/* 16 code bytes -> 32 kvalues_fp4: the nibbles index a 16-byte table (pshufb), a zero low byte
+ * is interleaved in and the f16 values widen exactly to f32 (vcvtph2ps, 8 lanes an op) */
+MU_AVX2 static inline void nv4_avx2(const uint8_t *qb, v8 *c0, v8 *c1, v8 *c2, v8 *c3) {
+    const __m128i tab = _mm_loadu_si128((const __m128i *)nv_kv_f16hi), m4 = _mm_set1_epi8(0xF);
+    const __m128i z = _mm_setzero_si128(), v = _mm_loadu_si128((const __m128i *)qb);
+    const __m128i lo = _mm_shuffle_epi8(tab, _mm_and_si128(v, m4));                     /* elements j */
+    const __m128i hi = _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(v, 4), m4));  /* j + 8 */
+    *c0 = (v8)_mm256_cvtph_ps(_mm_unpacklo_epi8(z, lo));
+    *c1 = (v8)_mm256_cvtph_ps(_mm_unpacklo_epi8(z, hi));
+    *c2 = (v8)_mm256_cvtph_ps(_mm_unpackhi_epi8(z, lo));
+    *c3 = (v8)_mm256_cvtph_ps(_mm_unpackhi_epi8(z, hi));
+}
+GEMM_TASK(gemm_task_avx2, MU_AVX2, q8_avx2, bc_avx2, nv4_avx2)
 #endif
 
 static int baseline_only = 0; /* tests: run the baseline instantiation on any CPU */
@@ -325,16 +389,17 @@ void mu_gemm_baseline(int on) { baseline_only = on; }
 static task_fn gemm_task(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     static int avx2 = -1;
-    if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? 1 : 0;
     if (avx2 && !baseline_only) return gemm_task_avx2;
 #endif
     return gemm_task_generic;
 }
 
-int mu_gemm(int fmt, const void *w, const float *d, const float *s, int64_t n_out, int64_t n_in, const float *x,
+int mu_gemm(int fmt, const void *w, const void *d, const float *s, int64_t n_out, int64_t n_in, const float *x,
             int64_t ldx, int64_t T, float *y, int64_t ldy) {
-    if (fmt < 0 || fmt > 2 || (fmt != 0 && n_in % 32) || n_out < 0 || T < 0)
+    if (fmt < 0 || fmt > 3 || (fmt != 0 && n_in % 32) || n_out < 0 || T < 0)
         return -1;
+    mu_init(); /* the NVFP4 scale tables */
     gemm_args a = {fmt, w, d, s, n_out, n_in, x, ldx, T, y, ldy};
     run_tasks(gemm_task(), &a);
     return 0;
@@ -541,6 +606,7 @@ static float h2f_exact(uint16_t h) {
 void mu_init(void) {
     if (h2f_ready) return;
     for (uint32_t i = 0; i < 65536; i++) h2f_tab[i] = h2f_exact((uint16_t)i);
+    nv_tables();
     h2f_ready = 1;
 }
 

@@ -55,6 +55,7 @@ def _load() -> ctypes.CDLL:
                                      _I, _I, _F, _P]),
         "mu_init": (None, []),
         "mu_gemm_baseline": (None, [ctypes.c_int]),
+        "mu_nvfp4_scales": (None, [ctypes.c_int, _P]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)
@@ -102,22 +103,25 @@ def _vec(w: torch.Tensor, n: int, what: str) -> torch.Tensor:
 # weights
 
 
-FMT_F32, FMT_Q8_0, FMT_NVFP4 = 0, 1, 2
+FMT_F32, FMT_Q8_0, FMT_NVFP4, FMT_NVFP4_GGML = 0, 1, 2, 3  # cpu.c's fmt
+FMTS_NVFP4 = (FMT_NVFP4, FMT_NVFP4_GGML)  # scale bytes E4M3FN x 0.5 (companion) | UE4M3 half (type 40)
 
 
 @dataclass
 class CpuMat:
     """A weight in the form the GEMM reads: Q8_0 as stored (int8 quants + f32 block scales, each
-    scale the exact f32 of its f16); both NVFP4 forms as int8 kvalues_fp4 codes + f32 per-16
-    scales (E4M3FN / 2 or UE4M3 half) + f32 scale2 a row, so w = (q * d) * s is the NVFP4
-    decoder's value (1.25 B a weight streamed, not 4); anything else as its exact f32 decode."""
+    scale the exact f32 of its f16); both NVFP4 forms as stored, 4.5 bits a weight: E2M1 codes
+    two a byte in ggml's block_nvfp4 order (the companion form's bytes re-paired at load) + the
+    per-16 scale bytes (fmt says which decoder) [+ the companion's f32 scale2 a row]. cpu.c turns a code into
+    kvalues_fp4 and a byte into its f32 in registers, so w = (q * d) * s is the NVFP4 decoder's
+    value; anything else as its exact f32 decode."""
 
     fmt: int
-    w: torch.Tensor  # f32 [n_out, n_in] | int8 [n_out, n_in]
-    d: torch.Tensor | None  # Q8_0: f32 [n_out, n_in / 32]; NVFP4: f32 [n_out, n_in / 16]
+    w: torch.Tensor  # f32 [n_out, n_in] | Q8_0 int8 [n_out, n_in] | NVFP4 uint8 [n_out, n_in / 2]
+    d: torch.Tensor | None  # Q8_0: f32 [n_out, n_in / 32]; NVFP4: uint8 [n_out, n_in / 16]
     n_out: int
     n_in: int
-    s: torch.Tensor | None = None  # NVFP4: f32 [n_out] scale2 (ones for ggml's type 40)
+    s: torch.Tensor | None = None  # companion NVFP4: f32 [n_out] scale2 (type 40 has none)
 
     @property
     def nbytes(self) -> int:
@@ -125,7 +129,7 @@ class CpuMat:
 
     @staticmethod
     def native(w) -> bool:
-        """The GEMM reads this QWeight's stored blocks directly, as int8 codes (else its f32 decode)."""
+        """The GEMM reads this QWeight's stored blocks directly (else its f32 decode)."""
         if w.fmt == G.Q8_0:
             return "qs" in w.fields
         return w.fmt in (G.NVFP4_E2M1, G.NVFP4) and "qs" in w.fields and w.n_in % 32 == 0
@@ -138,7 +142,8 @@ class CpuMat:
             return n * k * 4
         if w.fmt == G.Q8_0:
             return n * k + n * (k // 32) * 4
-        return n * k + n * (k // 16) * 4 + n * 4  # codes, per-16 scales, scale2 a row
+        s2 = n * 4 if w.fmt == G.NVFP4_E2M1 else 0
+        return n * (k // 2) + n * (k // 16) + s2  # codes, per-16 scale bytes, scale2 a row
 
     @classmethod
     def of(cls, w) -> "CpuMat":
@@ -147,7 +152,7 @@ class CpuMat:
             if w.fmt == G.Q8_0:
                 return cls(FMT_Q8_0, w.fields["qs"].contiguous(), w.fields["d"].to(torch.float32).contiguous(),
                            w.n_out, w.n_in)
-            return cls(FMT_NVFP4, *_nvfp4_codes(w), w.n_out, w.n_in, _nvfp4_scale2(w))
+            return cls(*_nvfp4_resident(w), w.n_out, w.n_in, _nvfp4_scale2(w))
         return cls(FMT_F32, w.decode().to(torch.float32).contiguous(), None, w.n_out, w.n_in)
 
     @classmethod
@@ -167,37 +172,42 @@ class CpuMat:
         if self.fmt == FMT_F32:
             return self.w
         assert self.d is not None
-        g = 32 if self.fmt == FMT_Q8_0 else 16
-        w = self.w.to(torch.float32).view(self.n_out, -1, g) * self.d.unsqueeze(-1)
-        if self.fmt == FMT_NVFP4:
-            assert self.s is not None
+        if self.fmt == FMT_Q8_0:
+            return (self.w.to(torch.float32).view(self.n_out, -1, 32) * self.d.unsqueeze(-1)).view(self.n_out, -1)
+        from ..nvfp4 import _tables
+
+        t = _tables("cpu")
+        q = self.w.view(self.n_out, -1, 8)
+        codes = torch.cat([q & 0xF, q >> 4], -1).long()  # [r, g, 16]: low nibble j, high j + 8
+        d = t["e4m3"][self.d.long()] * 0.5 if self.fmt == FMT_NVFP4 else t["ue4m3"][self.d.long()]
+        w = t["q1"][codes] * d.unsqueeze(-1)
+        if self.s is not None:
             w = w * self.s.view(-1, 1, 1)
         return w.view(self.n_out, self.n_in)
 
 
-def _nvfp4_codes(w) -> tuple[torch.Tensor, torch.Tensor]:
-    """An NVFP4 QWeight's resident fields (engine/nvfp4.py) -> (kvalues_fp4 codes int8 [r, n_in],
-    per-16 scales f32 [r, n_in/16]). kvalues_fp4 = 2 x E2M1, so the companion's scale is E4M3FN / 2
-    (exact in f32): 2e * (s / 2) = e * s, the decoder's first product."""
-    from ..nvfp4 import _tables
-
+def _nvfp4_resident(w) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """An NVFP4 QWeight's resident fields (engine/nvfp4.py) -> (fmt, codes uint8 [r, n_in/2] in
+    ggml's order, scale bytes uint8 [r, n_in/16]): the stored bytes, none added. Why ggml's order
+    (per 16 values: low nibbles elements 0..7, high nibbles 8..15): one mask and one shift give
+    the GEMM's two 8-lane groups; the companion's pairs (2i, 2i+1) are re-paired here once."""
     qs, r, n_in = w.fields["qs"], w.n_out, w.n_in
-    t = _tables("cpu")
-    if w.fmt == G.NVFP4_E2M1:
-        codes = torch.stack([qs & 0xF, qs >> 4], -1).view(r, n_in)  # low nibble = even index
-        d = t["e4m3"][w.fields["sc"].long()] * 0.5
-    else:
-        q = qs.view(r, n_in // 16, 8)
-        codes = torch.cat([q & 0xF, q >> 4], -1).view(r, n_in)  # per 16: low nibble j, high j + 8
-        d = t["ue4m3"][w.fields["d"].long()]
-    kv = t["q1"].to(torch.int8)[codes.long()]  # ggml kvalues_fp4 (integers in [-12, 12])
-    return kv.contiguous(), d.to(torch.float32).contiguous()
+    if w.fmt == G.NVFP4:
+        return FMT_NVFP4_GGML, qs.contiguous(), w.fields["d"].contiguous()
+    codes = torch.stack([qs & 0xF, qs >> 4], -1).view(r, n_in // 16, 2, 8)  # low nibble = even index
+    return FMT_NVFP4, (codes[:, :, 0] | (codes[:, :, 1] << 4)).view(r, n_in // 2), w.fields["sc"].contiguous()
 
 
-def _nvfp4_scale2(w) -> torch.Tensor:
-    if w.fmt == G.NVFP4_E2M1:
-        return w.fields["s2"].to(torch.float32).contiguous()
-    return torch.ones(w.n_out, dtype=torch.float32)
+def nvfp4_scale_table(fmt: int) -> torch.Tensor:
+    """cpu.c's scale byte -> f32 table of an NVFP4 fmt: f32 [256] (tests hold it to engine/nvfp4.py)."""
+    assert fmt in FMTS_NVFP4, fmt
+    out = torch.empty(256, dtype=torch.float32)
+    _lib.mu_nvfp4_scales(fmt - FMT_NVFP4, out.data_ptr())
+    return out
+
+
+def _nvfp4_scale2(w) -> torch.Tensor | None:
+    return w.fields["s2"].to(torch.float32).contiguous() if w.fmt == G.NVFP4_E2M1 else None
 
 
 @dataclass
