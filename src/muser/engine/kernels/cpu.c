@@ -247,7 +247,30 @@ typedef struct {
     int64_t ldy;
 } gemm_args;
 
-#define TT 4 /* rows of x sharing one pass over a weight row */
+#define TT 8 /* rows of x sharing one pass over a weight row */
+
+/* R rows of x (R <= TT) against the weight row w, each output's four 8-lane accumulators summed
+ * over the 32-blocks in the one order dot_f32 uses (so a row's bits do not depend on T): one lane
+ * group at a time, so R accumulators, the weight vector and one product are live (16 AVX2
+ * registers; the four groups of R rows at once would spill) */
+#define ROWS_PASS(R)                                                                              \
+    do {                                                                                          \
+        const float *x0 = a->x + t * a->ldx;                                                      \
+        v8 acc[4][TT];                                                                            \
+        const int64_t kb = K / 32 * 32;                                                           \
+        for (int j = 0; j < 4; j++) {                                                             \
+            v8 g[TT];                                                                             \
+            for (int r = 0; r < (R); r++) g[r] = splat(0);                                        \
+            for (int64_t k = 8 * j; k < kb; k += 32) {                                            \
+                v8 wk = ld8(w + k);                                                               \
+                for (int r = 0; r < (R); r++) g[r] = g[r] + ld8(x0 + r * a->ldx + k) * wk;        \
+            }                                                                                     \
+            for (int r = 0; r < (R); r++) acc[j][r] = g[r];                                       \
+        }                                                                                         \
+        for (int r = 0; r < (R); r++)                                                             \
+            a->y[(t + r) * a->ldy + n] = finish(acc[0][r], acc[1][r], acc[2][r], acc[3][r],       \
+                                                x0 + r * a->ldx, w, kb, K);                       \
+    } while (0)
 
 /* The GEMM body, instantiated once per ISA (the Q8 loader and the BC broadcast are the only
  * intrinsics, with NV4, the NVFP4 code decoder: int8 -> f32 is exact, a broadcast copies bits and a
@@ -327,26 +350,8 @@ typedef struct {
                 w = wrow;                                                                         \
             }                                                                                     \
             int64_t t = 0;                                                                        \
-            for (; t + TT <= a->T; t += TT) {                                                     \
-                const float *x0 = a->x + t * a->ldx;                                              \
-                v8 acc[TT][4];                                                                    \
-                for (int r = 0; r < TT; r++)                                                      \
-                    for (int j = 0; j < 4; j++) acc[r][j] = splat(0);                             \
-                int64_t k = 0;                                                                    \
-                for (; k + 32 <= K; k += 32) {                                                    \
-                    v8 w0 = ld8(w + k), w1 = ld8(w + k + 8), w2 = ld8(w + k + 16), w3 = ld8(w + k + 24); \
-                    for (int r = 0; r < TT; r++) {                                                \
-                        const float *xr = x0 + r * a->ldx + k;                                    \
-                        acc[r][0] = acc[r][0] + ld8(xr) * w0;                                     \
-                        acc[r][1] = acc[r][1] + ld8(xr + 8) * w1;                                 \
-                        acc[r][2] = acc[r][2] + ld8(xr + 16) * w2;                                \
-                        acc[r][3] = acc[r][3] + ld8(xr + 24) * w3;                                \
-                    }                                                                             \
-                }                                                                                 \
-                for (int r = 0; r < TT; r++)                                                      \
-                    a->y[(t + r) * a->ldy + n] = finish(acc[r][0], acc[r][1], acc[r][2], acc[r][3], \
-                                                        x0 + r * a->ldx, w, k, K);                \
-            }                                                                                     \
+            for (; t + TT <= a->T; t += TT) ROWS_PASS(TT);                                        \
+            for (; t + TT / 2 <= a->T; t += TT / 2) ROWS_PASS(TT / 2);                            \
             for (; t < a->T; t++) a->y[t * a->ldy + n] = dot_f32(a->x + t * a->ldx, w, K);        \
         }                                                                                         \
         free(wrow);                                                                               \
