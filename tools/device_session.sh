@@ -167,9 +167,12 @@ wide_gate_bg() {  # MIX
 earlier_gate() {  # MIX -> an earlier call's wide Gate 2 receipt for MIX of this tree (copied into $R)
   local f
   [ -n "${MUSER_GIT_SHA:-}" ] || return 1
-  f=$(grep -l "\"git_sha\": \"$MUSER_GIT_SHA\"" $(grep -l "\"dtype\": \"$1\"" "$W"/gates/*-engine-gate2-wide-$DEV.json \
-        2>/dev/null) 2>/dev/null | head -1)
-  [ -n "$f" ] && cp "$f" "$R/" && echo "$R/$(basename "$f")"
+  for f in "$W"/gates/*-engine-gate2-wide-$DEV.json; do  # (a glob that matches nothing stays literal)
+    if [ -f "$f" ] && grep -q "\"dtype\": \"$1\"" "$f" && grep -q "\"git_sha\": \"$MUSER_GIT_SHA\"" "$f"; then
+      cp "$f" "$R/" && echo "$R/$(basename "$f")" && return 0
+    fi
+  done
+  return 1
 }
 gate_bg() {  # MIX: this call's gate, or with --reuse-gates an earlier one of this tree
   local g

@@ -38,7 +38,6 @@ import copy
 import ctypes
 import hashlib
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -49,6 +48,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..cores import default_threads
 from ..errors import ComparatorError, ContextOverflow, LaneError, MuserError
 from .receipt import Cell
 
@@ -67,13 +67,6 @@ LLAMA_TARBALL = "llama.cpp-src.tgz"
 
 
 # --- flags ------------------------------------------------------------------------------------
-
-
-def default_threads() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def register_kind(sub: argparse._SubParsersAction, kind: str, help: str, doc: str) -> None:

@@ -45,6 +45,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from ..cores import default_threads
 from ..errors import FormatError, MuserError
 from ..gguf.reader import GGUFFile, ValueType, read_gguf
 from ..gguf.types import GgmlType as G
@@ -279,13 +280,6 @@ def _results(f: GGUFFile, src: Path, tasks: list[_Task], threads: int) -> Iterat
             yield pending.popleft().result()
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
-
-
-def default_threads() -> int:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, target: str,

@@ -255,7 +255,7 @@ def _pct(xs: list[float], p: float) -> float | None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from ..plot import add_plot_flag
-    from ..speed import default_threads
+    from ...cores import default_threads
 
     p = sub.add_parser("serve", help="server load report: TTFT / inter-token latency p50/p99 and throughput",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

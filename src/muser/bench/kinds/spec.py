@@ -51,7 +51,7 @@ AGAINST = ("llama.cpp",)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..speed import default_threads
+    from ...cores import default_threads
 
     p = sub.add_parser("spec", help="DFlash acceptance and speedup vs plain decode, gated by identical tokens; "
                                     "--against llama.cpp: its draft-dflash side by side",

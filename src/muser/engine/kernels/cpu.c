@@ -194,9 +194,9 @@ static inline float dot_f32(const float *x, const float *w, int64_t n) {
  *   fmt 2, 3: NVFP4 as stored, 4.5 bits a weight: q uint8 [n_out, n_in / 2], two E2M1 codes a byte
  *          in ggml's block_nvfp4 order (per 16-value group, byte j holds element j in its low
  *          nibble and element j + 8 in its high one), d uint8 [n_out, n_in / 16] scale bytes,
- *          s f32 [n_out] (scale2; NULL for ggml's type 40: its w is q * d, which * 1 would not change). A code becomes ggml's kvalues_fp4
- *          (= 2 x E2M1, an integer) and a scale byte its f32 through a 256-entry table: fmt 2
- *          E4M3FN x 0.5 (the companion form), fmt 3 ggml's UE4M3 half (ggml_ue4m3_to_fp32 / 2).
+ *          s f32 [n_out] (scale2; NULL for ggml's type 40: its w is q * d, which * 1 would not
+ *          change). A code becomes ggml's kvalues_fp4 (= 2 x E2M1, an integer) and a scale byte
+ *          its f32 through a 256-entry table: fmt 2 E4M3FN x 0.5 (the companion form), fmt 3 ggml's UE4M3 half (ggml_ue4m3_to_fp32 / 2).
  *          w = ((float)q * d) * s: q * d is exact, so w is the decoder's (e2m1 * e4m3fn) * scale2
  *          (book 7.2) or kvalues_fp4[q] * ue4m3_half(d) (ggml dequantize_row_nvfp4) bit for bit */
 
@@ -276,7 +276,7 @@ typedef struct {
  * intrinsics, with NV4, the NVFP4 code decoder: int8 -> f32 is exact, a broadcast copies bits and a
  * code's table entry is one integer, so which instruction widens a quant, looks up a code or splats
  * a scale cannot change a value). */
-#define GEMM_TASK(NAME, ATTR, Q8, BC, NV4)                                                              \
+#define GEMM_TASK(NAME, ATTR, Q8, BC, NV4)                                                         \
     ATTR static void NAME(void *p, int ith, int nth) {                                            \
         const gemm_args *a = (const gemm_args *)p;                                                \
         int64_t n0, n1;                                                                           \
@@ -325,7 +325,7 @@ typedef struct {
             } else if (a->T == 1) {                                                               \
                 /* decode in registers: one block of 32 = four 8-lane groups, lanes 0..31 */      \
                 const int8_t *q = (const int8_t *)a->w + n * K;                                   \
-                const float *d = (const float *)a->d + n * (K / 32);                                             \
+                const float *d = (const float *)a->d + n * (K / 32);                             \
                 const float *x = a->x;                                                            \
                 v8 a0 = splat(0), a1 = a0, a2 = a0, a3 = a0;                                      \
                 for (int64_t b = 0; b < K / 32; b++) {                                            \
@@ -342,7 +342,7 @@ typedef struct {
             } else {                                                                              \
                 /* several rows: the same values decoded once into a row buffer */                \
                 const int8_t *q = (const int8_t *)a->w + n * K;                                   \
-                const float *d = (const float *)a->d + n * (K / 32);                                             \
+                const float *d = (const float *)a->d + n * (K / 32);                             \
                 for (int64_t b = 0; b < K / 32; b++) {                                            \
                     v8 db = splat(d[b]);                                                          \
                     for (int j = 0; j < 32; j += 8) st8(wrow + 32 * b + j, Q8(q + 32 * b + j) * db); \

@@ -73,7 +73,7 @@ UNIT = 32
 # the FMT constexpr (same codes as weights.FMT_CODE)
 _CODE = {G.Q4_K: 5, G.Q5_K: 6, G.Q6_K: 7, G.NVFP4_E2M1: 8, G.NVFP4: 9}
 # NVFP4 word layout (module doc): code e of a word is element 4e + w; its 3-bit magnitude index
-# sits at bits 4e (e < 4) or 16 + 4(e - 4), its sign at bit 8e + 7 (e < 4) or 8(e - 4) + 3, so
+# sits at bits 4e, its sign at bit 8e + 7 (e < 4) or 8(e - 4) + 3, so
 # that the low and high half-words are byte-permute selectors and the signs land on byte tops
 _FP4_MAG_SHIFT = torch.tensor([0, 4, 8, 12, 16, 20, 24, 28], dtype=torch.int64)
 _FP4_SIGN_SHIFT = torch.tensor([7, 15, 23, 31, 3, 11, 19, 27], dtype=torch.int64)
