@@ -130,6 +130,8 @@ def test_refusals_before_any_work(converted, tiny_gguf, make_gguf, tmp_path, cap
     _one_line_error(capsys, ["quantize", str(tiny_gguf), str(tmp_path / "no" / "x.gguf"), "--to", "q8_0"],
                     "does not exist")
     _one_line_error(capsys, ["quantize", str(tmp_path / "missing.gguf"), str(out), "--to", "q8_0"], "missing.gguf")
+    _one_line_error(capsys, ["quantize", str(tiny_gguf), str(out), "--to", "q8_0", "--threads", "0"],
+                    "--threads must be at least 1, got 0")
     assert not out.exists()
     with pytest.raises(SystemExit):
         main(["quantize", str(tiny_gguf), str(out), "--to", "q3_k"])
