@@ -14,8 +14,12 @@ Exact (bit-identical to ggml):
   - every f16 x f16 and bf16 x bf16 product (exact in float32).
 May differ from ggml by float reassociation only: ggml accumulates scale * int into eight
 float32 FMA lanes and reduces them with hadd (the SIMD accumulation order, and for repacked
-weights or llamafile's tinyBLAS a different tiling); here the per-block terms are summed in
-float64 and rounded to float32 once. The difference is a few float32 ulps of the row sum.
+weights or llamafile's tinyBLAS a different tiling); here each block's term is formed in float64
+(float32 scale x integer, exact; the K-quants' two products added once) and the terms are summed
+in float64 one block after another from +0.0, in block order (`_block_sum`), then rounded to
+float32 once. The difference from ggml is a few float32 ulps of the row sum. The fixed order is
+the contract of the engine's integer lane (engine/kernels/qmatmul_i8.py reproduces it bit for
+bit on CUDA, whatever the row count or tiling).
 """
 
 from __future__ import annotations
@@ -91,6 +95,15 @@ def _weight_codes(w: np.ndarray, t: G, n_in: int) -> dict[str, np.ndarray]:
     raise FormatError(f"no integer dot for weight type {t.name}")
 
 
+def _block_sum(terms: np.ndarray) -> np.ndarray:
+    """float64 [T, O, nb] -> [T, O]: acc = +0.0, then acc + term of block 0, 1, ... in order
+    (one fixed order, so a kernel that adds the same terms the same way gets the same bits)."""
+    acc = np.zeros(terms.shape[:2], dtype=F64)
+    for b in range(terms.shape[2]):
+        acc = acc + terms[:, :, b]
+    return acc
+
+
 def _dot_q8_0(wc: dict, a: Q8_0Activation, t: G) -> np.ndarray:
     T, nb = a.d_bits.shape
     ad = a.d  # [T, nb]
@@ -100,10 +113,10 @@ def _dot_q8_0(wc: dict, a: Q8_0Activation, t: G) -> np.ndarray:
         isum = _int_dots(aq, wc["q"]).reshape(T, -1, nb // 2, 4)  # [T, O, nb64, 4]
         ady = ad.reshape(T, nb // 2, 2)[:, :, [0, 0, 1, 1]]  # [T, nb64, 4]
         s = (wc["d"][None] * ady[:, None]).astype(F32)  # ue4m3(x.d[s]) * fp16(y.d)
-        return (s.astype(F64) * isum).sum(axis=(2, 3))
+        return _block_sum((s.astype(F64) * isum).reshape(T, isum.shape[1], -1))  # 16-blocks in order
     isum = _int_dots(a.qs, wc["q"])  # [T, O, nb]
     s = (wc["d"][None] * ad[:, None]).astype(F32)  # fp16(x.d) * fp16(y.d)
-    return (s.astype(F64) * isum).sum(axis=2)
+    return _block_sum(s.astype(F64) * isum)
 
 
 def _dot_q8_K(wc: dict, a: Q8KActivation, t: G) -> np.ndarray:
@@ -113,13 +126,13 @@ def _dot_q8_K(wc: dict, a: Q8KActivation, t: G) -> np.ndarray:
     if t == G.Q6_K:
         isum = _int_dots(a.qs.reshape(T, nb * 16, 16), wc["q"]).reshape(T, O, nb, 16)
         sumi = (isum * wc["sc"][None].astype(F64)).sum(axis=3)  # exact integers
-        return (d.astype(F64) * sumi).sum(axis=2)
+        return _block_sum(d.astype(F64) * sumi)
     isum = _int_dots(a.qs.reshape(T, nb * 8, 32), wc["q"]).reshape(T, O, nb, 8)
     sumi = (isum * wc["sc"][None].astype(F64)).sum(axis=3)
     bs = a.bsums.reshape(T, nb, 8, 2).astype(np.int64).sum(axis=3)  # per 32: bsums[2j] + bsums[2j+1]
     summ = (bs[:, None].astype(F64) * wc["m"][None].astype(F64)).sum(axis=3)
     dmin = ((-a.d)[:, None, :] * wc["dmin"][None]).astype(F32)  # -y.d * fp16(x.dmin)
-    return (d.astype(F64) * sumi + dmin.astype(F64) * summ).sum(axis=2)
+    return _block_sum(d.astype(F64) * sumi + dmin.astype(F64) * summ)
 
 
 def matmul_ggml(weight_bytes: np.ndarray, t: G, x: np.ndarray) -> np.ndarray:
