@@ -5,7 +5,12 @@
 #   bash tools/device_session.sh [--cpu-dry] [--carry DIR] [--deadline S] [--depths 0,8192]
 #                                [--kv-lengths 2048,8192,32768] [--nvfp4-mix nvfp4-ggml]
 #                                [--kind-box S (150)] [--kvpack-box S (420)]
-#                                [--llama-server PATH] [--reuse-gates] [--gates-only] STAGE...
+#                                [--llama-server PATH] [--reuse-gates] [--gates-only]
+#                                [--lane exact|fast] STAGE...
+#
+# --lane (default exact) is the lane the kernels, gate, speed and nvfp4 stages measure: with fast,
+# the kernels stage checks the integer lane (tools/device_kernels.py --lane fast), the wide Gate 2 is
+# the integer lane's (against the oracle's ggml-cpu arithmetic) and the speed kinds run --lane fast.
 #
 # Stages, in the order given (build and fixture start in the background at t = 0; the stages
 # that need their outputs wait for them inside their own time box):
@@ -46,7 +51,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"
 DRY=0 CARRY=.device/gpubench DEADLINE=585 LLAMA_SERVER="" DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
-KIND_BOX=150 KVPACK_BOX=420 REUSE_GATES=0 GATES_ONLY=0
+KIND_BOX=150 KVPACK_BOX=420 REUSE_GATES=0 GATES_ONLY=0 LANE=exact
 STAGES=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -61,6 +66,8 @@ while [ $# -gt 0 ]; do
     --kvpack-box) KVPACK_BOX=${2:?--kvpack-box SECONDS}; shift ;;
     --reuse-gates) REUSE_GATES=1 ;;
     --gates-only) GATES_ONLY=1 ;;
+    --lane) LANE=${2:?--lane exact|fast}; shift
+            [ "$LANE" = exact ] || [ "$LANE" = fast ] || { echo "--lane $LANE: expected exact or fast" >&2; exit 2; } ;;
     build|fixture|kernels|gate|speed|kvpack|nvfp4|serve|sampling|spec) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
@@ -160,7 +167,7 @@ fi
 wide_gate_bg() {  # MIX
   ( OMP_NUM_THREADS=4 OPENBLAS_NUM_THREADS=4 MKL_NUM_THREADS=4 \
       run_stage "gate-$1" $(( DEADLINE - 60 )) 60 $PY tools/device_gate_wide.py "$R" --dtype "$1" --device $DEV \
-      --geometry $GEOM --kv f16 --gate-tokens 16 --budget $(( DEADLINE - 70 )) --workdir "$W"
+      --geometry $GEOM --kv f16 --gate-tokens 16 --budget $(( DEADLINE - 70 )) --workdir "$W" --lane $LANE
     touch "$W/gate-$1.done" ) &
   GATE_PIDS="${GATE_PIDS:-} $!"
 }
@@ -168,7 +175,8 @@ earlier_gate() {  # MIX -> an earlier call's wide Gate 2 receipt for MIX of this
   local f
   [ -n "${MUSER_GIT_SHA:-}" ] || return 1
   for f in "$W"/gates/*-engine-gate2-wide-$DEV.json; do  # (a glob that matches nothing stays literal)
-    if [ -f "$f" ] && grep -q "\"dtype\": \"$1\"" "$f" && grep -q "\"git_sha\": \"$MUSER_GIT_SHA\"" "$f"; then
+    if [ -f "$f" ] && grep -q "\"dtype\": \"$1\"" "$f" && grep -q "\"git_sha\": \"$MUSER_GIT_SHA\"" "$f" \
+       && grep -q "^  \"lane\": \"$LANE\"" "$f"; then
       cp "$f" "$R/" && echo "$R/$(basename "$f")" && return 0
     fi
   done
@@ -211,7 +219,7 @@ speed_kinds() {
   for kind in decode prefill verify; do
     local plot=(); plot_flag $kind && plot=(--plot)
     local d=$DEPTHS; [ $kind = decode ] || d=${DEPTHS%%,*}  # prefill and verify at the first depth
-    run_stage "$label-$kind" $KIND_BOX 40 $PY -m muser bench $kind --model "$model" --device $DEV --depths "$d" \
+    run_stage "$label-$kind" $KIND_BOX 40 $PY -m muser bench $kind --model "$model" --device $DEV --lane $LANE --depths "$d" \
         --reps $REPS --warmup 1 $SPEED_TOKENS --gate-receipt "$gate" --out-dir "$R" "${against[@]}" "${plot[@]}"
   done
 }
@@ -231,8 +239,9 @@ speed_plot() {  # LABEL: tok/s vs depth of this stage's decode and prefill recei
 
 plot_flag() { $PY -m muser bench "$1" --help 2>/dev/null | grep -q -- "--plot"; }  # KIND writes its PNG
 
-gate_receipt() {  # MIX -> path of this call's passing-or-not wide Gate 2 receipt for MIX
-  grep -l "\"dtype\": \"$1\"" "$R"/*-engine-gate2-wide-$DEV.json 2>/dev/null | head -1
+gate_receipt() {  # MIX -> path of this call's passing-or-not wide Gate 2 receipt for MIX, this lane
+  grep -l "^  \"lane\": \"$LANE\"" $(grep -l "\"dtype\": \"$1\"" "$R"/*-engine-gate2-wide-$DEV.json 2>/dev/null) \
+    2>/dev/null | head -1
 }
 
 for st in "${STAGES[@]}"; do
@@ -241,8 +250,8 @@ for st in "${STAGES[@]}"; do
     kernels)
       if [ -f tools/device_kernels.py ]; then
         mkdir -p "$R/kernels"
-        if [ $DRY = 1 ]; then run_stage kernels 150 20 $PY tools/device_kernels.py --out "$R/kernels" --device cpu --smoke --budget 130
-        else run_stage kernels 200 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 180; fi
+        if [ $DRY = 1 ]; then run_stage kernels 150 20 $PY tools/device_kernels.py --out "$R/kernels" --device cpu --smoke --budget 130 --lane $LANE
+        else run_stage kernels 200 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 180 --lane $LANE; fi
       else record kernels - 0 "tools/device_kernels.py is absent"; fi ;;
     gate) ;;  # in the background from t = 0 (wide_gate_bg)
     spec)

@@ -56,17 +56,20 @@ def test_an_abbreviated_sha_is_refused_before_any_work(tmp_path):
 
 def test_reuse_gates_takes_an_earlier_calls_gate_of_this_tree_only(tmp_path):
     """--reuse-gates: a wide Gate 2 receipt an earlier call left on the machine gates this call when it
-    names this tree's SHA and the mix (it comes back in this call's receipts); another tree's is not used."""
+    names this tree's SHA, the mix and the lane (it comes back in this call's receipts); another tree's,
+    or another lane's, is not used."""
+    import json
+
     sha, other = "a" * 40, "b" * 40
     prev = tmp_path / "work" / "out" / "receipts"
     prev.mkdir(parents=True)
-    (prev / "20260101T000000Z-engine-gate2-wide-cpu.json").write_text(
-        '{"kind": "engine-gate2-wide-cpu", "git_sha": "%s", "model": {"dtype": "q4_k_xl"}}' % sha)
-    for tree, reused in ((sha, True), (other, False)):
+    (prev / "20260101T000000Z-engine-gate2-wide-cpu.json").write_text(json.dumps(
+        {"kind": "engine-gate2-wide-cpu", "git_sha": sha, "model": {"dtype": "q4_k_xl"}, "lane": "exact"}, indent=2))
+    for tree, lane, reused in ((sha, "exact", True), (other, "exact", False), (sha, "fast", False)):
         env = dict(os.environ, OUT=str(tmp_path / "out"), PY=sys.executable, MUSER_DEVICE_WORK=str(tmp_path / "work"),
                    MUSER_GIT_SHA=tree)
-        p = subprocess.run(["bash", str(SCRIPT), "--cpu-dry", "--deadline", "70", "--reuse-gates", "gate"], cwd=REPO,
-                           env=env, capture_output=True, text=True, timeout=120)
+        p = subprocess.run(["bash", str(SCRIPT), "--cpu-dry", "--deadline", "70", "--reuse-gates", "--lane", lane,
+                            "gate"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stdout + p.stderr
         rows = [r.split("\t") for r in (tmp_path / "out" / "stages.tsv").read_text().splitlines()]
         gate = [r for r in rows if r[0] == "gate-q4_k_xl"]
