@@ -183,3 +183,39 @@ def test_triton_refuses_f16_operands_over_f32_planes(kernels):
     with pytest.raises(AssertionError, match="f16 operands"):
         att.attend_triton(q, kn.float(), vn.float(), kp, vp, False, torch.tensor([0, 0, 20, 64]),
                           torch.tensor([20]), 0, SCALE, sc, f16_operands=True)
+
+
+def _recorder(seen: list, real):
+    def rec(*a, **kw):
+        seen.append(kw.get("f16_operands", False))
+        return real(*a, **kw)
+
+    return rec
+
+
+@pytest.mark.parametrize("lane, kv, want", [("fast", "f16", True), ("fast", "f32", False), ("exact", "f16", False)])
+def test_sessions_pass_f16_operands_for_the_fast_lane_over_f16_kv(tiny_gguf, monkeypatch, lane, kv, want):
+    """The eager session's attention (the C kernel here) takes f16 operands exactly when the
+    lane is fast and the KV cache f16; prefill and decode alike."""
+    from muser.engine import Engine
+
+    seen: list = []
+    monkeypatch.setattr(C, "attend", _recorder(seen, C.attend))
+    s = Engine.open(tiny_gguf, device="cpu", lane=lane, kv=kv).session(max_context=32)
+    s.prefill([5, 6, 7])
+    s.decode(1)
+    assert seen and set(seen) == {want}
+
+
+@pytest.mark.parametrize("lane, want", [("fast", True), ("exact", False)])
+def test_graph_step_passes_f16_operands(tiny_gguf, kernels, monkeypatch, lane, want):
+    """The graph step's attention (Triton, run uncaptured on the CPU) gets the same flag."""
+    from muser.engine import Engine, graphs
+
+    eng = Engine.open(tiny_gguf, device="cpu", lane=lane, kv="f16")
+    s = eng.session(max_context=32)
+    s.prefill([5, 6, 7])
+    seen: list = []
+    monkeypatch.setattr(graphs, "attend_triton", _recorder(seen, graphs.attend_triton))
+    eng.graph(((1, "all", 32),), ()).run([s], [np.array([9])])
+    assert seen and set(seen) == {want}
