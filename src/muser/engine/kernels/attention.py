@@ -27,9 +27,9 @@ over the keys (statistics, then probabilities x V), each split at the same fixed
   the keys it saw, so pieces merge exactly (book 16.2); plane metadata is read from device
   tensors, so one captured CUDA graph serves every position (book 10.3, CUDA graphs).
 
-Row invariance (DESIGN.md "Exactness contract", Gate 3): in the exact lane a row's output at
-position p is bitwise the same whether it is decoded alone, verified as row j of a block,
-prefilled in any chunking or stepped beside other sequences' rows. So every reduction order of
+Row invariance (DESIGN.md "Exactness contract", Gate 3): with or without f16 operands, a row's
+output at position p is bitwise the same whether it is decoded alone, verified as row j of a
+block, prefilled in any chunking or stepped beside other sequences' rows. So every reduction order of
 `attend_triton` is fixed by absolute logical positions, never by T, the plane's length or its
 capacity:
 
@@ -45,6 +45,8 @@ capacity:
   then accumulates l and o weighted by exp(m - max) per lane of REDUCE_CHUNK splits aligned at
   absolute split indices, chunks in ascending order, and sums the lanes in one fixed-size tree.
   Only splits holding a key the row sees take part; masked keys and lanes weigh exactly 0.
+  With f16 operands the first pass's reduce stores the row's (max, 1 / sum) instead, the second
+  pass recomputes the same scores, and its reduce sums the splits' P·V in the same lane order.
 
 The grid is sized from bounds (the plane's capacity, or its length where the host knows it) and
 programs whose split holds nothing the row sees exit at once, so the launch shape never reaches
