@@ -151,8 +151,9 @@ def drive(rec: Recorder) -> None:
                 pos = torch.tensor([100], dtype=torch.int64)
                 rows = min(T, 16)
                 sc = att.AttnScratch(rows, H, D, att.split_count(rows, cap, win), "cpu")
-                att.attend_triton(q, kn, kn, kp, kp, hm, meta, pos, win, 0.0883883, sc,
-                                  plane_len=100 if T > 16 else None)
+                for f16ops in (False, True) if dt == torch.float16 else (False,):  # the fast lane's f16 dots
+                    att.attend_triton(q, kn, kn, kp, kp, hm, meta, pos, win, 0.0883883, sc,
+                                      plane_len=100 if T > 16 else None, f16_operands=f16ops)
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,8 @@ bitwise the same computed (a) alone with everything before it in the plane, (b) 
 block of T = 2..16 rows whose earlier rows are new rows, (c) over planes holding different
 amounts of history, rotations and capacities (as long as the keys the row sees are the same),
 and for any grouping of the rows into launches; across a sliding-window ring wrap, f16 and f32
-planes, token-major and head-major layouts."""
+planes, token-major and head-major layouts. Over f16 planes every check also runs with
+f16_operands (the fast lane's f16 K·Q / V·P on tensor cores, two passes over the keys)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class History:
 
 
 def _attend(att, hist: History, head_major: bool, window: int, p0: int, T: int, cap: int, ol: int,
-            op: int, scratch_rows: int | None = None, plane_len: bool = True):
+            op: int, scratch_rows: int | None = None, plane_len: bool = True, f16ops: bool = False):
     """Rows [p0, p0 + T) over a plane holding [ol, p0); K/V of the rows from the history."""
     ln = p0 - ol
     kp, vp = hist.plane(head_major, cap, ol, ln, op)
@@ -51,7 +52,7 @@ def _attend(att, hist: History, head_major: bool, window: int, p0: int, T: int, 
     sc = att.AttnScratch(rows, H, D, att.split_count(rows, cap, window), "cpu")
     q = hist.q[p0:p0 + T].clone()
     return att.attend_triton(q, hist.k[p0:p0 + T].clone(), hist.v[p0:p0 + T].clone(), kp, vp, head_major,
-                             meta, pos, window, SCALE, sc, plane_len=ln if plane_len else None)
+                             meta, pos, window, SCALE, sc, plane_len=ln if plane_len else None, f16_operands=f16ops)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -72,6 +73,15 @@ SETUPS = [
 ]
 
 
+def _with_f16ops(setups):
+    """Each setup with f16_operands off, and on where the plane is f16 (the flag's only use)."""
+    return [(s, f) for s in setups for f in (False, True) if not f or s[2] == torch.float16]
+
+
+def _sid(s, f16ops: bool) -> str:
+    return f"W{s[0]}-{'hm' if s[1] else 'tm'}-{str(s[2])[6:]}-p{s[3]}" + ("-f16ops" if f16ops else "")
+
+
 @pytest.fixture
 def small_splits(kernels, monkeypatch):
     """Splits of 16 / 32 positions and reduce chunks of 2 splits, so tiny positions cross many
@@ -83,42 +93,47 @@ def small_splits(kernels, monkeypatch):
     return att
 
 
-@pytest.mark.parametrize("setup", SETUPS, ids=lambda s: f"W{s[0]}-{'hm' if s[1] else 'tm'}-{str(s[2])[6:]}-p{s[3]}")
-def test_row_alone_equals_row_of_block(small_splits, setup):
+@pytest.mark.parametrize("setup, f16ops", _with_f16ops(SETUPS), ids=[_sid(*x) for x in _with_f16ops(SETUPS)])
+def test_row_alone_equals_row_of_block(small_splits, setup, f16ops):
     """(a) vs (b): rows decoded alone vs the same rows inside blocks of T = 16, 5 and 2 (first,
     middle and last row of a block; the plane holds what precedes each call)."""
     att = small_splits
     window, hm, dt, p, cap = setup
     hist = History(p + 16, dt, seed=p)
     ol_at = (lambda p0: _ring_ol(p0, cap)) if window else (lambda p0: 0)
-    alone = {x: _attend(att, hist, hm, window, x, 1, cap, ol_at(x), (7 * x) % cap)[0]
+    alone = {x: _attend(att, hist, hm, window, x, 1, cap, ol_at(x), (7 * x) % cap, f16ops=f16ops)[0]
              for x in (p - 15, p - 7, p - 3, p)}
     for x, a in alone.items():
         assert torch.isfinite(a).all(), x
     for T, p0 in ((16, p - 15), (5, p - 4), (2, p - 1)):
-        blk = _attend(att, hist, hm, window, p0, T, cap, ol_at(p0), (3 * T) % cap)
+        blk = _attend(att, hist, hm, window, p0, T, cap, ol_at(p0), (3 * T) % cap, f16ops=f16ops)
         for x, a in alone.items():
             if p0 <= x < p0 + T:
                 assert torch.equal(_bits(blk[x - p0]), _bits(a)), f"T={T} row {x - p0} (position {x})"
 
 
-@pytest.mark.parametrize("setup", SETUPS[:2] + SETUPS[3:4], ids=lambda s: f"W{s[0]}-{str(s[2])[6:]}")
-def test_row_invariant_to_history_rotation_and_capacity(small_splits, setup):
+_HIST = _with_f16ops(SETUPS[:2] + SETUPS[3:4])
+
+
+@pytest.mark.parametrize("setup, f16ops", _HIST, ids=[_sid(*x) for x in _HIST])
+def test_row_invariant_to_history_rotation_and_capacity(small_splits, setup, f16ops):
     """(c): the same visible keys held by planes of other capacities, rotations and amounts of
     history beyond the window, and the grid sized from the capacity (graph calls) or the length."""
     att = small_splits
     window, hm, dt, p, cap = setup
     hist = History(p + 16, dt, seed=p + 1)
-    want = _attend(att, hist, hm, window, p, 1, cap, _ring_ol(p, cap) if window else 0, 0)
+    want = _attend(att, hist, hm, window, p, 1, cap, _ring_ol(p, cap) if window else 0, 0, f16ops=f16ops)
     variants = [(cap, 5, True), (cap, cap - 1, False), (cap + 37, 11, True), (2 * cap + 3, 0, False)]
     for c, op, plane_len in variants:
         ol = max(0, p - c) if window else 0  # a bigger ring holds more history than the window
-        got = _attend(att, hist, hm, window, p, 1, c, ol, op % c, plane_len=plane_len)
+        got = _attend(att, hist, hm, window, p, 1, c, ol, op % c, plane_len=plane_len, f16ops=f16ops)
         assert torch.equal(_bits(got), _bits(want)), f"cap={c} op={op} plane_len={plane_len}"
 
 
-@pytest.mark.parametrize("setup, rows", [(SETUPS[0], 1), (SETUPS[4], 3)], ids=["sliding", "full"])
-def test_block_rows_invariant_to_launch_grouping(small_splits, setup, rows):
+@pytest.mark.parametrize("setup, rows, f16ops", [(SETUPS[0], 1, False), (SETUPS[4], 3, False),
+                                                 (SETUPS[0], 1, True), (SETUPS[3], 3, True)],
+                         ids=["sliding", "full", "sliding-f16ops", "full-f16ops"])
+def test_block_rows_invariant_to_launch_grouping(small_splits, setup, rows, f16ops):
     """An 8-row block through a scratch of 8 rows (one launch) and of 1 or 3 rows (launches of
     1 row each, or of 3, 3 and 2, as prefill chunks run): every row bitwise equal. One row of a
     sliding layer needs fewer splits than the block together: the 1-row scratch holds only that."""
@@ -127,18 +142,19 @@ def test_block_rows_invariant_to_launch_grouping(small_splits, setup, rows):
     hist = History(p + 16, dt, seed=p + 2)
     p0 = p - 7
     ol = _ring_ol(p0, cap) if window else 0
-    one = _attend(att, hist, hm, window, p0, 8, cap, ol, 1)
-    got = _attend(att, hist, hm, window, p0, 8, cap, ol, 1, scratch_rows=rows)
+    one = _attend(att, hist, hm, window, p0, 8, cap, ol, 1, f16ops=f16ops)
+    got = _attend(att, hist, hm, window, p0, 8, cap, ol, 1, scratch_rows=rows, f16ops=f16ops)
     assert torch.equal(_bits(got), _bits(one))
 
 
-@pytest.mark.parametrize("setup", SETUPS, ids=lambda s: f"W{s[0]}-{'hm' if s[1] else 'tm'}-{str(s[2])[6:]}")
-def test_launch_config_does_not_depend_on_rows(kernels, monkeypatch, setup):
+@pytest.mark.parametrize("setup, f16ops", _with_f16ops(SETUPS), ids=[_sid(*x) for x in _with_f16ops(SETUPS)])
+def test_launch_config_does_not_depend_on_rows(kernels, monkeypatch, setup, f16ops):
     """What fixes a program's reduction order (constexprs and launch options, the integer
     specializations of every argument Triton specializes: == 1, % 16) is the same for a launch of
     1, 2, 7, 13 or 16 rows; only the grid and the unspecialized r0 / NSP / window change. The
     kernels are replaced by recorders (nothing runs), so the check costs nothing under the
-    interpreter and reads the very values the compiled launch would get."""
+    interpreter and reads the very values the compiled launch would get. With f16 operands each
+    kernel runs once per pass: one configuration per (kernel, pass)."""
     _, att = kernels
     window, hm, dt, p, cap = setup
     seen: dict[str, dict[int, set]] = {}
@@ -155,7 +171,7 @@ def test_launch_config_does_not_depend_on_rows(kernels, monkeypatch, setup):
                 ints = tuple((n, a == 1, a % 16 == 0) for n, a in zip(real.arg_names, args)
                              if isinstance(a, int) and not isinstance(a, bool) and n not in skip)
                 key = (ints, tuple(sorted(kwargs.items())))
-                seen.setdefault(real.fn.__name__, {}).setdefault(T, set()).add(key)
+                seen.setdefault((real.fn.__name__, kwargs["PASS"]), {}).setdefault(T, set()).add(key)
 
             return launch
 
@@ -166,8 +182,10 @@ def test_launch_config_does_not_depend_on_rows(kernels, monkeypatch, setup):
         monkeypatch.setattr(att, "_attn_reduce", Recorder(reduce_, T))
         p0 = p - T + 1
         for plane_len in (True, False):
-            _attend(att, hist, hm, window, p0, T, cap, _ring_ol(p0, cap) if window else 0, 5, plane_len=plane_len)
-    assert set(seen) == {"_attn_partial", "_attn_reduce"}
+            _attend(att, hist, hm, window, p0, T, cap, _ring_ol(p0, cap) if window else 0, 5, plane_len=plane_len,
+                    f16ops=f16ops)
+    passes = (1, 2) if f16ops else (0,)
+    assert set(seen) == {(n, ps) for n in ("_attn_partial", "_attn_reduce") for ps in passes}
     for name, by_rows in seen.items():
         assert all(len(v) == 1 for v in by_rows.values()), (name, by_rows)
         assert len(set.union(*by_rows.values())) == 1, (name, by_rows)

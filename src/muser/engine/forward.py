@@ -12,7 +12,7 @@ src/models/muse-glimmer.cpp):
 
 One forward serves prefill chunks, decode and verify; the KV side (attend over the plane, then
 store the chunk's rows) is a strategy object, so the same code runs eagerly and inside a CUDA
-graph. Lanes (engine/lanes.py) decide only how projections are computed.
+graph. Lanes (engine/lanes.py) decide how projections are computed (and f16_attention, below).
 """
 
 from __future__ import annotations
@@ -241,6 +241,7 @@ class Forward:
         self.cfg = cfg
         self.w = weights
         self.lane = lane
+        self.f16_attention = lane is Lane.FAST  # over f16 K/V: ggml-cpu's f16 q and p (kernels/attention.py)
         self.device = device
         self.linear = Linear(lane, device)
         # The fused element-wise tails in place of the torch op chains: Triton on CUDA

@@ -54,7 +54,7 @@ class _GraphKv:
             T = b - a
             outs.append(attend_triton(q[a:b], kq, vq, plane.keys, plane.values, geo.head_major, g.meta[i][il],
                                       g.pos0[i], geo.window if geo.sliding else 0, s.cfg.attn_scale,
-                                      g.scratch[i]))
+                                      g.scratch[i], f16_operands=s.fwd.f16_attention and s.kv_torch == torch.float16))
             TorchBackend.write_rows_at(plane.keys, g.widx[i][il], kq.reshape(T, geo.kv_dim), geo.head_major,
                                        geo.n_kv_heads, geo.head_dim)
             TorchBackend.write_rows_at(plane.values, g.widx[i][il], vq.reshape(T, geo.kv_dim), geo.head_major,

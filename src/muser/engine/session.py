@@ -44,6 +44,7 @@ class _EagerKv:
 
     def __init__(self, sess: "Session", p0: int, T: int):
         self.s, self.p0, self.T = sess, p0, T
+        self.f16ops = sess.fwd.f16_attention and sess.kv_torch == torch.float16
         self.cuda = sess.device.type == "cuda"
         if self.cuda:
             meta = np.array([[p.origin_logical, p.origin_physical, p.len, p.capacity]
@@ -61,17 +62,18 @@ class _EagerKv:
         window = g.window if g.sliding else 0
         if self.cuda:
             out = attend_triton(q, kq, vq, plane.keys, plane.values, g.head_major, self.meta[il],
-                                self.pos, window, cfg.attn_scale, self.scratch, plane_len=plane.len)
+                                self.pos, window, cfg.attn_scale, self.scratch, plane_len=plane.len,
+                                f16_operands=self.f16ops)
         elif s.device.type == "cpu":  # the C kernel: fixed order per row, any T (row-invariant)
             from .kernels import cpu_native
 
             out = cpu_native.attend(q, kq, vq, plane.keys, plane.values, g.head_major, plane.origin_logical,
                                     plane.origin_physical, plane.len, plane.capacity, self.p0, window,
-                                    cfg.attn_scale)
+                                    cfg.attn_scale, f16_operands=self.f16ops)
         else:
             out = attend_ref(q, kq, vq, plane.keys, plane.values, g.head_major, plane.origin_logical,
                              plane.origin_physical, plane.len, plane.capacity, self.p0, window,
-                             cfg.attn_scale)
+                             cfg.attn_scale, f16_operands=self.f16ops)
         s.cache.append_batch(il, self.p0, kq.view(self.T, g.kv_dim), vq.view(self.T, g.kv_dim))
         return out
 

@@ -11,6 +11,15 @@ reads the current token back from its f16 cache. The plane's rows end where the 
 
 Math (f32): s = (q . k) * scale, masked softmax over all visible rows, weighted sum of V.
 
+f16 operands (`f16_operands=True`: the fast lane over f16 K/V; f32 planes refuse it): the pinned
+llama.cpp CPU graph's non-flash path (llama-graph.cpp build_attn_mha) runs K·Q and V·P as
+mul_mats against f16 src0, whose vec_dot_type F16 converts src1 to f16 (RNE): q is rounded to
+f16 before the scores, and the probabilities after ggml's normalisation (ops.cpp soft_max:
+p = e * (1/sum)) before V·P (oracle numerics.Arithmetic.attn_query / attn_probs). Every product
+is then exact in f32, so the Triton kernel takes both dots on tensor cores (f16 tl.dot, f32
+accumulation); the normalised p needs the row's global max and sum first, so it runs two passes
+over the keys (statistics, then probabilities x V), each split at the same fixed positions.
+
 * `attend_ref`  - torch; plane metadata as host ints; the reference of the Triton kernel and of
   the CPU lane's C kernel (kernels/cpu_native.attend, same arguments), and the path of devices
   with neither.
@@ -18,9 +27,9 @@ Math (f32): s = (q . k) * scale, masked softmax over all visible rows, weighted 
   the keys it saw, so pieces merge exactly (book 16.2); plane metadata is read from device
   tensors, so one captured CUDA graph serves every position (book 10.3, CUDA graphs).
 
-Row invariance (DESIGN.md "Exactness contract", Gate 3): in the exact lane a row's output at
-position p is bitwise the same whether it is decoded alone, verified as row j of a block,
-prefilled in any chunking or stepped beside other sequences' rows. So every reduction order of
+Row invariance (DESIGN.md "Exactness contract", Gate 3): with or without f16 operands, a row's
+output at position p is bitwise the same whether it is decoded alone, verified as row j of a
+block, prefilled in any chunking or stepped beside other sequences' rows. So every reduction order of
 `attend_triton` is fixed by absolute logical positions, never by T, the plane's length or its
 capacity:
 
@@ -36,6 +45,8 @@ capacity:
   then accumulates l and o weighted by exp(m - max) per lane of REDUCE_CHUNK splits aligned at
   absolute split indices, chunks in ascending order, and sums the lanes in one fixed-size tree.
   Only splits holding a key the row sees take part; masked keys and lanes weigh exactly 0.
+  With f16 operands the first pass's reduce stores the row's (max, 1 / sum) instead, the second
+  pass recomputes the same scores, and its reduce sums the splits' P·V in the same lane order.
 
 The grid is sized from bounds (the plane's capacity, or its length where the host knows it) and
 programs whose split holds nothing the row sees exit at once, so the launch shape never reaches
@@ -74,11 +85,14 @@ def _old_rows(plane: torch.Tensor, physical: torch.Tensor, head_major: bool, n_k
 def attend_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                k_plane: torch.Tensor, v_plane: torch.Tensor, head_major: bool,
                origin_logical: int, origin_physical: int, length: int, capacity: int,
-               p0: int, window: int, scale: float, q_chunk: int = 128) -> torch.Tensor:
+               p0: int, window: int, scale: float, q_chunk: int = 128,
+               f16_operands: bool = False) -> torch.Tensor:
     """q [T, H, D] f32; k_new, v_new [T, n_kv, D] (plane dtype); -> [T, H, D] f32.
 
-    window = 0 means full attention (NoPE layer)."""
+    window = 0 means full attention (NoPE layer). f16_operands: q and the normalised p rounded
+    to f16 before their dots (f16 planes only; see the module docstring)."""
     T, H, D = q.shape
+    assert not f16_operands or k_plane.dtype == torch.float16, f"f16 operands over a {k_plane.dtype} plane"
     n_kv = k_new.shape[1]
     hpk = H // n_kv
     dev = q.device
@@ -107,12 +121,17 @@ def attend_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         if window:
             vis &= (qpos[:, None] - kpos[None, :]) < window  # SWA: p1 - p0 < W
         qg = q[t0:t1].reshape(t1 - t0, n_kv, hpk, D).permute(1, 0, 2, 3).reshape(n_kv, -1, D)
+        if f16_operands:
+            qg = qg.to(torch.float16).to(torch.float32)  # Q enters K·Q as f16
         s = torch.bmm(qg, kg).view(n_kv, t1 - t0, hpk, -1) * scale  # [n_kv, t, hpk, S]
         if T > 1:  # one row sees every gathered row (the gather starts at its window)
             s = s.masked_fill(~vis[None, :, None, :], float("-inf"))
         m = s.amax(-1, keepdim=True)
         p = torch.exp(s - m)
-        p = p / p.sum(-1, keepdim=True)
+        if f16_operands:  # ggml soft_max's p = e * (1/sum), then P enters V·P as f16
+            p = (p * (1.0 / p.sum(-1, keepdim=True))).to(torch.float16).to(torch.float32)
+        else:
+            p = p / p.sum(-1, keepdim=True)
         o = torch.bmm(p.view(n_kv, -1, p.shape[-1]), vg)  # [n_kv, t*hpk, D]
         out[t0:t1] = o.view(n_kv, t1 - t0, hpk, D).permute(1, 0, 2, 3).reshape(t1 - t0, H, D)
     return out
@@ -157,11 +176,14 @@ def split_count(rows: int, capacity: int, window: int) -> int:
 if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["r0", "NSP", "window"])
-    def _attn_partial(q, kn, vn, kp, vp, meta, pos, m_out, l_out, o_out,
+    def _attn_partial(q, kn, vn, kp, vp, meta, pos, m_out, l_out, o_out, st_m, st_inv,
                       r0, H, NSP, window, scale,
                       s_qt, s_qh, s_nt, s_nh, s_slot, s_head,
                       HPK: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                      S: tl.constexpr):
+                      S: tl.constexpr, PASS: tl.constexpr):
+        # PASS 0: f32 operands, online softmax -> (m, l, acc) per split.
+        # f16 operands, PASS 1: (m, l) per split from f16 K·Q; PASS 2: p = f16(exp(s - m_row) *
+        # inv_row) with the row's reduced statistics (st_m, st_inv), acc = P·V per split.
         r = tl.program_id(0)  # row of this launch (row r0 + r of the call)
         g = tl.program_id(1)  # KV head
         k = tl.program_id(2)  # split, counted from the launch's first
@@ -184,6 +206,12 @@ if HAVE_TRITON:
             head = g * HPK + hh
             qv = tl.load(q + (r0 + r) * s_qt + head[:, None] * s_qh + dd[None, :], mask=hmask[:, None],
                          other=0.0)
+            if PASS > 0:
+                qv = qv.to(tl.float16)  # Q enters K·Q as f16 (RNE); padded heads are 0
+            if PASS == 2:
+                st = r * H + head
+                m_row = tl.load(st_m + st, mask=hmask, other=0.0)
+                inv = tl.load(st_inv + st, mask=hmask, other=0.0)
             m_i = tl.full([HP], float("-inf"), tl.float32)
             l_i = tl.zeros([HP], tl.float32)
             acc = tl.zeros([HP, D], tl.float32)
@@ -199,28 +227,48 @@ if HAVE_TRITON:
                 j = tl.where(new, kpos - p0, 0)
                 po = slot[:, None] * s_slot + g * s_head + dd[None, :]
                 pn = j[:, None] * s_nt + g * s_nh + dd[None, :]
-                kt = tl.load(tl.where(old[:, None], kp + po, kn + pn), mask=valid[:, None],
-                             other=0.0).to(tl.float32)  # [BS, D]
-                vt = tl.load(tl.where(old[:, None], vp + po, vn + pn), mask=valid[:, None],
-                             other=0.0).to(tl.float32)
-                # the block into the running softmax (book 16.2); masked keys weigh exactly 0
-                sc = tl.dot(qv, tl.trans(kt), input_precision="ieee") * scale  # [HP, BS]
-                sc = tl.where(valid[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet
-                alpha = tl.exp(m_i - m_safe)
-                p = tl.exp(sc - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
-                m_i = m_new
+                if PASS == 0:
+                    kt = tl.load(tl.where(old[:, None], kp + po, kn + pn), mask=valid[:, None],
+                                 other=0.0).to(tl.float32)  # [BS, D]
+                    vt = tl.load(tl.where(old[:, None], vp + po, vn + pn), mask=valid[:, None],
+                                 other=0.0).to(tl.float32)
+                    # the block into the running softmax (book 16.2); masked keys weigh exactly 0
+                    sc = tl.dot(qv, tl.trans(kt), input_precision="ieee") * scale  # [HP, BS]
+                    sc = tl.where(valid[None, :], sc, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(sc, 1))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet
+                    alpha = tl.exp(m_i - m_safe)
+                    p = tl.exp(sc - m_safe[:, None])
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+                    m_i = m_new
+                else:
+                    # f16 K (the plane's own values), exact f16 x f16 products, f32 accumulation
+                    kt = tl.load(tl.where(old[:, None], kp + po, kn + pn), mask=valid[:, None], other=0.0)
+                    sc = tl.dot(qv, tl.trans(kt), out_dtype=tl.float32) * scale  # [HP, BS]
+                    sc = tl.where(valid[None, :], sc, float("-inf"))
+                    if PASS == 1:
+                        m_new = tl.maximum(m_i, tl.max(sc, 1))
+                        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(sc - m_safe[:, None]), 1)
+                        m_i = m_new
+                    else:
+                        # ggml soft_max's p = e * (1/sum), rounded to f16 for V·P; masked keys 0
+                        pt16 = (tl.exp(sc - m_row[:, None]) * inv[:, None]).to(tl.float16)
+                        vt = tl.load(tl.where(old[:, None], vp + po, vn + pn), mask=valid[:, None], other=0.0)
+                        acc += tl.dot(pt16, vt, out_dtype=tl.float32)  # [HP, D]
             row = (r * H + head) * NSP + k  # [HP]
-            tl.store(m_out + row, m_i, mask=hmask)
-            tl.store(l_out + row, l_i, mask=hmask)
-            tl.store(o_out + row[:, None] * D + dd[None, :], acc, mask=hmask[:, None])
+            if PASS < 2:
+                tl.store(m_out + row, m_i, mask=hmask)
+                tl.store(l_out + row, l_i, mask=hmask)
+            if PASS != 1:
+                tl.store(o_out + row[:, None] * D + dd[None, :], acc, mask=hmask[:, None])
 
     @triton.jit(do_not_specialize=["r0", "NSP", "window"])
-    def _attn_reduce(m_in, l_in, o_in, out, meta, pos, r0, H, NSP, window, s_ot, s_oh,
-                     D: tl.constexpr, S: tl.constexpr, SC: tl.constexpr):
+    def _attn_reduce(m_in, l_in, o_in, out, st_m, st_inv, meta, pos, r0, H, NSP, window, s_ot, s_oh,
+                     D: tl.constexpr, S: tl.constexpr, SC: tl.constexpr, PASS: tl.constexpr):
+        # PASS 0: out = sum_s o_s w_s / sum_s l_s w_s, w_s = exp(m_s - max). f16 operands:
+        # PASS 1 stores the row's (max, 1 / sum_s l_s w_s); PASS 2: out = sum_s o_s (p normalised).
         r = tl.program_id(0)
         h = tl.program_id(1)
         ol = tl.load(meta + 0).to(tl.int32)
@@ -246,10 +294,21 @@ if HAVE_TRITON:
         for i2 in range(0, n_chunks):
             s = (c0 + i2) * SC + cc
             ok = (s >= s_lo) & (s <= s_hi)
-            w = tl.where(ok, tl.exp(tl.load(m_in + base + s, mask=ok, other=float("-inf")) - m_row), 0.0)
-            den += tl.load(l_in + base + s, mask=ok, other=0.0) * w
-            num += tl.load(o_in + (base + s)[:, None] * D + dd[None, :], mask=ok[:, None], other=0.0) * w[:, None]
-        tl.store(out + (r0 + r) * s_ot + h * s_oh + dd, tl.sum(num, 0) / tl.sum(den, 0))
+            if PASS == 2:
+                num += tl.load(o_in + (base + s)[:, None] * D + dd[None, :], mask=ok[:, None], other=0.0)
+            else:
+                w = tl.where(ok, tl.exp(tl.load(m_in + base + s, mask=ok, other=float("-inf")) - m_row), 0.0)
+                den += tl.load(l_in + base + s, mask=ok, other=0.0) * w
+                if PASS == 0:
+                    num += tl.load(o_in + (base + s)[:, None] * D + dd[None, :], mask=ok[:, None],
+                                   other=0.0) * w[:, None]
+        if PASS == 0:
+            tl.store(out + (r0 + r) * s_ot + h * s_oh + dd, tl.sum(num, 0) / tl.sum(den, 0))
+        elif PASS == 1:
+            tl.store(st_m + r * H + h, m_row)
+            tl.store(st_inv + r * H + h, 1.0 / tl.sum(den, 0))
+        else:
+            tl.store(out + (r0 + r) * s_ot + h * s_oh + dd, tl.sum(num, 0))
 
 
 class AttnScratch:
@@ -263,19 +322,22 @@ class AttnScratch:
         self.m = torch.empty(n, dtype=torch.float32, device=device)
         self.l = torch.empty(n, dtype=torch.float32, device=device)
         self.o = torch.empty(n * D, dtype=torch.float32, device=device)
+        self.st_m = torch.empty(rows * H, dtype=torch.float32, device=device)  # f16 operands: row max
+        self.st_inv = torch.empty(rows * H, dtype=torch.float32, device=device)  # and 1 / row sum
 
 
 def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                   k_plane: torch.Tensor, v_plane: torch.Tensor, head_major: bool,
                   meta: torch.Tensor, pos: torch.Tensor, window: int, scale: float,
                   scratch: AttnScratch, out: torch.Tensor | None = None,
-                  plane_len: int | None = None) -> torch.Tensor:
+                  plane_len: int | None = None, f16_operands: bool = False) -> torch.Tensor:
     """As attend_ref, with the plane metadata in device memory: meta int64 [4] =
     (origin_logical, origin_physical, len, capacity) before the append; pos int64 [1] = p0.
 
     plane_len: an upper bound on len known on the host (eager calls), which only sizes the grid;
     None sizes it for the plane's capacity (graph-captured calls, any position). Rows go in
-    launches of as many as the scratch holds; neither choice changes a bit of the result."""
+    launches of as many as the scratch holds; neither choice changes a bit of the result.
+    f16_operands: K·Q and V·P on f16 operands (f16 planes only), in two passes (module docstring)."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     T, H, D = q.shape
@@ -285,6 +347,7 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     assert k_new.shape == v_new.shape == (T, n_kv, D) and k_new.stride() == v_new.stride()
     assert k_new.stride(2) == 1
     assert k_new.dtype == k_plane.dtype == v_plane.dtype
+    assert not f16_operands or k_plane.dtype == torch.float16, f"f16 operands over a {k_plane.dtype} plane"
     assert meta.dtype == torch.int64 and meta.numel() >= 4 and pos.dtype == torch.int64
     assert D >= 16 and (D & (D - 1)) == 0, f"head_dim {D} must be a power of two >= 16"
     s_slot, s_head = plane_strides(k_plane, head_major, n_kv, D)
@@ -310,17 +373,20 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     if out is None:
         out = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
     assert out.shape == (T, H, D) and out.dtype == torch.float32 and out.stride(2) == 1
-    hp = max(16, triton.next_power_of_2(hpk))
+    hp = max(16, triton.next_power_of_2(hpk))  # tl.dot's M >= 16: padded heads load q = 0
+    sc = scratch
     for r0 in range(0, T, group):
         r1 = min(T, r0 + group)
         nsp = _splits_over(_span(r0, r1, rows_bound, window), S)
-        _attn_partial[(r1 - r0, n_kv, nsp)](
-            q, k_new, v_new, k_plane, v_plane, meta, pos, scratch.m, scratch.l, scratch.o,
-            r0, H, nsp, window, scale,
-            q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), s_slot, s_head,
-            HPK=hpk, HP=hp, D=D, BS=BLOCK, S=S, num_warps=4)
-        _attn_reduce[(r1 - r0, H)](scratch.m, scratch.l, scratch.o, out, meta, pos, r0, H, nsp, window,
-                                   out.stride(0), out.stride(1), D=D, S=S, SC=REDUCE_CHUNK, num_warps=4)
+        for ps in ((1, 2) if f16_operands else (0,)):
+            _attn_partial[(r1 - r0, n_kv, nsp)](
+                q, k_new, v_new, k_plane, v_plane, meta, pos, sc.m, sc.l, sc.o, sc.st_m, sc.st_inv,
+                r0, H, nsp, window, scale,
+                q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), s_slot, s_head,
+                HPK=hpk, HP=hp, D=D, BS=BLOCK, S=S, PASS=ps, num_warps=4)
+            _attn_reduce[(r1 - r0, H)](sc.m, sc.l, sc.o, out, sc.st_m, sc.st_inv, meta, pos, r0, H, nsp, window,
+                                       out.stride(0), out.stride(1), D=D, S=S, SC=REDUCE_CHUNK, PASS=ps,
+                                       num_warps=4)
     return out
 
 

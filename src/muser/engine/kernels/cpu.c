@@ -622,10 +622,34 @@ typedef struct {
     const void *kp, *vp;
     int64_t s_slot, s_head;
     int f16;
+    int f16_ops; /* q and p rounded to f16 before their dots (ggml-cpu's mul_mat against f16 K/V) */
     int64_t ol, op, len, cap, p0, window;
     float scale;
     float *out;
 } attn_args;
+
+/* f32 -> f16 -> f32, round to nearest even (ggml_cpu_fp32_to_fp16 / vcvtps2ph); NaN kept */
+static inline float f16_round(float x) {
+    union { float f; uint32_t u; } c = {x};
+    const uint32_t sign = c.u & 0x80000000u, a = c.u & 0x7fffffffu;
+    if (a >= 0x7f800000u) return x;
+    if (a >= 0x477ff000u) { /* >= 65520: past f16's largest finite value's rounding range */
+        c.u = sign | 0x7f800000u;
+        return c.f;
+    }
+    if (a < 0x38800000u) { /* below 2^-14: f16 subnormals, multiples of 2^-24 */
+        union { float f; uint32_t u; } m = {0.0f};
+        m.u = a;
+        float t = m.f * 16777216.0f;             /* exact (power of two) */
+        t = (t + 8388608.0f) - 8388608.0f;       /* round half even to an integer, t < 2^10 */
+        m.f = t * (1.0f / 16777216.0f);          /* exact */
+        c.u = sign | m.u;
+        return c.f;
+    }
+    const uint32_t r = (a + 0x0fffu + ((a >> 13) & 1u)) & ~0x1fffu; /* 10 mantissa bits, RNE */
+    c.u = sign | r;
+    return c.f;
+}
 
 static inline const float *kv_row(const void *base, int64_t off, int f16, int64_t D, float *buf) {
     if (!f16) return (const float *)base + off;
@@ -641,8 +665,8 @@ MU_CLONES static void attn_task(void *p, int ith, int nth) {
     split_range(a->T * a->KV, ith, nth, 1, &i0, &i1);
     if (i0 >= i1) return;
     const int64_t S_max = a->len + a->T;
-    float *sc = (float *)malloc(sizeof(float) * (size_t)(hpk * S_max + 2 * D));
-    float *kb = sc + hpk * S_max, *vb = kb + D;
+    float *sc = (float *)malloc(sizeof(float) * (size_t)(hpk * S_max + 2 * D + hpk * D));
+    float *kb = sc + hpk * S_max, *vb = kb + D, *qb = vb + D;
     for (int64_t it = i0; it < i1; it++) {
         const int64_t t = it / a->KV, g = it % a->KV, pt = a->p0 + t;
         int64_t lo = a->ol;
@@ -652,6 +676,10 @@ MU_CLONES static void attn_task(void *p, int ith, int nth) {
         if (a->window && t - a->window + 1 > 0) jlo = t - a->window + 1;
         const int64_t S = n_old + (t - jlo + 1);
         const float *qg = a->q + (t * a->H + g * hpk) * D;
+        if (a->f16_ops) { /* Q enters K·Q as f16 (llama-graph.cpp build_attn_mha, f16 K) */
+            for (int64_t i = 0; i < hpk * D; i++) qb[i] = f16_round(qg[i]);
+            qg = qb;
+        }
         /* scores: one K row read for the hpk heads of this KV head */
         for (int64_t i = 0; i < S; i++) {
             const float *kr;
@@ -672,7 +700,12 @@ MU_CLONES static void attn_task(void *p, int ith, int nth) {
             exp_inplace(s, S);
             float sum = 0.0f;
             for (int64_t i = 0; i < S; i++) sum = sum + s[i];
-            for (int64_t i = 0; i < S; i++) s[i] = s[i] / sum;
+            if (a->f16_ops) { /* ggml soft_max: p = e * (1/sum), then P enters V·P as f16 */
+                const float inv = 1.0f / sum;
+                for (int64_t i = 0; i < S; i++) s[i] = f16_round(s[i] * inv);
+            } else {
+                for (int64_t i = 0; i < S; i++) s[i] = s[i] / sum;
+            }
             float *o = a->out + (t * a->H + g * hpk + hh) * D;
             for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
         }
@@ -700,12 +733,13 @@ MU_CLONES static void attn_task(void *p, int ith, int nth) {
 }
 
 int mu_attend(const float *q, int64_t T, int64_t H, int64_t KV, int64_t D, const void *kn, const void *vn,
-              const void *kp, const void *vp, int64_t s_slot, int64_t s_head, int f16, int64_t ol, int64_t op,
-              int64_t len, int64_t cap, int64_t p0, int64_t window, float scale, float *out) {
-    if (T < 1 || KV < 1 || H % KV || D < 1 || (len > 0 && cap < 1))
+              const void *kp, const void *vp, int64_t s_slot, int64_t s_head, int f16, int f16_ops, int64_t ol,
+              int64_t op, int64_t len, int64_t cap, int64_t p0, int64_t window, float scale, float *out) {
+    if (T < 1 || KV < 1 || H % KV || D < 1 || (len > 0 && cap < 1) || (f16_ops && !f16))
         return -1;
     mu_init();
-    attn_args a = {q, T, H, KV, D, kn, vn, kp, vp, s_slot, s_head, f16, ol, op, len, cap, p0, window, scale, out};
+    attn_args a = {q, T, H, KV, D, kn, vn, kp, vp, s_slot, s_head, f16, f16_ops, ol, op, len, cap, p0, window,
+                   scale, out};
     run_tasks(attn_task, &a);
     return 0;
 }

@@ -51,8 +51,8 @@ def _load() -> ctypes.CDLL:
         "mu_qk_norm_rope": (None, [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P]),
         "mu_gate": (None, [_P, _I, _P, _I, _P, _I, _I, _I, ctypes.c_int]),
         "mu_softcap": (None, [_P, _I, _F, _F, _F]),
-        "mu_attend": (ctypes.c_int, [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, ctypes.c_int, _I, _I, _I, _I,
-                                     _I, _I, _F, _P]),
+        "mu_attend": (ctypes.c_int, [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int,
+                                     _I, _I, _I, _I, _I, _I, _F, _P]),
         "mu_init": (None, []),
         "mu_gemm_baseline": (None, [ctypes.c_int]),
         "mu_nvfp4_scales": (None, [ctypes.c_int, _P]),
@@ -356,9 +356,10 @@ def softcap(l: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_plane: torch.Tensor,
            v_plane: torch.Tensor, head_major: bool, origin_logical: int, origin_physical: int, length: int,
-           capacity: int, p0: int, window: int, scale: float) -> torch.Tensor:
+           capacity: int, p0: int, window: int, scale: float, f16_operands: bool = False) -> torch.Tensor:
     """q [T, H, D] f32; k_new, v_new [T, n_kv, D] in the plane's dtype (f16 | f32); planes
-    token-major [cap, n_kv * D] or head-major [n_kv, cap, D]; window 0 = full attention.
+    token-major [cap, n_kv * D] or head-major [n_kv, cap, D]; window 0 = full attention;
+    f16_operands (f16 planes only): q and the normalised p rounded to f16 (attention.attend_ref).
     -> [T, H, D] f32."""
     from .attention import plane_strides
 
@@ -370,10 +371,12 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_plane: t
     assert dt in (torch.float16, torch.float32) and k_new.dtype == v_new.dtype == v_plane.dtype == dt
     s_slot, s_head = plane_strides(k_plane, head_major, n_kv, D)
     assert plane_strides(v_plane, head_major, n_kv, D) == (s_slot, s_head)
+    if f16_operands and dt != torch.float16:
+        raise LaneError(f"f16 attention operands need an f16 KV plane, not {dt}")
     out = torch.empty((T, H, D), dtype=torch.float32)
     rc = _lib.mu_attend(q.data_ptr(), T, H, n_kv, D, k_new.data_ptr(), v_new.data_ptr(), k_plane.data_ptr(),
-                        v_plane.data_ptr(), s_slot, s_head, int(dt == torch.float16), origin_logical,
-                        origin_physical, length, capacity, p0, window, scale, out.data_ptr())
+                        v_plane.data_ptr(), s_slot, s_head, int(dt == torch.float16), int(f16_operands),
+                        origin_logical, origin_physical, length, capacity, p0, window, scale, out.data_ptr())
     if rc:
         raise LaneError(f"CPU attention refused T={T}, H={H}, n_kv={n_kv}, D={D}")
     return out
