@@ -360,6 +360,18 @@ def main(argv=None) -> int:
             print(f"matvec {fmt} {n_out}x{n_in}: {r['error']}", flush=True)
         rec["speed"].append(r)
         save()
+    if a.lane == "fast" and a.device == "cuda":  # the lane's attention: f16 operands on tensor cores
+        import subprocess
+
+        aj = out_dir / "attn-f16.json"
+        try:
+            p = subprocess.run([sys.executable, str(REPO / "tools" / "device_attn_f16.py"), "--json", str(aj)],
+                               capture_output=True, text=True, timeout=max(30.0, a.budget + 60 - (time.time() - t0)))
+            print(p.stdout[-3000:], p.stderr[-2000:], flush=True)
+            rec["attention_f16_operands"] = json.loads(aj.read_text()) if aj.is_file() else {"rc": p.returncode}
+        except subprocess.TimeoutExpired:
+            rec["skipped"].append("attention f16 operands: budget")
+        save()
     if a.lane == "fast":
         rec["ok"] = all(r.get("ok") for r in rec["invariance"]) and all(
             r.get("row_alone_equals_row_in_16_and_big") and r.get("bitwise_vs_matmul_ggml") for r in rec["speed"])
