@@ -39,3 +39,16 @@ def test_gate2_exact_lane_vs_oracle(make_gguf, dtype, kv, n_gen):
         assert r["max_dlsm"] <= max(1e-4, 2 * (r["noise_floor"] or 0.0))
     else:
         assert r["max_dlsm"] <= 2 * r["noise_floor"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_gate2_fast_lane_vs_oracle_ggml_cpu(make_gguf, dtype, kv):
+    """The fast (integer) lane against the oracle's ggml-cpu arithmetic: same judge and floors."""
+    path = make_gguf(SynthSpec(dtype=dtype))
+    r = gate2(path, Engine.open(path, device="cpu", lane="fast", kv=kv),
+              oracle.load(path, arithmetic="ggml-cpu", kv=kv), kv, n_gen=64, noise="if_needed")
+    assert r["status"] == "pass", r
+    assert r["lane"] == "fast" and r["oracle_arithmetic"] == "ggml-cpu"
+    if kv == "f32":
+        assert r["tokens_identical"], r
