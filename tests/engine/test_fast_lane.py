@@ -52,16 +52,20 @@ def test_projection_is_matmul_ggml_bitwise(fmt, budget, monkeypatch):
     assert (len(lin._cache) == 1) == (budget == "cached")
 
 
-def test_stack_rows_have_their_own_matrix_bits():
-    ws = [_weight(G.Q4_K, n, 256, seed=n)[1] for n in (24, 8, 40)]
+@pytest.mark.parametrize("fmts", [(G.Q4_K,) * 3, (G.Q4_K, G.Q6_K, G.Q4_K, G.Q5_K)], ids=["one", "mixed"])
+def test_stack_rows_have_their_own_matrix_bits(fmts):
+    ws = [_weight(f, 8 * (i + 1), 256, seed=i)[1] for i, f in enumerate(fmts)]
     lin = Linear(Lane.FAST, CPU)
     x = torch.from_numpy(_x(9, 256))
     alone = [lin(w, x) for w in ws]
     st = fast_stack(ws)
-    assert st is not None and st.w.n_out == 72
+    assert st is not None and st.n_out == sum(w.n_out for w in ws)
+    assert len(st.groups) == (1 if len(set(fmts)) == 1 else len(fmts))  # one weight per run of a format
     for a, b in zip(alone, lin.stacked(st, x)):
         assert torch.equal(a, b)
-    assert fast_stack([ws[0], _weight(G.Q6_K, 8, 256)[1]]) is None  # one format per stack
+    assert [torch.equal(a, b) for a, b in zip(alone, [lin(w, x) for w in ws])] == [True] * len(ws)  # row views
+    assert fast_stack([ws[0], _weight(G.Q8_0, 8, 256)[1]]) is None  # Q8_K and Q8_0 activations
+    assert fast_stack([_weight(G.F16, 8, 256)[1], _weight(G.BF16, 8, 256)[1]]) is None
 
 
 @pytest.mark.parametrize("fmt", [G.F32, G.F16, G.BF16], ids=lambda t: t.name)

@@ -152,7 +152,7 @@ class ModelWeights:
 
     def stack_for_fast(self) -> None:
         """The fast lane's stacks (lanes.FastStack, both devices): q|k|v|gate, or q|k|gate with v
-        by itself when its format differs, and ffn gate|up."""
+        by itself when its vec_dot_type differs, and ffn gate|up."""
         from .lanes import fast_stack
 
         for L in self.layers:

@@ -100,32 +100,47 @@ def fast_refusal(formats: dict[str, G], cuda: bool) -> None:
 
 
 class FastStack:
-    """Projections that read one input, as one weight of the fast lane: the members' repacked
-    fields concatenated along rows (each member's fields become row views of it, no second
-    copy). Rows are independent, so every output has the bits of its own matrix's call, and x
-    is converted to the vec_dot_type once per stack. qmatvec_v3.Stack's interface."""
+    """Projections that read one input, as one call of the fast lane: each run of consecutive
+    members of one format becomes one weight, their repacked fields concatenated along rows
+    (each member's fields become row views of it, no second copy), and x is converted to the
+    vec_dot_type once for the whole stack (members of different formats share it, e.g. a Q6_K v
+    between Q4_K q|k and gate: all read Q8_K). Rows are independent, so every output has the
+    bits of its own matrix's call. qmatvec_v3.Stack's interface (bounds, split)."""
 
-    def __init__(self, w: QWeight, bounds: tuple[tuple[int, int], ...]):
-        self.w = w
+    def __init__(self, groups: tuple[tuple[QWeight, int, int], ...], bounds: tuple[tuple[int, int], ...]):
+        self.groups = groups  # (weight, n0, n1): one weight per run of one format, its output columns
         self.bounds = bounds  # [n0, n1) of each member
+        self.n_out = bounds[-1][1]
 
     def split(self, y: torch.Tensor) -> list[torch.Tensor]:
         return [y[:, a:b] for a, b in self.bounds]
 
 
 def fast_stack(ws: list[QWeight]) -> FastStack | None:
-    """One FastStack over weights of one format and row length; None when they differ."""
+    """One FastStack over weights of one row length and one vec_dot_type (float formats: one
+    format); None when they differ."""
     f0 = ws[0]
-    if any(w.fmt != f0.fmt or w.n_in != f0.n_in or w.fields.keys() != f0.fields.keys() for w in ws):
+    kinds = {dot.VEC_DOT_TYPE.get(w.fmt) for w in ws}
+    if any(w.n_in != f0.n_in for w in ws) or len(kinds) != 1 or None in kinds:
         return None
-    fields = {k: torch.cat([w.fields[k] for w in ws], 0).contiguous() for k in f0.fields}
-    n, bounds = 0, []
+    if f0.fmt in FLOAT_FORMATS and any(w.fmt != f0.fmt for w in ws):
+        return None
+    runs: list[list[QWeight]] = []
     for w in ws:
-        bounds.append((n, n + w.n_out))
-        n += w.n_out
-    for w, (a, b) in zip(ws, bounds):
-        w.fields = {k: v[a:b] for k, v in fields.items()}
-    return FastStack(QWeight("+".join(w.name for w in ws), f0.fmt, n, f0.n_in, fields), tuple(bounds))
+        if runs and runs[-1][0].fmt == w.fmt:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    n, bounds, groups = 0, [], []
+    for run in runs:
+        fields = {k: torch.cat([w.fields[k] for w in run], 0).contiguous() for k in run[0].fields}
+        g0 = n
+        for w in run:
+            w.fields = {k: v[n - g0:n - g0 + w.n_out] for k, v in fields.items()}
+            bounds.append((n, n + w.n_out))
+            n += w.n_out
+        groups.append((QWeight("+".join(w.name for w in run), run[0].fmt, n - g0, f0.n_in, fields), g0, n))
+    return FastStack(tuple(groups), tuple(bounds))
 
 
 def round_to_vec_dot(x: torch.Tensor, fmt: G) -> torch.Tensor:
@@ -164,7 +179,7 @@ class Linear:
     def stacked_raw(self, st, x: torch.Tensor) -> torch.Tensor:
         """x [T, n_in] -> [T, sum n_out] for a Stack (one launch / one GEMM)."""
         if isinstance(st, FastStack):
-            return self(st.w, x)
+            return self._fast_stack(st, x)
         if not self.cuda:
             from .kernels import cpu_native
 
@@ -193,6 +208,23 @@ class Linear:
 
             return matmul_w4a4(w, x)
         return self._exact(w, x)
+
+    def _fast_stack(self, st: FastStack, x: torch.Tensor) -> torch.Tensor:
+        """x [T, n_in] -> [T, st.n_out]: each group into its columns; on CUDA x is quantized
+        once for the stack (kernels/qmatmul_i8.quantize_act, then matmul_i8_act per group)."""
+        if len(st.groups) == 1:
+            return self(st.groups[0][0], x)
+        out = torch.empty((x.shape[0], st.n_out), dtype=torch.float32, device=x.device)
+        if self.cuda:
+            from .kernels import qmatmul_i8
+
+            act = qmatmul_i8.quantize_act(x.contiguous(), dot.VEC_DOT_TYPE[st.groups[0][0].fmt])
+            for w, a, b in st.groups:
+                qmatmul_i8.matmul_i8_act(w, act, out=out[:, a:b])
+            return out
+        for w, a, b in st.groups:
+            out[:, a:b] = self(w, x)
+        return out
 
     def _exact(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:
         """The exact lane's projection: f32 activations against the exact decode of `w`."""
