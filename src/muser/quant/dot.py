@@ -51,11 +51,15 @@ INT_FORMATS = (G.Q8_0, G.Q4_0, G.NVFP4, G.Q4_K, G.Q5_K, G.Q6_K)
 
 
 def _int_dots(aq: np.ndarray, wq: np.ndarray) -> np.ndarray:
-    """Per-sub-block integer dot products, exact: aq int8 [T, S, k], wq float32 codes [S, O, k]
-    -> float32 [T, O, S]. Every partial sum is an integer below 2^24 in magnitude (k <= 32,
-    |a| <= 128, |w| <= 127), so float32 BLAS is exact in any order, with or without FMA."""
+    """Per-sub-block integer dot products, exact: aq int8 [T, S, k], wq float32 codes [S, k, O]
+    -> float32 [S, T, O]. Every partial sum is an integer below 2^24 in magnitude (k <= 32,
+    |a| <= 128, |w| <= 127), so float32 BLAS is exact in any order, with or without FMA; one
+    2-D GEMM per sub-block keeps both operands in a layout BLAS takes as is."""
     a = np.ascontiguousarray(aq.transpose(1, 0, 2), dtype=F32)  # [S, T, k]
-    return np.matmul(a, wq.transpose(0, 2, 1)).transpose(1, 2, 0)  # [S, T, O] -> [T, O, S]
+    out = np.empty((wq.shape[0], a.shape[1], wq.shape[2]), dtype=F32)
+    for s in range(wq.shape[0]):
+        np.matmul(a[s], wq[s], out=out[s])
+    return out
 
 
 def _split_raw(w: np.ndarray, t: G, n_in: int) -> dict[str, np.ndarray]:
@@ -87,7 +91,7 @@ def _split_raw(w: np.ndarray, t: G, n_in: int) -> dict[str, np.ndarray]:
 
 def codes_from_fields(t: G, fields: dict[str, np.ndarray], n_in: int) -> dict[str, np.ndarray]:
     """The engine's repacked fields of a weight (numpy views of engine/weights.py QWeight.fields,
-    rows = outputs) -> the integer codes and scales `matmul_codes` reads: "q" float32 [S, O, k]
+    rows = outputs) -> the integer codes and scales `matmul_codes` reads: "q" float32 [S, k, O]
     (sub-block codes, S sub-blocks of k values), "d" (and "dmin") float32 [O, nb], "sc"/"m"."""
     t = G(t)
     if t not in INT_FORMATS:
@@ -129,7 +133,7 @@ def codes_from_fields(t: G, fields: dict[str, np.ndarray], n_in: int) -> dict[st
         q = np.stack([q1, q2, q3, q4], axis=3).astype(np.int16) - 32  # [O, nb, 2, 4, 32]
         q = q.reshape(O, nb * 16, 16)
         wc = {"d": d.reshape(O, nb), "sc": np.asarray(f["sc"]).view(np.int8).reshape(O, nb, 16)}
-    wc["q"] = np.ascontiguousarray(q.transpose(1, 0, 2), dtype=F32)  # [S, O, k], BLAS-ready
+    wc["q"] = np.ascontiguousarray(q.transpose(1, 2, 0), dtype=F32)  # [S, k, O], BLAS-ready
     return wc
 
 
@@ -138,44 +142,51 @@ def codes_nbytes(t: G, n_out: int, n_in: int) -> int:
     return 4 * n_out * n_in + 8 * n_out * (n_in // 16)
 
 
-def _block_sum(terms: np.ndarray) -> np.ndarray:
-    """float64 [T, O, nb] -> [T, O]: acc = +0.0, then acc + term of block 0, 1, ... in order
-    (one fixed order, so a kernel that adds the same terms the same way gets the same bits)."""
-    acc = np.zeros(terms.shape[:2], dtype=F64)
-    for b in range(terms.shape[2]):
-        acc = acc + terms[:, :, b]
+def _block_sum(scale: np.ndarray, isum: np.ndarray) -> np.ndarray:
+    """float32 scales [nb, T, O] x exact integer sums [nb, T, O] -> float64 [T, O]: acc = +0.0,
+    then acc + f64(scale_b) * f64(isum_b) for block b = 0, 1, ... in order (one fixed order, so a
+    kernel that adds the same terms the same way gets the same bits)."""
+    acc = np.zeros(isum.shape[1:], dtype=F64)
+    for b in range(isum.shape[0]):
+        acc = acc + scale[b].astype(F64) * isum[b]
     return acc
 
 
 def _dot_q8_0(wc: dict, a: Q8_0Activation, t: G) -> np.ndarray:
     T, nb = a.d_bits.shape
+    O = wc["d"].shape[0]
     ad = a.d  # [T, nb]
     if t == G.NVFP4:
-        # 64-value weight block b, sub-block s (16 values) meets q8_0 block 2b + s//2.
-        aq = a.qs.reshape(T, nb * 2, 16)
-        isum = _int_dots(aq, wc["q"]).reshape(T, -1, nb // 2, 4)  # [T, O, nb64, 4]
-        ady = ad.reshape(T, nb // 2, 2)[:, :, [0, 0, 1, 1]]  # [T, nb64, 4]
-        s = (wc["d"][None] * ady[:, None]).astype(F32)  # ue4m3(x.d[s]) * fp16(y.d)
-        return _block_sum((s.astype(F64) * isum).reshape(T, isum.shape[1], -1))  # 16-blocks in order
-    isum = _int_dots(a.qs, wc["q"])  # [T, O, nb]
-    s = (wc["d"][None] * ad[:, None]).astype(F32)  # fp16(x.d) * fp16(y.d)
-    return _block_sum(s.astype(F64) * isum)
+        # 16-value sub-block j (of 64-value weight block j // 4) meets q8_0 block j // 2
+        isum = _int_dots(a.qs.reshape(T, nb * 2, 16), wc["q"])  # [nb*2, T, O]
+        ad16 = ad[:, np.arange(nb * 2) // 2].T  # [nb*2, T]
+        wd16 = wc["d"].reshape(O, nb * 2).T  # [nb*2, O]
+        s = (wd16[:, None, :] * ad16[:, :, None]).astype(F32)  # ue4m3(x.d[s]) * fp16(y.d)
+        return _block_sum(s, isum)  # 16-blocks in order
+    isum = _int_dots(a.qs, wc["q"])  # [nb, T, O]
+    s = (wc["d"].T[:, None, :] * ad.T[:, :, None]).astype(F32)  # fp16(x.d) * fp16(y.d)  [nb, T, O]
+    return _block_sum(s, isum)
 
 
 def _dot_q8_K(wc: dict, a: Q8KActivation, t: G) -> np.ndarray:
     T, nb = a.d.shape
     O = wc["d"].shape[0]
-    d = (a.d[:, None, :] * wc["d"][None]).astype(F32)  # y.d * fp16(x.d)   [T, O, nb]
+    d = (a.d.T[:, :, None] * wc["d"].T[:, None, :]).astype(F32)  # y.d * fp16(x.d)   [nb, T, O]
+    sc = wc["sc"].transpose(1, 2, 0).astype(F64)  # [nb, j, O]
     if t == G.Q6_K:
-        isum = _int_dots(a.qs.reshape(T, nb * 16, 16), wc["q"]).reshape(T, O, nb, 16)
-        sumi = (isum * wc["sc"][None].astype(F64)).sum(axis=3)  # exact integers
-        return _block_sum(d.astype(F64) * sumi)
-    isum = _int_dots(a.qs.reshape(T, nb * 8, 32), wc["q"]).reshape(T, O, nb, 8)
-    sumi = (isum * wc["sc"][None].astype(F64)).sum(axis=3)
+        isum = _int_dots(a.qs.reshape(T, nb * 16, 16), wc["q"]).reshape(nb, 16, T, O)
+        sumi = (isum * sc[:, :, None, :]).sum(axis=1)  # exact integers  [nb, T, O]
+        return _block_sum(d, sumi)
+    isum = _int_dots(a.qs.reshape(T, nb * 8, 32), wc["q"]).reshape(nb, 8, T, O)
+    sumi = (isum * sc[:, :, None, :]).sum(axis=1)
     bs = a.bsums.reshape(T, nb, 8, 2).astype(np.int64).sum(axis=3)  # per 32: bsums[2j] + bsums[2j+1]
-    summ = (bs[:, None].astype(F64) * wc["m"][None].astype(F64)).sum(axis=3)
-    dmin = ((-a.d)[:, None, :] * wc["dmin"][None]).astype(F32)  # -y.d * fp16(x.dmin)
-    return _block_sum(d.astype(F64) * sumi + dmin.astype(F64) * summ)
+    m = wc["m"].transpose(1, 2, 0).astype(F64)  # [nb, j, O]
+    summ = np.matmul(bs.transpose(1, 0, 2).astype(F64), m)  # [nb, T, O]: integers, exact in f64
+    dmin = ((-a.d).T[:, :, None] * wc["dmin"].T[:, None, :]).astype(F32)  # -y.d * fp16(x.dmin)
+    acc = np.zeros((T, O), dtype=F64)
+    for b in range(nb):  # as _block_sum, the term of a K-quant block being its two products added once
+        acc = acc + (d[b].astype(F64) * sumi[b] + dmin[b].astype(F64) * summ[b])
+    return acc
 
 
 def matmul_ggml(weight_bytes: np.ndarray, t: G, x: np.ndarray) -> np.ndarray:
@@ -228,6 +239,6 @@ def matmul_codes(wc: dict[str, np.ndarray], t: G, x: np.ndarray) -> np.ndarray:
     step = _row_step(x.shape[0], x.shape[1])
     for o0 in range(0, O, step):
         o1 = min(O, o0 + step)
-        part = {k: (v[:, o0:o1] if k == "q" else v[o0:o1]) for k, v in wc.items()}
+        part = {k: (v[:, :, o0:o1] if k == "q" else v[o0:o1]) for k, v in wc.items()}
         out[:, o0:o1] = fn(part, a, t).astype(F32)
     return out
