@@ -89,3 +89,11 @@ def test_companion_nvfp4_is_refused_at_load_naming_the_tensor(make_gguf, tmp_pat
     with pytest.raises(LaneError, match=r"lane 'fast': tensor 'blk\.\d+\..*' is NVFP4_E2M1"):
         Engine.open(path, device="cpu", lane="fast")
     Engine.open(path, device="cpu", lane="exact")  # the exact lane serves it
+
+
+def test_cuda_refuses_formats_the_integer_kernel_does_not_serve():
+    qmatmul_i8 = pytest.importorskip("muser.engine.kernels.qmatmul_i8")
+    assert not qmatmul_i8.supports(G.NVFP4)
+    with pytest.raises(LaneError, match=r"on cuda: the integer kernel does not serve NVFP4 \(tensor 'b'\)"):
+        lanes.fast_refusal({"a": G.Q4_K, "b": G.NVFP4, "c": G.F16}, cuda=True)
+    lanes.fast_refusal({"a": G.Q4_K, "b": G.NVFP4, "c": G.F16}, cuda=False)  # the CPU path serves type 40
