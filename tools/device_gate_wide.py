@@ -3,9 +3,10 @@
 (hidden 6656, 32 query / 2 KV heads of 128, FFN 19968, vocabulary 202,048; the Figure 6.6 Q4_K
 mix or an NVFP4 mix, random valid blocks), 4 layers, sliding window 512 so the 600-token gate
 prompt crosses it. The engine's exact lane with its default kernels against the numpy oracle's
-f32 arithmetic, per KV type.
+f32 arithmetic, per KV type; with --lane fast, the fast (integer) lane against the oracle's
+ggml-cpu arithmetic (muser.gates.GATE_ARITHMETIC), same judge and floors.
 
-    python3 tools/device_gate_wide.py OUT [--dtype q4_k_xl|nvfp4|nvfp4-ggml] [--kv f32,f16]
+    python3 tools/device_gate_wide.py OUT [--lane exact|fast] [--dtype q4_k_xl|nvfp4|nvfp4-ggml] [--kv f32,f16]
                                           [--gate-tokens 32] [--budget 300] [--device cuda|cpu]
                                           [--geometry full|tiny]
 
@@ -30,6 +31,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--kv", default="f32,f16")
+    ap.add_argument("--lane", default="exact", choices=["exact", "fast"],
+                    help="exact: vs the oracle's f32 arithmetic; fast: the integer lane vs its ggml-cpu arithmetic")
     ap.add_argument("--gate-tokens", type=int, default=32)
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--workdir", default="/tmp/muser-dev")
@@ -43,7 +46,7 @@ def main() -> int:
     from muser.bench.receipt import device_description, write_receipt
     from muser.bench.speed import model_widths
     from muser.engine import Engine
-    from muser.gates import default_prompt, gate2
+    from muser.gates import GATE_ARITHMETIC, default_prompt, gate2
     from muser.model.loader import open_model
     from muser.model.synth import FULL_GEOMETRY, SynthSpec, write_fixture
 
@@ -67,8 +70,8 @@ def main() -> int:
             res["rows"].append({"kv": kv, "skipped": "budget"})
             continue
         t = time.time()
-        eng = Engine.open(path, device=a.device, lane="exact", kv=kv)
-        orc = oracle.load(path, arithmetic="f32", kv=kv)
+        eng = Engine.open(path, device=a.device, lane=a.lane, kv=kv)
+        orc = oracle.load(path, arithmetic=GATE_ARITHMETIC[a.lane], kv=kv)
         try:
             # the floor's 1-ulp jitter part only: the other f32 reduction orders (numerics.REDUCTIONS)
             # walk K in numpy steps over [rows, n_out], hours at the full widths; without them the
@@ -82,7 +85,7 @@ def main() -> int:
         row["seconds"] = round(time.time() - t, 1)
         res["rows"].append(row)
         status = "pass" if status == "pass" and r["status"] == "pass" else "fail"
-        print(f"gate2 wide kv={kv}: {r['status']} max {r['max_dlsm']:.3e} bound {r['bound']:.3e} "
+        print(f"gate2 wide lane={a.lane} kv={kv}: {r['status']} max {r['max_dlsm']:.3e} bound {r['bound']:.3e} "
               f"tokens identical {r['tokens_identical']} ({row['seconds']} s)", flush=True)
         del eng
     skipped = [r["kv"] for r in res["rows"] if "skipped" in r]
@@ -91,9 +94,9 @@ def main() -> int:
     elif skipped and status == "pass":
         status = "partial"  # a gate with rows left out for budget is not a pass
     p = write_receipt(f"engine-gate2-wide-{a.device}", model=res["fixture"], device=device_description(a.device),
-                      lane="exact", gate={"status": status, "what": f"Gate 2 at {a.geometry} width, 4 layers, "
-                                          f"{a.dtype}, {a.gate_tokens} greedy tokens, default {a.device} kernels; noise floor: 1-ulp jitter part only",
-                                          "skipped": skipped,
+                      lane=a.lane, gate={"status": status, "what": f"Gate 2 at {a.geometry} width, 4 layers, "
+                                          f"{a.dtype}, lane {a.lane} vs oracle {GATE_ARITHMETIC[a.lane]}, {a.gate_tokens} greedy tokens, default {a.device} kernels; noise floor: 1-ulp jitter part only",
+                                          "skipped": skipped, "lane_gated": a.lane,
                                           "rows": [r for r in res["rows"] if "skipped" not in r]},
                       results=res, out_dir=a.out)
     print(f"receipt {p} ({time.time() - t0:.0f} s)")

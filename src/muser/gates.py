@@ -1,7 +1,9 @@
 """Gate 2 and the same-lane invariances (DESIGN.md "Exactness contract").
 
 Gate 2: the engine's exact lane against the oracle's `f32` arithmetic with the same KV type,
-prefill + N greedy tokens. The oracle generates greedily; the engine is fed the oracle's tokens
+prefill + N greedy tokens; the fast (integer) lane against the oracle's `ggml-cpu` arithmetic
+(the same activation rounding points: vec_dot_type conversion before every matmul), same judge
+and floors. The oracle generates greedily; the engine is fed the oracle's tokens
 (so every row compares the same context) and its own argmax is recorded at each step.
 
 * f32 K/V: identical greedy tokens; over the compared rows, max |d log-softmax| <=
@@ -31,6 +33,8 @@ from .oracle.numerics import log_softmax
 GATE_FLOOR = 1e-4  # absolute floor of every max check
 MEDIAN_FLOOR = 1e-5  # absolute floor of every median check
 NOISE_FACTOR = 2.0
+# The oracle arithmetic each lane's Gate 2 compares with (lanes.py: what the lane computes).
+GATE_ARITHMETIC = {"exact": "f32", "fast": "ggml-cpu"}
 
 
 def max_dlsm(a: np.ndarray, b: np.ndarray) -> float:
@@ -68,19 +72,20 @@ def default_prompt(cfg, n: int = 40) -> list[int]:
 
 def gate2(path, engine, oracle, kv: str, n_gen: int = 256, prompt: Sequence[int] | None = None,
           noise_trials: int = 2, noise: str = "always", noise_orders: Sequence[str] | None = None) -> dict:
-    """Run Gate 2 for one (fixture, KV type). `engine`: muser.engine.Engine (exact lane);
-    `oracle`: muser.oracle model with arithmetic f32 and the same kv. noise="always" measures
+    """Run Gate 2 for one (fixture, KV type). `engine`: muser.engine.Engine (exact or fast
+    lane); `oracle`: muser.oracle model with the same kv and the lane's arithmetic (GATE_ARITHMETIC). noise="always" measures
     the fixture's noise floor (1-ulp jitter and f32 summation orders) for the report;
     "if_needed" only when the verdict depends on it (f32 K/V inside both absolute floors).
     noise_orders: the f32 reduction orders the floor runs (None: the oracle's ORDER_PROBES; an
     empty list keeps the 1-ulp jitter part only, a lower floor and so a stricter gate)."""
     from .errors import LaneError
 
-    if engine.lane.value != "exact":
-        raise LaneError(f"Gate 2 judges the exact lane; this engine runs lane {engine.lane.value!r} "
-                        "(its drift is reported, never gated as exact)")
-    if engine.kv != kv or getattr(oracle, "kv", kv) != kv or getattr(oracle, "arithmetic", "f32") != "f32":
-        raise LaneError(f"Gate 2 needs engine and oracle (arithmetic f32) on KV {kv!r}")
+    want = GATE_ARITHMETIC.get(engine.lane.value)
+    if want is None:
+        raise LaneError(f"Gate 2 judges the exact and fast lanes; this engine runs lane {engine.lane.value!r}")
+    if engine.kv != kv or getattr(oracle, "kv", kv) != kv or getattr(oracle, "arithmetic", "f32") != want:
+        raise LaneError(f"Gate 2 of lane {engine.lane.value!r} needs engine and oracle (arithmetic {want}) "
+                        f"on KV {kv!r}; got oracle arithmetic {getattr(oracle, 'arithmetic', 'f32')!r}")
     if noise not in ("always", "if_needed"):
         raise LaneError(f"noise must be 'always' or 'if_needed', got {noise!r}")
     cfg = engine.cfg
@@ -124,7 +129,7 @@ def gate2(path, engine, oracle, kv: str, n_gen: int = 256, prompt: Sequence[int]
         v = judge(d, top1, nf, max_floor=0.0, median_floor=0.0)
         ok = v["ok"]
     return {
-        "fixture": str(path), "kv": kv, "dtype_mix": sorted(set(engine.model_file.contract.dtypes.values())),
+        "fixture": str(path), "kv": kv, "lane": engine.lane.value, "oracle_arithmetic": want, "dtype_mix": sorted(set(engine.model_file.contract.dtypes.values())),
         "prompt_tokens": len(prompt), "greedy_tokens": n_gen,
         "max_dlsm": float(d.max()), "median_dlsm": float(np.median(d)), "worst_row": int(np.argmax(d)),
         "top1_agreement": top1,

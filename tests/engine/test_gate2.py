@@ -39,3 +39,31 @@ def test_gate2_exact_lane_vs_oracle(make_gguf, dtype, kv, n_gen):
         assert r["max_dlsm"] <= max(1e-4, 2 * (r["noise_floor"] or 0.0))
     else:
         assert r["max_dlsm"] <= 2 * r["noise_floor"]
+
+
+
+# Measured on the tiny fixtures (16 greedy tokens): the ggml-cpu oracle's own noise floor is
+# 0.5-0.8 in log-softmax on the quantized fixtures (a 1-ulp move flips Q8 roundings), and the fast
+# lane sits inside it, but these three miss one check. F32 + f16 K/V: the oracle's ggml-cpu mode
+# also rounds Q and the softmax probabilities to f16 before K.Q and V.P (numerics.py), which the
+# engine's attention does not: the median sits just above 2 x the noise median.
+FAST_KNOWN = {("F32", "f16"): "median: the engine does not round Q/P to f16 in attention",
+              ("Q8_0", "f16"): "top-1 below 1 - 2 x the noise's disagreement (within the noise floor)",
+              ("Q5_K", "f32"): "one greedy token differs (its max/median inside the floors)"}
+
+
+def _fast_case(dtype, kv):
+    why = FAST_KNOWN.get((dtype, kv))
+    marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
+    return pytest.param(dtype, kv, marks=marks, id=f"{kv}-{dtype}")
+
+
+@pytest.mark.parametrize("dtype,kv", [_fast_case(d, k) for k in ("f32", "f16") for d in DTYPES])
+def test_gate2_fast_lane_vs_oracle_ggml_cpu(make_gguf, dtype, kv):
+    """The fast (integer) lane against the oracle's ggml-cpu arithmetic: same judge and floors."""
+    path = make_gguf(SynthSpec(dtype=dtype))
+    r = gate2(path, Engine.open(path, device="cpu", lane="fast", kv=kv),
+              oracle.load(path, arithmetic="ggml-cpu", kv=kv), kv, n_gen=16, noise="if_needed")
+    assert r["lane"] == "fast" and r["oracle_arithmetic"] == "ggml-cpu"
+    assert r["status"] == "pass", {k: r[k] for k in ("max_dlsm", "median_dlsm", "bound", "median_bound",
+                                                     "top1_agreement", "top1_bound", "tokens_identical")}

@@ -1,4 +1,4 @@
-"""Row invariance of the CPU exact lane (DESIGN.md "Exactness contract"): the logits of a token at
+"""Row invariance of the CPU exact and fast lanes (DESIGN.md "Exactness contract"): the logits of a token at
 a position are bitwise identical whether it is decoded alone, verified in a block of 2, 7 or 16,
 or prefilled in chunks of 1, 5, 16 or 33 rows; on every weight format the engine serves, with
 f16 and f32 K/V, over a sequence that wraps the sliding-window ring more than twice."""
@@ -32,10 +32,10 @@ def _one_thread():  # the thread count cannot change results (test_cpu_native.py
 def engines(make_gguf):
     cache = {}
 
-    def get(dtype: str, kv: str) -> Engine:
-        if (dtype, kv) not in cache:
-            cache[(dtype, kv)] = Engine.open(make_gguf(SynthSpec(dtype=dtype)), device="cpu", lane="exact", kv=kv)
-        return cache[(dtype, kv)]
+    def get(dtype: str, kv: str, lane: str) -> Engine:
+        if (dtype, kv, lane) not in cache:
+            cache[(dtype, kv, lane)] = Engine.open(make_gguf(SynthSpec(dtype=dtype)), device="cpu", lane=lane, kv=kv)
+        return cache[(dtype, kv, lane)]
 
     return get
 
@@ -45,10 +45,11 @@ def _decoded_alone(eng: Engine, ids: list[int]) -> np.ndarray:
     return np.stack([s.decode(t) for t in ids])  # [N, vocab], one row per forward
 
 
+@pytest.mark.parametrize("lane", ["exact", "fast"])
 @pytest.mark.parametrize("kv", ["f16", "f32"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_logits_do_not_depend_on_batching(engines, dtype, kv):
-    eng = engines(dtype, kv)
+def test_logits_do_not_depend_on_batching(engines, dtype, kv, lane):
+    eng = engines(dtype, kv, lane)
     ids = _ids(eng.cfg.vocab)
     ref = _decoded_alone(eng, ids)
     assert np.isfinite(ref).all()

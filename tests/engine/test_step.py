@@ -15,8 +15,9 @@ from muser.gates import GATE_FLOOR, max_dlsm
 PROMPT = [6 + (i * 37) % 370 for i in range(120)]
 
 # The CPU exact lane is row-invariant (engine/kernels/cpu.c: every output element reduced in one
-# fixed order whatever the row count), so a sequence stepped with others is bitwise the same as
-# the sequence run alone.
+# fixed order whatever the row count), and so is the fast lane (integer block sums, one fixed
+# f64 block order: quant/dot.py), so a sequence stepped with others is bitwise the same as the
+# sequence run alone.
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,6 +31,15 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def eng(tiny_gguf):
     return Engine.open(tiny_gguf, device="cpu", lane="exact", kv="f32")
+
+
+@pytest.fixture(scope="module", params=[("exact", "f32"), ("fast", "f32"), ("fast", "f16")])
+def lane_eng(request, make_gguf):
+    """Both lanes on a Q4_K fixture (the fast lane's integer path; F32 weights take the exact GEMM)."""
+    from muser.model.synth import SynthSpec
+
+    lane, kv = request.param
+    return Engine.open(make_gguf(SynthSpec(dtype="Q4_K")), device="cpu", lane=lane, kv=kv)
 
 
 def _session(eng, i: int, capture=()):
@@ -49,7 +59,8 @@ def _equal(a: np.ndarray, b: np.ndarray) -> None:
 
 @pytest.mark.parametrize("shape", [(1,), (1, 1), (1, 1, 1, 1), (2, 7), (3, 5, 1, 7), (4, 4, 4, 4), (16,),
                                    (16, 16, 16, 16)])
-def test_step_equals_each_sequence_alone(eng, shape):
+def test_step_equals_each_sequence_alone(lane_eng, shape):
+    eng = lane_eng
     batch = [_session(eng, i) for i in range(len(shape))]
     alone = [_session(eng, i) for i in range(len(shape))]
     toks = [_tokens(i, T) for i, T in enumerate(shape)]

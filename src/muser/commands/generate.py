@@ -39,7 +39,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model/--device/--lane/--kv/--threads, shared by generate and chat."""
     p.add_argument("--model", help="GGUF path (default: the embedded model)")
     p.add_argument("--device", default="cpu", choices=DEVICES, help="default cpu")
-    p.add_argument("--lane", default="exact", choices=LANES, help="default exact; w4a4 needs a W4A4 file")
+    p.add_argument("--lane", default="exact", choices=LANES,
+                   help="exact: f32 activations against the exact weight decode (Gate 2 vs oracle f32); fast: ggml-cpu's "
+                        "integer arithmetic on every call (activations to Q8_K/Q8_0, integer block sums, row-invariant; Gate 2 vs oracle ggml-cpu); w4a4: exact, FP4 activations in verify forwards (W4A4 files only); "
+                        "default exact")
     p.add_argument("--kv", default="f16", choices=KV_TYPES, help="KV cache type (default f16)")
     p.add_argument("--threads", type=int, help="CPU threads for the forward (default: torch's, the usable cores)")
 

@@ -36,7 +36,7 @@ class Engine:
                 n + ".nvfp4_input_scale_inv" for n in mf.contract.nvfp4):
             raise LaneError(f"lane 'w4a4' needs a W4A4 file (muser.activation_precision = nvfp4); "
                             f"{str(mf.path)!r} has no '.nvfp4_input_scale_inv' weights")
-        self.weights = ModelWeights.load(mf, self.device, progress=progress)
+        self.weights = ModelWeights.load(mf, self.device, progress=progress, lane=self.lane)
         self.forward = Forward(self.cfg, self.weights, self.lane, self.device)
         # RoPE table for every position the model admits, built once (graphs read it by address)
         self.forward.ensure_positions(self.cfg.context_length)

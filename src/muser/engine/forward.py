@@ -53,8 +53,8 @@ class LayerWeights:
     ffn_down: QWeight  # [hidden, ffn]
     post_ffw_norm: torch.Tensor
     # the projections that read one input, packed as one matrix (CUDA: kernels/qmatvec_v3.Stack,
-    # v left out when its format differs; CPU: cpu_native.CpuStack): attn_in = q|k|v|gate,
-    # ffn_in = gate|up
+    # v left out when its format differs; CPU: cpu_native.CpuStack; fast lane: lanes.FastStack):
+    # attn_in = q|k|v|gate, ffn_in = gate|up
     attn_in: object | None = None
     attn_in_v: bool = False
     ffn_in: object | None = None
@@ -86,9 +86,10 @@ class ModelWeights:
         return n
 
     @classmethod
-    def load(cls, mf: ModelFile, device: torch.device, progress=None) -> "ModelWeights":
+    def load(cls, mf: ModelFile, device: torch.device, progress=None, lane: Lane = Lane.EXACT) -> "ModelWeights":
         g, cfg = mf.gguf, mf.config
-        # Refuse before uploading anything: every matrix must have an exact device decoder.
+        # Refuse before uploading anything: every matrix must have an exact device decoder, and
+        # in the fast lane every projection (not the embedding, read by rows) a vec_dot_type.
         from .weights import DEVICE_FORMATS
         for name, dt in mf.contract.dtypes.items():
             t = g.tensors[name]
@@ -97,6 +98,12 @@ class ModelWeights:
                     f"tensor {name!r}: dtype {dt} has no exact decoder in the engine "
                     f"(served: {', '.join(f.name for f in DEVICE_FORMATS)}); use the oracle"
                 )
+        if lane is Lane.FAST:
+            from ..gguf.types import GgmlType
+            from .lanes import fast_refusal
+
+            fast_refusal({n: GgmlType(g.tensors[n].type.ggml_type) for n in mf.contract.dtypes
+                          if len(g.tensors[n].shape) == 2 and n != "token_embd.weight"}, device.type == "cuda")
 
         def mat(name: str) -> QWeight:
             w = upload(g, name, device)
@@ -124,7 +131,9 @@ class ModelWeights:
             ))
         mw = cls(embd=mat("token_embd.weight"), out_norm=vec("output_norm.weight"),
                  lm_head=mat("output.weight"), layers=layers)
-        if device.type == "cuda":
+        if lane is Lane.FAST:
+            mw.stack_for_fast()  # fields stay resident: the integer lane reads them (no v3 layout)
+        elif device.type == "cuda":
             mw.pack_for_decode(drop_fields=True)  # the packed layout is the only resident copy
             torch.cuda.empty_cache()
         elif device.type == "cpu":
@@ -140,6 +149,18 @@ class ModelWeights:
             L.attn_in = stack([L.wq, L.wk, L.wv, L.wgate])
             L.attn_in_v = True
             L.ffn_in = stack([L.ffn_gate, L.ffn_up])
+
+    def stack_for_fast(self) -> None:
+        """The fast lane's stacks (lanes.FastStack, both devices): q|k|v|gate, or q|k|gate with v
+        by itself when its vec_dot_type differs, and ffn gate|up."""
+        from .lanes import fast_stack
+
+        for L in self.layers:
+            L.attn_in = fast_stack([L.wq, L.wk, L.wv, L.wgate])
+            L.attn_in_v = L.attn_in is not None
+            if L.attn_in is None:
+                L.attn_in = fast_stack([L.wq, L.wk, L.wgate])
+            L.ffn_in = fast_stack([L.ffn_gate, L.ffn_up])
 
     def pack_for_decode(self, drop_fields: bool) -> None:
         """The decode kernel's layout (kernels/qmatvec_v3) for every K-quant and NVFP4 matrix, and the

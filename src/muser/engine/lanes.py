@@ -3,26 +3,39 @@
 * exact: f32 activations and f32 accumulation against weights decoded bit-exactly from their
   stored blocks. Decode-shaped calls (<= 16 rows) on CUDA use the fused Triton dequant-matvec;
   wider calls decode row chunks and run an f32 GEMM with TF32 off.
-* fast: as exact for <= 16 rows; wider calls (prefill) use bf16 operands on tensor cores with
-  f32 output. Its drift is measured and reported, never called exact.
+* fast (the integer lane): every projection, at every row count, on both devices, computes
+  `muser.quant.dot.matmul_ggml` bit for bit: the activations are converted to the weight type's
+  vec_dot_type (Q8_K per 256 for the K-quants, Q8_0 per 32 for Q8_0/Q4_0/NVFP4), integer block
+  sums, per-block float64 terms summed in block order, one f32 rounding (ggml-cpu quants.c
+  ggml_vec_dot_*). CUDA: kernels/qmatmul_i8.py; CPU: dot.matmul_codes over codes built once
+  from the repacked fields. Each output row depends only on its own input row, so the lane is
+  row-invariant by construction. F32/F16/BF16 weights: the activations are rounded to the
+  vec_dot_type (f16/bf16 round-to-nearest-even, f32 as is) and the exact lane's path runs (an
+  f32 fixed-order sum, not the oracle's f64: a few ulps). Gate 2 of the fast lane compares it
+  with the oracle's "ggml-cpu" arithmetic (muser.gates.gate2).
 
-On the CPU every projection runs the C library's GEMM (kernels/cpu_native.py: one fixed
-reduction order per output, whatever the row count or thread count, so the lane is
+On the CPU every exact-lane projection runs the C library's GEMM (kernels/cpu_native.py: one
+fixed reduction order per output, whatever the row count or thread count, so the lane is
 row-invariant), reading Q8_0 as stored, NVFP4 as int8 codes with its scales (values bit-equal
-to the decoder's) and other formats as their exact f32 decode, cached once
-per weight within a byte budget; beyond it each call decodes row chunks. The fast lane's wide
-calls on the CPU stay bf16 torch GEMMs.
+to the decoder's) and other formats as their exact f32 decode, cached once per weight within a
+byte budget; beyond it each call decodes row chunks. The fast lane's integer codes are cached
+under the same budget; beyond it each call builds the codes of row chunks.
 """
 
 from __future__ import annotations
 
 from enum import Enum
 
+import numpy as np
 import torch
 
 from ..errors import LaneError
+from ..gguf.types import GgmlType as G
+from ..quant import dot
 from .kernels import qmatvec
 from .weights import QWeight
+
+FLOAT_FORMATS = (G.F32, G.F16, G.BF16)
 
 
 class Lane(str, Enum):
@@ -67,6 +80,79 @@ CHUNK_BYTES = 256 << 20  # decoded temporary per GEMM chunk on the GPU
 CPU_CACHE_BYTES = 8 << 30  # decoded-weight cache budget on the CPU
 
 
+def fast_refusal(formats: dict[str, G], cuda: bool) -> None:
+    """Refuse (LaneError, before anything is uploaded) the projections the fast lane cannot
+    compute as matmul_ggml does: formats with no vec_dot_type (the NVFP4 companion form), and on
+    CUDA the integer formats kernels/qmatmul_i8.py does not serve. `formats`: tensor -> type."""
+    none = {n: f for n, f in formats.items() if f not in dot.VEC_DOT_TYPE}
+    if none:
+        n, f = next(iter(none.items()))
+        raise LaneError(f"lane 'fast': tensor {n!r} is {f.name}, which has no ggml vec_dot_type "
+                        f"({len(none)} such tensors); use lane 'exact'")
+    if cuda:
+        from .kernels import qmatmul_i8
+
+        off = sorted({f.name for f in formats.values() if f not in FLOAT_FORMATS and not qmatmul_i8.supports(f)})
+        if off:
+            n = next(n for n, f in formats.items() if f.name == off[0])
+            raise LaneError(f"lane 'fast' on cuda: the integer kernel does not serve {', '.join(off)} "
+                            f"(tensor {n!r}); use lane 'exact' or the cpu")
+
+
+class FastStack:
+    """Projections that read one input, as one call of the fast lane: each run of consecutive
+    members of one format becomes one weight, their repacked fields concatenated along rows
+    (each member's fields become row views of it, no second copy), and x is converted to the
+    vec_dot_type once for the whole stack (members of different formats share it, e.g. a Q6_K v
+    between Q4_K q|k and gate: all read Q8_K). Rows are independent, so every output has the
+    bits of its own matrix's call. qmatvec_v3.Stack's interface (bounds, split)."""
+
+    def __init__(self, groups: tuple[tuple[QWeight, int, int], ...], bounds: tuple[tuple[int, int], ...]):
+        self.groups = groups  # (weight, n0, n1): one weight per run of one format, its output columns
+        self.bounds = bounds  # [n0, n1) of each member
+        self.n_out = bounds[-1][1]
+
+    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
+        return [y[:, a:b] for a, b in self.bounds]
+
+
+def fast_stack(ws: list[QWeight]) -> FastStack | None:
+    """One FastStack over weights of one row length and one vec_dot_type (float formats: one
+    format); None when they differ."""
+    f0 = ws[0]
+    kinds = {dot.VEC_DOT_TYPE.get(w.fmt) for w in ws}
+    if any(w.n_in != f0.n_in for w in ws) or len(kinds) != 1 or None in kinds:
+        return None
+    if f0.fmt in FLOAT_FORMATS and any(w.fmt != f0.fmt for w in ws):
+        return None
+    runs: list[list[QWeight]] = []
+    for w in ws:
+        if runs and runs[-1][0].fmt == w.fmt:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    n, bounds, groups = 0, [], []
+    for run in runs:
+        fields = {k: torch.cat([w.fields[k] for w in run], 0).contiguous() for k in run[0].fields}
+        g0 = n
+        for w in run:
+            w.fields = {k: v[n - g0:n - g0 + w.n_out] for k, v in fields.items()}
+            bounds.append((n, n + w.n_out))
+            n += w.n_out
+        groups.append((QWeight("+".join(w.name for w in run), run[0].fmt, n - g0, f0.n_in, fields), g0, n))
+    return FastStack(tuple(groups), tuple(bounds))
+
+
+def round_to_vec_dot(x: torch.Tensor, fmt: G) -> torch.Tensor:
+    """x f32 rounded to a float weight's vec_dot_type (ggml_cpu_fp32_to_fp16 / _bf16: round to
+    nearest even, as torch's casts), back in f32; f32 weights take x as is."""
+    if fmt == G.F16:
+        return x.to(torch.float16).to(torch.float32)
+    if fmt == G.BF16:
+        return x.to(torch.bfloat16).to(torch.float32)
+    return x
+
+
 class Linear:
     """y = x @ W^T for a QWeight, by lane and device. x: f32 [T, n_in] -> f32 [T, n_out]."""
 
@@ -75,23 +161,25 @@ class Linear:
         self.device = device
         self.cuda = device.type == "cuda"
         self.triton_rows = self.cuda  # fused dequant-matvec for <= 16 rows (CUDA)
-        self._cache: dict[int, torch.Tensor] = {}
+        self._cache: dict = {}
         self._cached_bytes = 0
 
     def stacked_ok(self, T: int) -> bool:
         """Stacked projections serve this call: on CUDA (kernels/qmatvec_v3.Stack) decode-shaped
-        calls; on the CPU (cpu_native.CpuStack) every call of the C GEMM."""
+        calls; on the CPU (cpu_native.CpuStack) every call of the C GEMM; in the fast lane
+        (FastStack) every call on both devices."""
+        if self.lane is Lane.FAST:
+            return True
         if self.lane is Lane.W4A4 and 1 < T <= qmatvec.MAX_ROWS:
             return False  # verify rows of the W4A4 lane: each projection by itself (__call__)
         if self.triton_rows:
             return T <= qmatvec.MAX_ROWS
-        return not self.cuda and not self._torch_wide(T)
-
-    def _torch_wide(self, T: int) -> bool:
-        return self.lane is Lane.FAST and T > qmatvec.MAX_ROWS
+        return not self.cuda
 
     def stacked_raw(self, st, x: torch.Tensor) -> torch.Tensor:
         """x [T, n_in] -> [T, sum n_out] for a Stack (one launch / one GEMM)."""
+        if isinstance(st, FastStack):
+            return self._fast_stack(st, x)
         if not self.cuda:
             from .kernels import cpu_native
 
@@ -107,33 +195,50 @@ class Linear:
 
     def __call__(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
+        if self.lane is Lane.FAST:
+            if w.fmt in FLOAT_FORMATS:
+                return self._exact(w, round_to_vec_dot(x, w.fmt))
+            if self.cuda:
+                from .kernels import qmatmul_i8  # the integer lane's GEMM (SPEC of dot.py)
+
+                return qmatmul_i8.matmul_i8(w, x.contiguous())
+            return self._cpu_int(w, x)
         if self.lane is Lane.W4A4 and 1 < T <= qmatvec.MAX_ROWS and "isi" in w.fields:
             from .w4a4 import matmul_w4a4  # book 7.4.3: the verify forward of a W4A4 file
 
             return matmul_w4a4(w, x)
+        return self._exact(w, x)
+
+    def _fast_stack(self, st: FastStack, x: torch.Tensor) -> torch.Tensor:
+        """x [T, n_in] -> [T, st.n_out]: each group into its columns; on CUDA x is quantized
+        once for the stack (kernels/qmatmul_i8.quantize_act, then matmul_i8_act per group)."""
+        if len(st.groups) == 1:
+            return self(st.groups[0][0], x)
+        out = torch.empty((x.shape[0], st.n_out), dtype=torch.float32, device=x.device)
+        if self.cuda:
+            from .kernels import qmatmul_i8
+
+            act = qmatmul_i8.quantize_act(x.contiguous(), dot.VEC_DOT_TYPE[st.groups[0][0].fmt])
+            for w, a, b in st.groups:
+                qmatmul_i8.matmul_i8_act(w, act, out=out[:, a:b])
+            return out
+        for w, a, b in st.groups:
+            out[:, a:b] = self(w, x)
+        return out
+
+    def _exact(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:
+        """The exact lane's projection: f32 activations against the exact decode of `w`."""
+        T = x.shape[0]
         if self.triton_rows and T <= qmatvec.MAX_ROWS:
             return qmatvec.matvec(w, x.contiguous())
-        wide = self._torch_wide(T)
-        dt = torch.bfloat16 if wide else torch.float32
-        if not self.cuda and not wide:
-            return self._cpu_gemm(w, x.contiguous())
         if not self.cuda:
-            wd = self._cpu_decoded(w, dt)
-            if wd is not None:
-                return self._mm(x, wd, dt)
+            return self._cpu_gemm(w, x.contiguous())
         out = torch.empty((T, w.n_out), dtype=torch.float32, device=x.device)
         rows = max(1, CHUNK_BYTES // (4 * w.n_in))
         for n0 in range(0, w.n_out, rows):
             n1 = min(w.n_out, n0 + rows)
-            wd = decode_range(w, n0, n1).to(dt)
-            out[:, n0:n1] = self._mm(x, wd, dt)
+            out[:, n0:n1] = x @ decode_range(w, n0, n1).T
         return out
-
-    @staticmethod
-    def _mm(x: torch.Tensor, wd: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
-        if dt == torch.float32:
-            return x @ wd.T
-        return (x.to(dt) @ wd.T).to(torch.float32)
 
     def cpu_mat(self, w: QWeight):
         """The GEMM's form of `w` (cpu_native.CpuMat), cached; None past the byte budget."""
@@ -167,18 +272,34 @@ class Linear:
             cpu_native.gemm(part, x, out=out[:, n0:n1])
         return out
 
-    def _cpu_decoded(self, w: QWeight, dt: torch.dtype) -> torch.Tensor | None:
-        key = (id(w), dt)
+    def int_codes(self, w: QWeight) -> dict | None:
+        """dot.codes_from_fields of `w`, cached; None past the byte budget."""
+        key = ("codes", id(w))
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        size = w.n_out * w.n_in * (4 if dt == torch.float32 else 2)
+        size = dot.codes_nbytes(w.fmt, w.n_out, w.n_in)
         if self._cached_bytes + size > CPU_CACHE_BYTES:
             return None
-        wd = w.decode().to(dt).contiguous()
-        self._cache[key] = wd
+        wc = dot.codes_from_fields(w.fmt, {k: v.numpy() for k, v in w.fields.items()}, w.n_in)
+        self._cache[key] = wc
         self._cached_bytes += size
-        return wd
+        return wc
+
+    def _cpu_int(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:
+        """The integer lane on the CPU: x f32 [T, n_in] -> [T, n_out], matmul_ggml's bits; past
+        the cache budget each call builds the codes of row chunks (rows are independent)."""
+        xn = x.detach().contiguous().numpy()
+        wc = self.int_codes(w)
+        if wc is not None:
+            return torch.from_numpy(dot.matmul_codes(wc, w.fmt, xn))
+        out = np.empty((x.shape[0], w.n_out), dtype=np.float32)
+        rows = max(1, CHUNK_BYTES // (4 * w.n_in))
+        for n0 in range(0, w.n_out, rows):
+            n1 = min(w.n_out, n0 + rows)
+            part = dot.codes_from_fields(w.fmt, {k: v[n0:n1].numpy() for k, v in w.fields.items()}, w.n_in)
+            out[:, n0:n1] = dot.matmul_codes(part, w.fmt, xn)
+        return torch.from_numpy(out)
 
 
 def decode_range(w: QWeight, n0: int, n1: int) -> torch.Tensor:

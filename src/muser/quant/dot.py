@@ -43,96 +43,150 @@ VEC_DOT_TYPE = {
     G.Q4_K: G.Q8_K, G.Q5_K: G.Q8_K, G.Q6_K: G.Q8_K,
 }
 
-_CHUNK_BYTES = 64 << 20  # bound on the [T, O, S] float64 integer-sum temporaries
+_CHUNK_BYTES = 64 << 20  # bound on the [T, O, S] integer-sum temporaries of one call
+
+# The integer formats (vec_dot_type Q8_0 or Q8_K) and their fields: the engine's repacked layout
+# (engine/weights.py FIELDS), which `_split_raw` also cuts from a tensor's raw GGUF rows.
+INT_FORMATS = (G.Q8_0, G.Q4_0, G.NVFP4, G.Q4_K, G.Q5_K, G.Q6_K)
 
 
 def _int_dots(aq: np.ndarray, wq: np.ndarray) -> np.ndarray:
-    """Per-sub-block integer dot products, exact: aq [T, S, k], wq [O, S, k] (small ints) ->
-    float64 [T, O, S]. Each sum is an integer far below 2^53, so float64 BLAS is exact."""
-    a = np.ascontiguousarray(aq.transpose(1, 0, 2), dtype=F64)  # [S, T, k]
-    w = np.ascontiguousarray(wq.transpose(1, 2, 0), dtype=F64)  # [S, k, O]
-    return np.matmul(a, w).transpose(1, 2, 0)  # [T, O, S]
+    """Per-sub-block integer dot products, exact: aq int8 [T, S, k], wq float32 codes [S, k, O]
+    -> float32 [S, T, O]. Every partial sum is an integer below 2^24 in magnitude (k <= 32,
+    |a| <= 128, |w| <= 127), so float32 BLAS is exact in any order, with or without FMA; one
+    2-D GEMM per sub-block keeps both operands in a layout BLAS takes as is."""
+    a = np.ascontiguousarray(aq.transpose(1, 0, 2), dtype=F32)  # [S, T, k]
+    out = np.empty((wq.shape[0], a.shape[1], wq.shape[2]), dtype=F32)
+    for s in range(wq.shape[0]):
+        np.matmul(a[s], wq[s], out=out[s])
+    return out
 
 
-def _weight_codes(w: np.ndarray, t: G, n_in: int) -> dict[str, np.ndarray]:
-    """Unpack weight rows into integer codes and scale fields (per type)."""
+def _split_raw(w: np.ndarray, t: G, n_in: int) -> dict[str, np.ndarray]:
+    """Raw GGUF rows uint8 [O, row_bytes] -> the repacked fields (engine/weights.py repack moves
+    the same bytes; scales as float32, K-quant 6-bit scales/mins unpacked)."""
     O = w.shape[0]
     ti = type_info(t)
     nb = n_in // ti.block_elems
     b = w.reshape(O, nb, ti.block_bytes)
-    if t == G.Q8_0:
-        return {"d": f16_to_f32(b[..., 0:2])[..., 0], "q": b[..., 2:].view(np.int8).reshape(O, nb, 32)}
-    if t == G.Q4_0:
-        qs = b[..., 2:]
-        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int8) - 8
-        return {"d": f16_to_f32(b[..., 0:2])[..., 0], "q": q}
+    if t in (G.Q8_0, G.Q4_0):
+        qs = b[..., 2:].reshape(O, -1)
+        return {"qs": qs.view(np.int8) if t == G.Q8_0 else qs, "d": f16_to_f32(b[..., 0:2])[..., 0]}
     if t == G.NVFP4:
-        qs = b[..., 4:].reshape(O, nb, 4, 8)
-        q = np.concatenate([E2M1_Q1[qs & 0xF], E2M1_Q1[qs >> 4]], axis=-1)  # [O, nb, 4, 16]
-        return {"d": UE4M3_HALF_VALUES[b[..., 0:4]], "q": q.reshape(O, nb * 4, 16)}
+        return {"qs": b[..., 4:].reshape(O, -1), "d": b[..., 0:4].reshape(O, -1)}
     if t in (G.Q4_K, G.Q5_K):
         sc, m = scale_min_k4(b[..., 4:16])  # [O, nb, 8]
+        f = {"d": f16_to_f32(b[..., 0:2])[..., 0], "dmin": f16_to_f32(b[..., 2:4])[..., 0],
+             "sc": sc.reshape(O, -1), "m": m.reshape(O, -1)}
         if t == G.Q4_K:
-            qs = b[..., 16:144].reshape(O, nb, 4, 1, 32)
-            q = np.concatenate([qs & 0xF, qs >> 4], axis=3)  # [O, nb, 4, 2, 32]
+            f["qs"] = b[..., 16:144].reshape(O, -1)
         else:
-            qh = b[..., 16:48].reshape(O, nb, 1, 1, 32)
-            qs = b[..., 48:176].reshape(O, nb, 4, 1, 32)
-            bit = np.arange(8, dtype=np.uint8).reshape(1, 1, 4, 2, 1)
-            q = np.concatenate([qs & 0xF, qs >> 4], axis=3) + (((qh >> bit) & 1) << 4)
-        return {"d": f16_to_f32(b[..., 0:2])[..., 0], "dmin": f16_to_f32(b[..., 2:4])[..., 0],
-                "sc": sc, "m": m, "q": q.reshape(O, nb * 8, 32)}
+            f["qh"], f["qs"] = b[..., 16:48].reshape(O, -1), b[..., 48:176].reshape(O, -1)
+        return f
     if t == G.Q6_K:
-        ql = b[..., 0:128].reshape(O, nb, 2, 2, 32)
-        qh = b[..., 128:192].reshape(O, nb, 2, 32)
+        return {"ql": b[..., 0:128].reshape(O, -1), "qh": b[..., 128:192].reshape(O, -1),
+                "sc": b[..., 192:208].view(np.int8).reshape(O, -1), "d": f16_to_f32(b[..., 208:210])[..., 0]}
+    raise FormatError(f"no integer dot for weight type {t.name}")
+
+
+def codes_from_fields(t: G, fields: dict[str, np.ndarray], n_in: int) -> dict[str, np.ndarray]:
+    """The engine's repacked fields of a weight (numpy views of engine/weights.py QWeight.fields,
+    rows = outputs) -> the integer codes and scales `matmul_codes` reads: "q" float32 [S, k, O]
+    (sub-block codes, S sub-blocks of k values), "d" (and "dmin") float32 [O, nb], "sc"/"m"."""
+    t = G(t)
+    if t not in INT_FORMATS:
+        raise FormatError(f"no integer dot for weight type {t.name}")
+    f = fields
+    O = f["qs" if "qs" in f else "ql"].shape[0]
+    d = np.asarray(f["d"]).astype(F32)  # f16 -> f32 is exact
+    if t == G.Q8_0:
+        q = np.asarray(f["qs"]).view(np.int8).reshape(O, n_in // 32, 32)
+        wc = {"d": d}
+    elif t == G.Q4_0:
+        qs = np.asarray(f["qs"]).reshape(O, n_in // 32, 16)  # low nibble element i, high 16 + i
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int8) - 8
+        wc = {"d": d}
+    elif t == G.NVFP4:
+        nb = n_in // 64
+        qs = np.asarray(f["qs"]).reshape(O, nb * 4, 8)  # per 16: low nibble j, high j + 8
+        q = E2M1_Q1[np.concatenate([qs & 0xF, qs >> 4], axis=-1)]  # [O, nb*4, 16]
+        wc = {"d": UE4M3_HALF_VALUES[np.asarray(f["d"]).reshape(O, nb, 4)]}
+    elif t in (G.Q4_K, G.Q5_K):
+        nb = n_in // 256
+        qs = np.asarray(f["qs"]).reshape(O, nb, 4, 1, 32)
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=3)  # [O, nb, 4, 2, 32]: sub-block 2c, 2c+1
+        if t == G.Q5_K:
+            qh = np.asarray(f["qh"]).reshape(O, nb, 1, 1, 32)
+            bit = np.arange(8, dtype=np.uint8).reshape(1, 1, 4, 2, 1)
+            q = q + (((qh >> bit) & 1) << 4)
+        wc = {"d": d.reshape(O, nb), "dmin": np.asarray(f["dmin"]).astype(F32).reshape(O, nb),
+              "sc": np.asarray(f["sc"]).reshape(O, nb, 8), "m": np.asarray(f["m"]).reshape(O, nb, 8)}
+        q = q.reshape(O, nb * 8, 32)
+    else:  # Q6_K
+        nb = n_in // 256
+        ql = np.asarray(f["ql"]).reshape(O, nb, 2, 2, 32)
+        qh = np.asarray(f["qh"]).reshape(O, nb, 2, 32)
         q1 = (ql[:, :, :, 0] & 0xF) | ((qh & 3) << 4)
         q2 = (ql[:, :, :, 1] & 0xF) | (((qh >> 2) & 3) << 4)
         q3 = (ql[:, :, :, 0] >> 4) | (((qh >> 4) & 3) << 4)
         q4 = (ql[:, :, :, 1] >> 4) | (((qh >> 6) & 3) << 4)
         q = np.stack([q1, q2, q3, q4], axis=3).astype(np.int16) - 32  # [O, nb, 2, 4, 32]
-        return {"d": f16_to_f32(b[..., 208:210])[..., 0],
-                "sc": b[..., 192:208].view(np.int8).reshape(O, nb, 16), "q": q.reshape(O, nb * 16, 16)}
-    raise FormatError(f"no integer dot for weight type {t.name}")
+        q = q.reshape(O, nb * 16, 16)
+        wc = {"d": d.reshape(O, nb), "sc": np.asarray(f["sc"]).view(np.int8).reshape(O, nb, 16)}
+    wc["q"] = np.ascontiguousarray(q.transpose(1, 2, 0), dtype=F32)  # [S, k, O], BLAS-ready
+    return wc
 
 
-def _block_sum(terms: np.ndarray) -> np.ndarray:
-    """float64 [T, O, nb] -> [T, O]: acc = +0.0, then acc + term of block 0, 1, ... in order
-    (one fixed order, so a kernel that adds the same terms the same way gets the same bits)."""
-    acc = np.zeros(terms.shape[:2], dtype=F64)
-    for b in range(terms.shape[2]):
-        acc = acc + terms[:, :, b]
+def codes_nbytes(t: G, n_out: int, n_in: int) -> int:
+    """Resident bytes of codes_from_fields' result: 4 per weight plus the scales (bound)."""
+    return 4 * n_out * n_in + 8 * n_out * (n_in // 16)
+
+
+def _block_sum(scale: np.ndarray, isum: np.ndarray) -> np.ndarray:
+    """float32 scales [nb, T, O] x exact integer sums [nb, T, O] -> float64 [T, O]: acc = +0.0,
+    then acc + f64(scale_b) * f64(isum_b) for block b = 0, 1, ... in order (one fixed order, so a
+    kernel that adds the same terms the same way gets the same bits)."""
+    acc = np.zeros(isum.shape[1:], dtype=F64)
+    for b in range(isum.shape[0]):
+        acc = acc + scale[b].astype(F64) * isum[b]
     return acc
 
 
 def _dot_q8_0(wc: dict, a: Q8_0Activation, t: G) -> np.ndarray:
     T, nb = a.d_bits.shape
+    O = wc["d"].shape[0]
     ad = a.d  # [T, nb]
     if t == G.NVFP4:
-        # 64-value weight block b, sub-block s (16 values) meets q8_0 block 2b + s//2.
-        aq = a.qs.reshape(T, nb * 2, 16)
-        isum = _int_dots(aq, wc["q"]).reshape(T, -1, nb // 2, 4)  # [T, O, nb64, 4]
-        ady = ad.reshape(T, nb // 2, 2)[:, :, [0, 0, 1, 1]]  # [T, nb64, 4]
-        s = (wc["d"][None] * ady[:, None]).astype(F32)  # ue4m3(x.d[s]) * fp16(y.d)
-        return _block_sum((s.astype(F64) * isum).reshape(T, isum.shape[1], -1))  # 16-blocks in order
-    isum = _int_dots(a.qs, wc["q"])  # [T, O, nb]
-    s = (wc["d"][None] * ad[:, None]).astype(F32)  # fp16(x.d) * fp16(y.d)
-    return _block_sum(s.astype(F64) * isum)
+        # 16-value sub-block j (of 64-value weight block j // 4) meets q8_0 block j // 2
+        isum = _int_dots(a.qs.reshape(T, nb * 2, 16), wc["q"])  # [nb*2, T, O]
+        ad16 = ad[:, np.arange(nb * 2) // 2].T  # [nb*2, T]
+        wd16 = wc["d"].reshape(O, nb * 2).T  # [nb*2, O]
+        s = (wd16[:, None, :] * ad16[:, :, None]).astype(F32)  # ue4m3(x.d[s]) * fp16(y.d)
+        return _block_sum(s, isum)  # 16-blocks in order
+    isum = _int_dots(a.qs, wc["q"])  # [nb, T, O]
+    s = (wc["d"].T[:, None, :] * ad.T[:, :, None]).astype(F32)  # fp16(x.d) * fp16(y.d)  [nb, T, O]
+    return _block_sum(s, isum)
 
 
 def _dot_q8_K(wc: dict, a: Q8KActivation, t: G) -> np.ndarray:
     T, nb = a.d.shape
-    O = wc["q"].shape[0]
-    d = (a.d[:, None, :] * wc["d"][None]).astype(F32)  # y.d * fp16(x.d)   [T, O, nb]
+    O = wc["d"].shape[0]
+    d = (a.d.T[:, :, None] * wc["d"].T[:, None, :]).astype(F32)  # y.d * fp16(x.d)   [nb, T, O]
+    sc = wc["sc"].transpose(1, 2, 0).astype(F64)  # [nb, j, O]
     if t == G.Q6_K:
-        isum = _int_dots(a.qs.reshape(T, nb * 16, 16), wc["q"]).reshape(T, O, nb, 16)
-        sumi = (isum * wc["sc"][None].astype(F64)).sum(axis=3)  # exact integers
-        return _block_sum(d.astype(F64) * sumi)
-    isum = _int_dots(a.qs.reshape(T, nb * 8, 32), wc["q"]).reshape(T, O, nb, 8)
-    sumi = (isum * wc["sc"][None].astype(F64)).sum(axis=3)
+        isum = _int_dots(a.qs.reshape(T, nb * 16, 16), wc["q"]).reshape(nb, 16, T, O)
+        sumi = (isum * sc[:, :, None, :]).sum(axis=1)  # exact integers  [nb, T, O]
+        return _block_sum(d, sumi)
+    isum = _int_dots(a.qs.reshape(T, nb * 8, 32), wc["q"]).reshape(nb, 8, T, O)
+    sumi = (isum * sc[:, :, None, :]).sum(axis=1)
     bs = a.bsums.reshape(T, nb, 8, 2).astype(np.int64).sum(axis=3)  # per 32: bsums[2j] + bsums[2j+1]
-    summ = (bs[:, None].astype(F64) * wc["m"][None].astype(F64)).sum(axis=3)
-    dmin = ((-a.d)[:, None, :] * wc["dmin"][None]).astype(F32)  # -y.d * fp16(x.dmin)
-    return _block_sum(d.astype(F64) * sumi + dmin.astype(F64) * summ)
+    m = wc["m"].transpose(1, 2, 0).astype(F64)  # [nb, j, O]
+    summ = np.matmul(bs.transpose(1, 0, 2).astype(F64), m)  # [nb, T, O]: integers, exact in f64
+    dmin = ((-a.d).T[:, :, None] * wc["dmin"].T[:, None, :]).astype(F32)  # -y.d * fp16(x.dmin)
+    acc = np.zeros((T, O), dtype=F64)
+    for b in range(nb):  # as _block_sum, the term of a K-quant block being its two products added once
+        acc = acc + (d[b].astype(F64) * sumi[b] + dmin[b].astype(F64) * summ[b])
+    return acc
 
 
 def matmul_ggml(weight_bytes: np.ndarray, t: G, x: np.ndarray) -> np.ndarray:
@@ -159,14 +213,32 @@ def matmul_ggml(weight_bytes: np.ndarray, t: G, x: np.ndarray) -> np.ndarray:
         W = dequantize(w.reshape(-1), t, O * n_in).reshape(O, n_in).astype(F64)
         xa = {G.F32: x, G.F16: f16_round(x), G.BF16: bf16_round(x)}[t]  # from_float rounding
         return (xa.astype(F64) @ W.T).astype(F32)
+    out = np.empty((T, O), dtype=F32)
+    step = _row_step(T, n_in)
+    for o0 in range(0, O, step):
+        out[:, o0 : o0 + step] = matmul_codes(codes_from_fields(t, _split_raw(w[o0 : o0 + step], t, n_in), n_in), t, x)
+    return out
+
+
+def _row_step(T: int, n_in: int) -> int:
+    """Output rows per chunk so the [T, O, S] temporaries stay within _CHUNK_BYTES."""
+    return max(8, _CHUNK_BYTES // max(1, T * (n_in // 16) * 8 * 3))
+
+
+def matmul_codes(wc: dict[str, np.ndarray], t: G, x: np.ndarray) -> np.ndarray:
+    """y = x @ W^T for integer codes of `codes_from_fields`: x float32 [T, n_in] is converted to
+    the vec_dot_type (Q8_K or Q8_0) and every block's term is summed as the module doc says.
+    Returns float32 [T, n_out]; each output row depends on its own x row only."""
+    t = G(t)
     if VEC_DOT_TYPE[t] == G.Q8_K:
         a, fn = quantize_q8_K(x), _dot_q8_K
     else:
         a, fn = quantize_q8_0(x), _dot_q8_0
-    out = np.empty((T, O), dtype=F32)
-    per_row = max(1, T * (n_in // 16) * 8 * 3)
-    step = max(8, _CHUNK_BYTES // per_row)
+    O = wc["d"].shape[0]
+    out = np.empty((x.shape[0], O), dtype=F32)
+    step = _row_step(x.shape[0], x.shape[1])
     for o0 in range(0, O, step):
-        wc = _weight_codes(w[o0 : o0 + step], t, n_in)
-        out[:, o0 : o0 + step] = fn(wc, a, t).astype(F32)
+        o1 = min(O, o0 + step)
+        part = {k: (v[:, :, o0:o1] if k == "q" else v[o0:o1]) for k, v in wc.items()}
+        out[:, o0:o1] = fn(part, a, t).astype(F32)
     return out

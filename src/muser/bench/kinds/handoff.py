@@ -34,7 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="GGUF (default: the shipped micro model, F16)")
     p.add_argument("--tokens", type=int, default=1000, help="prompt tokens (default 1000)")
     p.add_argument("--kv", choices=("f16", "f32"), default="f16")
-    p.add_argument("--lane", choices=("exact", "fast"), default="exact")
+    p.add_argument("--lane", choices=("exact", "fast"), default="exact",
+                   help="exact: f32 activations against the exact weight decode (Gate 2 vs oracle f32); fast: ggml-cpu's "
+                        "integer arithmetic on every call (activations to Q8_K/Q8_0, integer block sums, row-invariant; Gate 2 vs oracle ggml-cpu); default exact")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gate-tokens", type=int, default=16, help="greedy steps compared by Gate 3 (default 16)")
