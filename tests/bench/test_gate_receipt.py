@@ -48,6 +48,7 @@ def test_gated_by_receipt(wide, tmp_path):
 @pytest.mark.parametrize("case,needle", [
     ("dtypes", "gated dtypes"),
     ("kv", "no Gate 2 row for KV type 'f16'"),
+    ("lane", "gated lane 'exact', this run is lane 'fast'"),
     ("edited", "not a receipt of the writer"),
     ("missing", "is not a file"),
 ])
@@ -58,6 +59,8 @@ def test_receipt_not_describing_the_model_is_refused(wide, tiny_gguf, tmp_path, 
         model = tiny_gguf  # same widths, F32 weights: the receipt gated the Q4_K mix
     elif case == "kv":
         extra = ["--kv", "f16"]
+    elif case == "lane":
+        extra = ["--lane", "fast"]  # an exact-lane gate never gates the integer lane
     elif case == "edited":
         body = json.loads(receipt.read_text())
         body["gate"]["rows"][0]["max_dlsm"] = 0.0

@@ -590,11 +590,11 @@ def model_widths(cfg) -> dict:
             "head_dim": cfg.head_dim, "vocab": cfg.vocab}
 
 
-def gate_from_receipt(path, model, device: str, kv: str) -> dict:
+def gate_from_receipt(path, model, device: str, kv: str, lane: str = "exact") -> dict:
     """The gate of a run gated by a full-width reduced-depth Gate 2 receipt. Refused (typed, before
-    any timing) unless the receipt is one the writer produced, of this tree (git SHA), device kind
-    and KV type, with this model's widths and dtype mix; its verdict is not copied: this run's gate
-    reads n/a, gated_by the receipt, and the figures are a result only if that receipt passed."""
+    any timing) unless the receipt is one the writer produced, of this tree (git SHA), device kind,
+    lane and KV type, with this model's widths and dtype mix; its verdict is not copied: this run's
+    gate reads n/a, gated_by the receipt, and the figures are a result only if that receipt passed."""
     from .receipt import git_sha, verify_receipt
 
     p = Path(path)
@@ -608,6 +608,8 @@ def gate_from_receipt(path, model, device: str, kv: str) -> dict:
     sha = git_sha()
     if body["git_sha"] != sha:
         raise MuserError(f"--gate-receipt {p.name!r} gated tree {body['git_sha']}, this run is {sha}")
+    if body.get("lane") != lane:
+        raise MuserError(f"--gate-receipt {p.name!r} gated lane {body.get('lane')!r}, this run is lane {lane!r}")
     fx = body.get("model") or {}
     widths = model_widths(model.config)
     got = {k: fx.get(k) for k in WIDTH_KEYS}
@@ -620,9 +622,10 @@ def gate_from_receipt(path, model, device: str, kv: str) -> dict:
     if not rows:
         raise MuserError(f"--gate-receipt {p.name!r} has no Gate 2 row for KV type {kv!r}")
     row = rows[0]
-    return {"status": "n/a", "name": "Gate 2 at full width, reduced depth (engine exact lane vs oracle f32)",
+    against = "oracle f32" if lane == "exact" else "oracle ggml-cpu"
+    return {"status": "n/a", "name": f"Gate 2 at full width, reduced depth (engine {lane} lane vs {against})",
             "gated_by": p.name, "gated_by_digest": body["digest"], "gated_by_status": row.get("status"),
-            "gated_by_row": row, "gated_by_fixture": fx, "lane_gated": "exact"}
+            "gated_by_row": row, "gated_by_fixture": fx, "lane_gated": lane}
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -697,7 +700,7 @@ def run(args: argparse.Namespace, kind: str) -> int:
     try:
         cfg = m.config
         if args.gate_receipt:
-            gate = gate_from_receipt(args.gate_receipt, m, args.device, args.kv)
+            gate = gate_from_receipt(args.gate_receipt, m, args.device, args.kv, args.lane)
             print(f"gate: by {gate['gated_by']} ({gate['gated_by_status']})", file=sys.stderr, flush=True)
         else:
             gate = run_gate(m, path, args.lane, args.kv, args.gate_tokens)
