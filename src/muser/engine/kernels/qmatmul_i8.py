@@ -182,7 +182,7 @@ if HAVE_TRITON:
     def _byte_tile(p, row, width, nmask, at):
         """Weight bytes [32, BN] as int32: byte at + i of each row (contiguous along K)."""
         k = tl.arange(0, 32)
-        return tl.load(p + row[None, :] * width + at + k[:, None], mask=nmask[None, :], other=0).to(tl.int32)
+        return tl.load(p + row[None, :] * width + at + k[:, None], mask=nmask[None, :], other=0)
 
     @triton.jit(do_not_specialize=["T"])
     def _qmatmul_i8_kernel(aq, ad, ab, y, w0, w1, w2, w3, w4, w5, N, K, T, sy,
@@ -216,26 +216,39 @@ if HAVE_TRITON:
             for b in range(0, nb):
                 if FMT == 3:
                     qh = _byte_tile(w5, row, nb * 32, nmask, b * 32)
-                sumi = tl.zeros([BM, BN], dtype=tl.int32)
+                sumi = tl.zeros([BM, BN], dtype=tl.int32)  # Q4_K: 16 x sum_j sc_j * isum_j
                 for c in tl.static_range(4):
-                    wb = _byte_tile(w0, row, nb * 128, nmask, b * 128 + 32 * c)
+                    wb = _byte_tile(w0, row, nb * 128, nmask, b * 128 + 32 * c)  # [32, BN] u8
                     for h in tl.static_range(2):
                         j = 2 * c + h  # sub-block
-                        if h == 0:
+                        sc = tl.load(w3 + row * (nb * 8) + b * 8 + j, mask=nmask, other=0).to(tl.int32)
+                        if FMT == 2 and h == 1:
+                            # high nibble h as the int8 16h - 128 by two byte-wise logic ops (a per-byte
+                            # shift costs ~3 instructions a weight): dot = 16 isum_j - 128 bsum32_j
+                            q = ((wb & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
+                        elif h == 0:
                             q = wb & 15
                         else:
                             q = wb >> 4
                         if FMT == 3:
                             q = q | (((qh >> j) & 1) << 4)
+                        elif h == 0:
+                            sc = sc * 16
                         xq = _act_tile(aq, tok, mmask, K, b * 256 + 32 * j)
-                        isum = tl.dot(xq, q.to(tl.int8), out_dtype=tl.int32)
-                        sc = tl.load(w3 + row * (nb * 8) + b * 8 + j, mask=nmask, other=0).to(tl.int32)
+                        if FMT == 2 and h == 1:  # + 128 bsum32_j from a dot with ones: 16 isum_j
+                            ones = tl.full([32, BN], 1, tl.int8)
+                            isum = tl.dot(xq, q, acc=tl.dot(xq, ones, out_dtype=tl.int32) << 7,
+                                          out_dtype=tl.int32)
+                        else:
+                            isum = tl.dot(xq, q.to(tl.int8), out_dtype=tl.int32)
                         sumi = sumi + isum * sc[None, :]
                 # mins against the activations' per-32 sums: summ = sum_j m_j * bsum32_j
                 bsv = tl.load(ab + tok[:, None] * (K // 32) + b * 8 + j8[None, :], mask=mmask[:, None], other=0)
                 mv = tl.load(w4 + row[None, :] * (nb * 8) + b * 8 + j8[:, None], mask=nmask[None, :],
                              other=0).to(tl.int32)  # [8, BN]
                 summ = tl.sum(bsv[:, :, None] * mv[None, :, :], 1)  # [BM, BN]
+                if FMT == 2:
+                    sumi = sumi >> 4  # exact: every term is a multiple of 16 (< 2^29)
                 a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
                 wd = tl.load(w1 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
                 wm = tl.load(w2 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
