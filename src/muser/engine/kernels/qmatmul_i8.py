@@ -11,6 +11,11 @@ Arithmetic (the integer lane's contract, ggml-cpu's vec_dot with one fixed float
 2. Per 32-element (Q6_K: 16-element) sub-block the integer sum of weight code x activation code
    is one int8 `tl.dot` with an int32 result: exact. Q6_K's two 16-element halves of a 32-group
    are two dots against the activations with the other half zeroed (the zeros add nothing).
+   Codes become int8 operands by byte-wise logic only (and/or/xor stay packed four to a
+   register; a per-byte shift costs ~3 instructions a weight): a high nibble h is read as
+   16h - 128, a low one as lo - 16 or lo - 32 (a constant or-ed above it), Q6_K's high bits
+   in place (4^q h2); the offsets and scales come back by integer identities, the activation
+   sums they need from one more dot against ones (all exact, in int32).
    The K-quant scale combine (sum_j sc_j * isum_j, the mins against the Q8_K bsums) stays in int32
    (Q4_K/Q5_K |sumi| < 2^27, Q6_K < 2^28).
 3. Each block's term is formed in float64 as dot.py forms it: Q8_0/Q4_0 f64(f32(wd * ad)) * isum
@@ -197,15 +202,26 @@ if HAVE_TRITON:
         acc = tl.zeros([BM, BN], dtype=tl.float64)  # +0.0 (dot._block_sum)
         if FMT <= 1:  # Q8_0 / Q4_0: w0 qs, w1 d; one 32-block per step
             nb = K // 32
+            ones = tl.full([32, BN], 1, tl.int8)
             for b in range(0, nb):
-                xq = _act_tile(aq, tok, mmask, K, b * 32)  # [BM, 32] int8
                 if FMT == 0:
+                    xq = _act_tile(aq, tok, mmask, K, b * 32)  # [BM, 32] int8
                     wq = tl.load(w0 + row[None, :] * K + b * 32 + k[:, None], mask=nmask[None, :], other=0)
-                else:  # element i < 16: low nibble of byte i, else high nibble of byte i - 16
+                    isum = tl.dot(xq, wq, out_dtype=tl.int32)  # [BM, BN] exact
+                else:
+                    # byte k % 16 on both halves; element i < 16 is its low nibble, read as lo - 16
+                    # (0xF0 or-ed on), element 16 + i its high nibble, read as 16 hi - 128, against
+                    # activations with the other half loaded as zeros (no per-byte select or shift):
+                    # 16 isum = 16 (D_lo + 8 S_lo) + D_hi, S_lo from a dot with ones
                     wb = tl.load(w0 + row[None, :] * (K // 2) + b * 16 + (k % 16)[:, None], mask=nmask[None, :],
-                                 other=0).to(tl.int32)
-                    wq = (tl.where((k < 16)[:, None], wb & 15, wb >> 4) - 8).to(tl.int8)
-                isum = tl.dot(xq, wq, out_dtype=tl.int32)  # [BM, BN] exact
+                                 other=0)
+                    lop = ((wb & 0x0F) | 0xF0).to(tl.int8, bitcast=True)
+                    hop = ((wb & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
+                    xp = aq + tok[:, None] * K + b * 32 + k[None, :]
+                    xa = tl.load(xp, mask=mmask[:, None] & (k < 16)[None, :], other=0)
+                    xb = tl.load(xp, mask=mmask[:, None] & (k >= 16)[None, :], other=0)
+                    t = tl.dot(xa, lop, acc=tl.dot(xa, ones, out_dtype=tl.int32) << 3, out_dtype=tl.int32)
+                    isum = tl.dot(xb, hop, acc=t << 4, out_dtype=tl.int32) >> 4  # exact
                 wd = tl.load(w1 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
                 a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
                 s = wd[None, :] * a_d[:, None]  # f32: fp16(x.d) * fp16(y.d)
@@ -257,7 +273,7 @@ if HAVE_TRITON:
                 acc = acc + (dd.to(tl.float64) * sumi.to(tl.float64) + dm.to(tl.float64) * summ.to(tl.float64))
         else:  # Q6_K: w0 ql, w1 qh, w2 sc, w3 d
             nb = K // 256
-            lo16 = (k < 16)[None, :]
+            ones = tl.full([32, BN], 1, tl.int8)
             for b in range(0, nb):
                 sumi = tl.zeros([BM, BN], dtype=tl.int32)
                 for hh in tl.static_range(2):  # 128-element halves
@@ -265,20 +281,40 @@ if HAVE_TRITON:
                     for g in tl.static_range(2):
                         ql = _byte_tile(w0, row, nb * 128, nmask, b * 128 + 64 * hh + 32 * g)
                         for hi in tl.static_range(2):
-                            qq = g + 2 * hi  # quarter: elements 128hh + 32qq + l
+                            qq = g + 2 * hi  # quarter: elements 128hh + 32qq + l, q = lo4 + 16 h2
+                            # operands by byte-wise logic alone (a per-byte shift costs ~3 instructions
+                            # a weight); each isum is an exact integer identity over the half's codes:
+                            # qq < 2: L = lo4 - 32 (or 0xE0 onto the low nibble), H = 4^qq h2:
+                            #         isum = D_L + 4^(2-qq) D_H
+                            # qq = 2: L = 16 lo4 - 128, H = 16 h2: 16 isum = D_L + 16 (D_H - 24 S)
+                            # qq = 3: L = 16 lo4 - 128, H = 64 h2 - 128: 16 isum = D_L + 4 (D_H + 32 S)
+                            # with S the half's activation sum (a dot with ones)
                             if hi == 0:
-                                low = ql & 15
+                                lop = ((ql & 0x0F) | 0xE0).to(tl.int8, bitcast=True)
                             else:
-                                low = ql >> 4
-                            q = ((low | (((qh >> (2 * qq)) & 3) << 4)) - 32).to(tl.int8)
-                            xq = _act_tile(aq, tok, mmask, K, b * 256 + 128 * hh + 32 * qq)
-                            z = tl.zeros_like(xq)
-                            i0 = tl.dot(tl.where(lo16, xq, z), q, out_dtype=tl.int32)  # elements l < 16
-                            i1 = tl.dot(tl.where(lo16, z, xq), q, out_dtype=tl.int32)  # l >= 16
+                                lop = ((ql & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
+                            if qq == 3:
+                                hop = ((qh & 0xC0) ^ 0x80).to(tl.int8, bitcast=True)
+                            else:
+                                hop = (qh & (3 << (2 * qq))).to(tl.int8)
+                            e0 = b * 256 + 128 * hh + 32 * qq
                             s = b * 16 + 8 * hh + 2 * qq
-                            s0 = tl.load(w2 + row * (nb * 16) + s, mask=nmask, other=0).to(tl.int32)
-                            s1 = tl.load(w2 + row * (nb * 16) + s + 1, mask=nmask, other=0).to(tl.int32)
-                            sumi = sumi + i0 * s0[None, :] + i1 * s1[None, :]
+                            for half in tl.static_range(2):  # elements l < 16, then l >= 16
+                                # the other half's codes read as zeros (masked loads: no per-byte select)
+                                xh = tl.load(aq + tok[:, None] * K + e0 + k[None, :],
+                                             mask=mmask[:, None] & ((k // 16) == half)[None, :], other=0)
+                                if qq < 2:
+                                    t = tl.dot(xh, hop, out_dtype=tl.int32) << (4 - 2 * qq)
+                                    isum = tl.dot(xh, lop, acc=t, out_dtype=tl.int32)
+                                else:
+                                    s1 = tl.dot(xh, ones, out_dtype=tl.int32)
+                                    if qq == 2:
+                                        t = tl.dot(xh, hop, acc=s1 * -24, out_dtype=tl.int32) << 4
+                                    else:
+                                        t = tl.dot(xh, hop, acc=s1 << 5, out_dtype=tl.int32) << 2
+                                    isum = tl.dot(xh, lop, acc=t, out_dtype=tl.int32) >> 4  # exact
+                                sc = tl.load(w2 + row * (nb * 16) + s + half, mask=nmask, other=0).to(tl.int32)
+                                sumi = sumi + isum * sc[None, :]
                 a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
                 wd = tl.load(w3 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
                 dd = a_d[:, None] * wd[None, :]  # f32: y.d * fp16(x.d)
