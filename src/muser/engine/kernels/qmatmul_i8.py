@@ -229,42 +229,46 @@ if HAVE_TRITON:
         elif FMT <= 3:  # Q4_K / Q5_K: w0 qs, w1 d, w2 dmin, w3 sc, w4 m, w5 qh
             nb = K // 256
             j8 = tl.arange(0, 8)
+            ones = tl.full([32, BN], 1, tl.int8)
             for b in range(0, nb):
                 if FMT == 3:
                     qh = _byte_tile(w5, row, nb * 32, nmask, b * 32)
-                sumi = tl.zeros([BM, BN], dtype=tl.int32)  # Q4_K: 16 x sum_j sc_j * isum_j
+                sumi = tl.zeros([BM, BN], dtype=tl.int32)  # 16 x sum_j sc_j * isum_j
                 for c in tl.static_range(4):
                     wb = _byte_tile(w0, row, nb * 128, nmask, b * 128 + 32 * c)  # [32, BN] u8
                     for h in tl.static_range(2):
                         j = 2 * c + h  # sub-block
                         sc = tl.load(w3 + row * (nb * 8) + b * 8 + j, mask=nmask, other=0).to(tl.int32)
-                        if FMT == 2 and h == 1:
-                            # high nibble h as the int8 16h - 128 by two byte-wise logic ops (a per-byte
-                            # shift costs ~3 instructions a weight): dot = 16 isum_j - 128 bsum32_j
-                            q = ((wb & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
-                        elif h == 0:
-                            q = wb & 15
-                        else:
-                            q = wb >> 4
-                        if FMT == 3:
-                            q = q | (((qh >> j) & 1) << 4)
-                        elif h == 0:
-                            sc = sc * 16
                         xq = _act_tile(aq, tok, mmask, K, b * 256 + 32 * j)
-                        if FMT == 2 and h == 1:  # + 128 bsum32_j from a dot with ones: 16 isum_j
-                            ones = tl.full([32, BN], 1, tl.int8)
-                            isum = tl.dot(xq, q, acc=tl.dot(xq, ones, out_dtype=tl.int32) << 7,
-                                          out_dtype=tl.int32)
-                        else:
-                            isum = tl.dot(xq, q.to(tl.int8), out_dtype=tl.int32)
+                        if FMT == 3:  # the 5th bit in place: (qh & 2^j) is 2^j hb (j = 7: -128 hb)
+                            th = tl.dot(xq, (qh & (1 << j)).to(tl.uint8).to(tl.int8, bitcast=True), out_dtype=tl.int32)
+                        if h == 0:  # low nibble lo: isum = D_lo (+ 16 sum x hb)
+                            lop = (wb & 0x0F).to(tl.int8, bitcast=True)
+                            if FMT == 3:
+                                if j <= 4:
+                                    t = th << (4 - j)
+                                else:
+                                    t = th >> (j - 4)  # exact: th is a multiple of 2^j
+                                isum = tl.dot(xq, lop, acc=t, out_dtype=tl.int32)
+                            else:
+                                isum = tl.dot(xq, lop, out_dtype=tl.int32)
+                            sc = sc * 16
+                        else:  # high nibble hi as 16 hi - 128: 16 isum = D_hi + 128 S (+ 256 sum x hb)
+                            hop = ((wb & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
+                            t = tl.dot(xq, ones, out_dtype=tl.int32) << 7
+                            if FMT == 3:
+                                if j == 7:
+                                    t = t - 2 * th
+                                else:
+                                    t = t + (th << (8 - j))
+                            isum = tl.dot(xq, hop, acc=t, out_dtype=tl.int32)
                         sumi = sumi + isum * sc[None, :]
                 # mins against the activations' per-32 sums: summ = sum_j m_j * bsum32_j
                 bsv = tl.load(ab + tok[:, None] * (K // 32) + b * 8 + j8[None, :], mask=mmask[:, None], other=0)
                 mv = tl.load(w4 + row[None, :] * (nb * 8) + b * 8 + j8[:, None], mask=nmask[None, :],
                              other=0).to(tl.int32)  # [8, BN]
                 summ = tl.sum(bsv[:, :, None] * mv[None, :, :], 1)  # [BM, BN]
-                if FMT == 2:
-                    sumi = sumi >> 4  # exact: every term is a multiple of 16 (< 2^29)
+                sumi = sumi >> 4  # exact: every term is a multiple of 16 (|16 sumi| < 2^30)
                 a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
                 wd = tl.load(w1 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
                 wm = tl.load(w2 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
