@@ -133,7 +133,7 @@ def drive(rec: Recorder) -> None:
             w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy()))
             for T in (1, 16, 17, 512):
                 i8.matmul_i8(w, torch.zeros(T, n_in), torch.empty(T, n_out))
-        for cfg in ((16, 16, 4, 1), (64, 32, 4, 2), (128, 128, 8, 3)):  # sweep corners
+        for cfg in ((16, 16, 4, 1), (64, 32, 4, 2), (128, 64, 8, 2)):  # sweep corners (< 227 KB shared)
             i8.matmul_i8(w, torch.zeros(64, n_in), config=cfg)
     from muser.engine.kernels import fused
 

@@ -74,9 +74,13 @@ _Q8_0_BLOCKS = 8
 
 # (BM, BN, num_warps, num_stages) per row bucket (16: T <= 16, 64: wider). BM 16 for decode and
 # verify: a one-row call is a 16-row tile with 15 idle rows, bandwidth-bound, the tensor cores'
-# idle rows cost nothing. Device sweeps override through `config`; the bits never depend on it.
+# idle rows cost nothing. The 16-row default is one warp per 16 output columns: the most programs
+# (N / 16) to keep bytes in flight (the block order forbids splitting K) and the fewest
+# instructions a weight in the compiled sm_90 loop (Q4_K 5.6, Q5_K/Q6_K/Q8_0 below 8, counted
+# statically; not yet timed on a device). Device sweeps override through `config`; the bits
+# never depend on it.
 CONFIGS: dict[int, tuple[int, int, int, int]] = {
-    16: (16, 64, 4, 3),
+    16: (16, 16, 1, 4),
     64: (64, 64, 4, 3),
 }
 
@@ -106,11 +110,8 @@ def check_config(config) -> tuple[int, int, int, int]:
     return bm, bn, nw, ns
 
 
-def config_for(n_out: int, rows: int) -> tuple[int, int, int, int]:
-    bm, bn, nw, ns = CONFIGS[_bucket(rows)]
-    if rows <= 16 and n_out < 4096:  # small outputs: narrower tiles, more programs to fill the SMs
-        bn = 32
-    return bm, bn, nw, ns
+def config_for(rows: int) -> tuple[int, int, int, int]:
+    return CONFIGS[_bucket(rows)]
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _byte_tile(p, row, width, nmask, at):
-        """Weight bytes [32, BN] as int32: byte at + i of each row (contiguous along K)."""
+        """Weight bytes [32, BN] u8: byte at + i of each row (contiguous along K)."""
         k = tl.arange(0, 32)
         return tl.load(p + row[None, :] * width + at + k[:, None], mask=nmask[None, :], other=0)
 
@@ -385,7 +386,7 @@ def matmul_i8_act(w: QWeight, act: Act, out: torch.Tensor | None = None, config=
     elif out.dtype != torch.float32 or tuple(out.shape) != (T, N) or out.stride(1) != 1:
         raise ValueError(f"out {out.dtype} {list(out.shape)} (stride {list(out.stride())}): "
                          f"need float32 [{T}, {N}] with unit column stride")
-    bm, bn, nw, ns = check_config(config) if config is not None else config_for(N, T)
+    bm, bn, nw, ns = check_config(config) if config is not None else config_for(T)
     f = w.fields
     ptrs = [f[k] for k in FIELDS[w.fmt]]
     ptrs += [ptrs[0]] * (6 - len(ptrs))  # absent slots repeat the first field (never read)
