@@ -35,7 +35,7 @@ def i8(kernels):
 def _x(T: int, K: int, seed: int = 0) -> np.ndarray:
     """[T, K] f32: row 0 all zero, row 1 a |max| tie of opposite signs in every 256-block (the
     negative first, then the positive first), rows 2/3 large and small magnitudes, one block of
-    row 4 zero, the rest normal with a few exact half-integers after scaling."""
+    row 4 zero, row 5 rounding ties (half-integers at unit scale), the rest normal."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((T, K)).astype(np.float32)
     x[0] = 0.0
@@ -50,8 +50,9 @@ def _x(T: int, K: int, seed: int = 0) -> np.ndarray:
         x[3] *= 1e-7
     if T > 4:
         x[4, :32] = 0.0
-    if T > 5:
-        x[5, :32] = np.arange(32, dtype=np.float32) - 15.5  # q8_0 id * x lands on .5 ties
+    if T > 5:  # |max| 127 makes the scale 1 (Q8_K iscale, Q8_0 id): the .5 values are rounding ties
+        x[5, :31] = np.arange(31, dtype=np.float32) - 15.5
+        x[5, 31] = -127.0
     return x
 
 
@@ -84,6 +85,8 @@ def test_quantize_act_is_ggml_bitwise(i8, kind):
         assert np.array_equal(_bits(a.d), _bits(ref.d))
         assert a.bsum32 is None
     assert not a.qs[0].any() and not a.d[0].any()  # all-zero row: zero codes and scales
+    assert a.qs[5, :31].tolist() == [-16, -14, -14, -12, -12, -10, -10, -8, -8, -6, -6, -4, -4, -2, -2, 0,
+                                     0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14]  # half-to-even
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
