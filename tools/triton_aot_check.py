@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Compile every Triton kernel of the engine for an NVIDIA target (default sm_90, the H200)
 without a GPU: the launches are driven through the real host code (matvec v1/v3 for every
-format and row bucket, v3 under every shipped tuning config, dequant, attention for both plane kinds and KV dtypes) with CPU tensors,
+format and row bucket, v3 under every shipped tuning config, dequant, the integer-lane GEMM and
+its activation quantizers, attention for both plane kinds and KV dtypes) with CPU tensors,
 each launch is recorded instead of run, and each distinct (kernel, signature, constexprs,
 options) is compiled by Triton down to a cubin with the bundled ptxas.
 
@@ -124,6 +125,16 @@ def drive(rec: Recorder) -> None:
         q3.dequant_v3(p3, bn=4, j=8)
         for T in (1, 2, 3, 5, 9, 16):
             q3.matvec_v3(p3, torch.zeros(T, n_in), torch.empty(T, n_out))
+    from muser.engine.kernels import qmatmul_i8 as i8
+
+    for fmt in i8.FORMATS:  # the integer lane: decode (BM 16, narrow and wide N), verify, prefill tiles
+        n_in = 512
+        for n_out in (24, 4096):
+            w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy()))
+            for T in (1, 16, 17, 512):
+                i8.matmul_i8(w, torch.zeros(T, n_in), torch.empty(T, n_out))
+        for cfg in ((16, 16, 4, 1), (64, 32, 4, 2), (128, 64, 8, 2)):  # sweep corners (< 227 KB shared)
+            i8.matmul_i8(w, torch.zeros(64, n_in), config=cfg)
     from muser.engine.kernels import fused
 
     for R, N in ((1, 6656), (16, 6656), (4, 512)):

@@ -1,0 +1,407 @@
+"""Integer-lane GEMM on CUDA (Triton): y = x @ W^T exactly as `muser.quant.dot.matmul_ggml` forms
+it, bit for bit, for Q8_0, Q4_0, Q4_K, Q5_K and Q6_K weights and any number of activation rows.
+
+Arithmetic (the integer lane's contract, ggml-cpu's vec_dot with one fixed float order):
+1. `quantize_act` converts the f32 activations to the weight type's vec_dot_type (dot.VEC_DOT_TYPE):
+   Q8_K per 256 (first-index signed max, iscale = -127/max, q = min(127, nearest_int(iscale * x)),
+   d = 1/iscale, bsums) or Q8_0 per 32 (d = f16(amax/127), id = 127/amax, q = clip(rint(x * id))).
+   Every division is IEEE round-to-nearest (`tl.div_rn`; a plain f32 `/` may be approximate on
+   CUDA) and rounding to an integer is the 1.5 * 2^23 add (ggml-quants.c nearest_int), which is
+   round-half-even for these magnitudes both compiled and under the interpreter.
+2. Per 32-element (Q6_K: 16-element) sub-block the integer sum of weight code x activation code
+   is one int8 `tl.dot` with an int32 result: exact. Q6_K's two 16-element halves of a 32-group
+   are two dots against the activations with the other half zeroed (the zeros add nothing).
+   Codes become int8 operands by byte-wise logic only (and/or/xor stay packed four to a
+   register; a per-byte shift costs ~3 instructions a weight): a high nibble h is read as
+   16h - 128, a low one as lo - 16 or lo - 32 (a constant or-ed above it), Q6_K's high bits
+   in place (4^q h2); the offsets and scales come back by integer identities, the activation
+   sums they need from one more dot against ones (all exact, in int32).
+   The K-quant scale combine (sum_j sc_j * isum_j, the mins against the Q8_K bsums) stays in int32
+   (Q4_K/Q5_K |sumi| < 2^27, Q6_K < 2^28).
+3. Each block's term is formed in float64 as dot.py forms it: Q8_0/Q4_0 f64(f32(wd * ad)) * isum
+   per 32-block; Q4_K/Q5_K f64(f32(ad * wd)) * sumi + f64(f32(-ad * dmin)) * summ per 256-block;
+   Q6_K f64(f32(ad * wd)) * sumi per 256-block (products and the one addition each rounded once).
+4. acc (f64, +0.0) = acc + term for the blocks in order, rounded to f32 once at the store.
+   Kernels launch with enable_fp_fusion=False, so no step contracts into an FMA.
+
+Why every row's bits are independent of the batch (row invariance by construction): an output
+(t, n) depends only on activation row t and weight row n; its integer sums are exact whatever
+the tile shape, and its float steps (one rounding per scale product, per f64 product and per
+addition, in block order) are the same for every BM/BN/num_warps/num_stages and every row count.
+So a one-row decode, a 16-row verify and a 500-row prefill chunk give a row the same bits, and
+configs change speed only.
+
+Layout read (weights.repack fields; rows may be a row slice of fields stacked along rows):
+  Q8_0 qs int8 [N, K], d f16 [N, K/32]
+  Q4_0 qs u8 [N, K/2] (per 32-block: byte i low nibble = element i, high nibble = element 16 + i),
+       d f16 [N, K/32]
+  Q4_K qs u8 [N, nb*128] (per 64-chunk c of a 256-block: byte 32c + i low nibble = element
+       64c + i, high nibble = element 64c + 32 + i), sc/m u8 [N, nb*8], d/dmin f16 [N, nb]
+  Q5_K + qh u8 [N, nb*32] (element 64c + i: bit 2c of qh[i]; 64c + 32 + i: bit 2c + 1)
+  Q6_K ql u8 [N, nb*128], qh u8 [N, nb*64], sc int8 [N, nb*16], d f16 [N, nb]
+       (element 128h + 32q + l: low 4 bits from ql[64h + 32(q % 2) + l] (q < 2 low nibble,
+       else high), high 2 bits from qh[32h + l] at 2q; scale sc[8h + 2q + l // 16])
+Each weight tile is read as [32, BN] bytes, contiguous along K per output row (32 bytes a row
+per sub-block), decoded to int8 codes in registers and fed to the tensor cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import LaneError
+from ...gguf.types import GgmlType as G
+from ...quant.dot import VEC_DOT_TYPE
+from ..weights import FIELDS, QWeight
+
+try:  # Triton is optional on the CPU; the CUDA backend requires it.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAVE_TRITON = False
+
+FORMATS = (G.Q8_0, G.Q4_0, G.Q4_K, G.Q5_K, G.Q6_K)
+KINDS = (G.Q8_K, G.Q8_0)
+_BLOCK = {G.Q8_K: 256, G.Q8_0: 32}  # activation block per kind
+# the FMT constexpr
+_CODE = {G.Q8_0: 0, G.Q4_0: 1, G.Q4_K: 2, G.Q5_K: 3, G.Q6_K: 4}
+# Q8_0 activation blocks per quantization program
+_Q8_0_BLOCKS = 8
+
+# (BM, BN, num_warps, num_stages) per row bucket (16: T <= 16, 64: wider). BM 16 for decode and
+# verify: a one-row call is a 16-row tile with 15 idle rows, bandwidth-bound, the tensor cores'
+# idle rows cost nothing. The 16-row default is one warp per 16 output columns: the most programs
+# (N / 16) to keep bytes in flight (the block order forbids splitting K) and the fewest
+# instructions a weight in the compiled sm_90 loop (Q4_K 5.6, Q5_K/Q6_K/Q8_0 below 8, counted
+# statically; not yet timed on a device). Device sweeps override through `config`; the bits
+# never depend on it.
+CONFIGS: dict[int, tuple[int, int, int, int]] = {
+    16: (16, 16, 1, 4),
+    64: (64, 64, 4, 3),
+}
+
+
+def supports(fmt: G) -> bool:
+    return fmt in FORMATS
+
+
+def _bucket(t: int) -> int:
+    return 16 if t <= 16 else 64
+
+
+def check_config(config) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages) or ValueError naming it: BM and BN powers of two from 16
+    (tl.dot's smallest tile; BM to 128, BN to 256), num_warps a power of two to 16, 1..8 stages."""
+    try:
+        bm, bn, nw, ns = (int(v) for v in config)
+    except (TypeError, ValueError):
+        raise ValueError(f"config {config!r}: expected (BM, BN, num_warps, num_stages)") from None
+
+    def pow2(v: int, lo: int, hi: int) -> bool:
+        return lo <= v <= hi and v & (v - 1) == 0
+
+    if not (pow2(bm, 16, 128) and pow2(bn, 16, 256) and pow2(nw, 1, 16) and 1 <= ns <= 8):
+        raise ValueError(f"config {list(config)!r}: BM in 16..128 and BN in 16..256 powers of two, "
+                         f"num_warps a power of two <= 16, num_stages 1..8")
+    return bm, bn, nw, ns
+
+
+def config_for(rows: int) -> tuple[int, int, int, int]:
+    return CONFIGS[_bucket(rows)]
+
+
+@dataclass(frozen=True)
+class Act:
+    """Activations in a weight type's vec_dot_type (dot.VEC_DOT_TYPE), on the device.
+    Q8_K: d per 256, bsum32 = bsums[2j] + bsums[2j+1] per 32; Q8_0: d per 32 (the f16 value as
+    f32), bsum32 None."""
+
+    kind: G
+    qs: torch.Tensor  # int8 [T, K]
+    d: torch.Tensor  # f32 [T, K / block]
+    bsum32: torch.Tensor | None  # int32 [T, K/32] (Q8_K only)
+
+    @property
+    def rows(self) -> int:
+        return int(self.qs.shape[0])
+
+    @property
+    def n_in(self) -> int:
+        return int(self.qs.shape[1])
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _round_int(p):
+        """ggml-quants.c nearest_int: add 1.5 * 2^23 in f32, read the low mantissa bits (int32)."""
+        r = (p + 12582912.0).to(tl.int32, bitcast=True)
+        return (r & 0x007FFFFF) - 0x00400000
+
+    @triton.jit
+    def _quant_q8_K_kernel(x, qs, d, bs, K, sx):
+        t = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1)
+        e = tl.arange(0, 256)
+        v = tl.load(x + t * sx + b * 256 + e)  # [256] f32
+        av = tl.abs(v)
+        amax = tl.max(av, 0)
+        first = tl.min(tl.where(av == amax, e, 256), 0)  # first index of the largest |x|
+        mx = tl.sum(tl.where(e == first, v, 0.0), 0)  # signed (quantize_row_q8_K_ref)
+        nz = amax != 0.0
+        iscale = tl.div_rn(-127.0, tl.where(nz, mx, 1.0))
+        q = tl.minimum(_round_int(iscale * v), 127)  # [256] int32
+        q = tl.where(nz, q, 0)
+        dv = tl.where(nz, tl.div_rn(1.0, iscale), 0.0)
+        tl.store(qs + t * K + b * 256 + e, q.to(tl.int8))
+        tl.store(d + t * (K // 256) + b, dv)
+        s32 = tl.sum(tl.reshape(q, (8, 32)), 1)  # [8]: bsums[2j] + bsums[2j + 1]
+        tl.store(bs + t * (K // 32) + b * 8 + tl.arange(0, 8), s32)
+
+    @triton.jit
+    def _quant_q8_0_kernel(x, qs, d, K, sx, BB: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1) * BB + tl.arange(0, BB)  # [BB] 32-blocks
+        bmask = blk < K // 32
+        k = tl.arange(0, 32)
+        off = blk[:, None] * 32 + k[None, :]  # [BB, 32]
+        v = tl.load(x + t * sx + off, mask=bmask[:, None], other=0.0)
+        amax = tl.max(tl.abs(v), 1)  # [BB]
+        dh = tl.div_rn(amax, 127.0).to(tl.float16).to(tl.float32)  # d = f16(amax / 127)
+        nz = amax != 0.0
+        idv = tl.where(nz, tl.div_rn(127.0, tl.where(nz, amax, 1.0)), 0.0)  # id = 127 / amax (AVX2)
+        q = tl.minimum(tl.maximum(_round_int(v * idv[:, None]), -128), 127)  # half-to-even, saturated
+        tl.store(qs + t * K + off, q.to(tl.int8), mask=bmask[:, None])
+        tl.store(d + t * (K // 32) + blk, dh, mask=bmask)
+
+    @triton.jit
+    def _act_tile(aq, tok, mmask, K, e0):
+        """Activation codes [BM, 32] int8 of elements e0 .. e0 + 31 (idle rows 0)."""
+        k = tl.arange(0, 32)
+        return tl.load(aq + tok[:, None] * K + e0 + k[None, :], mask=mmask[:, None], other=0)
+
+    @triton.jit
+    def _byte_tile(p, row, width, nmask, at):
+        """Weight bytes [32, BN] u8: byte at + i of each row (contiguous along K)."""
+        k = tl.arange(0, 32)
+        return tl.load(p + row[None, :] * width + at + k[:, None], mask=nmask[None, :], other=0)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _qmatmul_i8_kernel(aq, ad, ab, y, w0, w1, w2, w3, w4, w5, N, K, T, sy,
+                           FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        n = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] output columns (weight rows)
+        m = tl.program_id(1) * BM + tl.arange(0, BM)  # [BM] activation rows
+        nmask = n < N
+        mmask = m < T
+        row = n.to(tl.int64)
+        tok = m.to(tl.int64)
+        k = tl.arange(0, 32)
+        acc = tl.zeros([BM, BN], dtype=tl.float64)  # +0.0 (dot._block_sum)
+        if FMT <= 1:  # Q8_0 / Q4_0: w0 qs, w1 d; one 32-block per step
+            nb = K // 32
+            ones = tl.full([32, BN], 1, tl.int8)
+            for b in range(0, nb):
+                if FMT == 0:
+                    xq = _act_tile(aq, tok, mmask, K, b * 32)  # [BM, 32] int8
+                    wq = tl.load(w0 + row[None, :] * K + b * 32 + k[:, None], mask=nmask[None, :], other=0)
+                    isum = tl.dot(xq, wq, out_dtype=tl.int32)  # [BM, BN] exact
+                else:
+                    # byte k % 16 on both halves; element i < 16 is its low nibble, read as lo - 16
+                    # (0xF0 or-ed on), element 16 + i its high nibble, read as 16 hi - 128, against
+                    # activations with the other half loaded as zeros (no per-byte select or shift):
+                    # 16 isum = 16 (D_lo + 8 S_lo) + D_hi, S_lo from a dot with ones
+                    wb = tl.load(w0 + row[None, :] * (K // 2) + b * 16 + (k % 16)[:, None], mask=nmask[None, :],
+                                 other=0)
+                    lop = ((wb & 0x0F) | 0xF0).to(tl.int8, bitcast=True)
+                    hop = ((wb & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
+                    xp = aq + tok[:, None] * K + b * 32 + k[None, :]
+                    xa = tl.load(xp, mask=mmask[:, None] & (k < 16)[None, :], other=0)
+                    xb = tl.load(xp, mask=mmask[:, None] & (k >= 16)[None, :], other=0)
+                    t = tl.dot(xa, lop, acc=tl.dot(xa, ones, out_dtype=tl.int32) << 3, out_dtype=tl.int32)
+                    isum = tl.dot(xb, hop, acc=t << 4, out_dtype=tl.int32) >> 4  # exact
+                wd = tl.load(w1 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
+                a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
+                s = wd[None, :] * a_d[:, None]  # f32: fp16(x.d) * fp16(y.d)
+                acc = acc + s.to(tl.float64) * isum.to(tl.float64)
+        elif FMT <= 3:  # Q4_K / Q5_K: w0 qs, w1 d, w2 dmin, w3 sc, w4 m, w5 qh
+            nb = K // 256
+            j8 = tl.arange(0, 8)
+            ones = tl.full([32, BN], 1, tl.int8)
+            for b in range(0, nb):
+                if FMT == 3:
+                    qh = _byte_tile(w5, row, nb * 32, nmask, b * 32)
+                sumi = tl.zeros([BM, BN], dtype=tl.int32)  # 16 x sum_j sc_j * isum_j
+                for c in tl.static_range(4):
+                    wb = _byte_tile(w0, row, nb * 128, nmask, b * 128 + 32 * c)  # [32, BN] u8
+                    for h in tl.static_range(2):
+                        j = 2 * c + h  # sub-block
+                        sc = tl.load(w3 + row * (nb * 8) + b * 8 + j, mask=nmask, other=0).to(tl.int32)
+                        xq = _act_tile(aq, tok, mmask, K, b * 256 + 32 * j)
+                        if FMT == 3:  # the 5th bit in place: (qh & 2^j) is 2^j hb (j = 7: -128 hb)
+                            th = tl.dot(xq, (qh & (1 << j)).to(tl.uint8).to(tl.int8, bitcast=True), out_dtype=tl.int32)
+                        if h == 0:  # low nibble lo: isum = D_lo (+ 16 sum x hb)
+                            lop = (wb & 0x0F).to(tl.int8, bitcast=True)
+                            if FMT == 3:
+                                if j <= 4:
+                                    t = th << (4 - j)
+                                else:
+                                    t = th >> (j - 4)  # exact: th is a multiple of 2^j
+                                isum = tl.dot(xq, lop, acc=t, out_dtype=tl.int32)
+                            else:
+                                isum = tl.dot(xq, lop, out_dtype=tl.int32)
+                            sc = sc * 16
+                        else:  # high nibble hi as 16 hi - 128: 16 isum = D_hi + 128 S (+ 256 sum x hb)
+                            hop = ((wb & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
+                            t = tl.dot(xq, ones, out_dtype=tl.int32) << 7
+                            if FMT == 3:
+                                if j == 7:
+                                    t = t - 2 * th
+                                else:
+                                    t = t + (th << (8 - j))
+                            isum = tl.dot(xq, hop, acc=t, out_dtype=tl.int32)
+                        sumi = sumi + isum * sc[None, :]
+                # mins against the activations' per-32 sums: summ = sum_j m_j * bsum32_j
+                bsv = tl.load(ab + tok[:, None] * (K // 32) + b * 8 + j8[None, :], mask=mmask[:, None], other=0)
+                mv = tl.load(w4 + row[None, :] * (nb * 8) + b * 8 + j8[:, None], mask=nmask[None, :],
+                             other=0).to(tl.int32)  # [8, BN]
+                summ = tl.sum(bsv[:, :, None] * mv[None, :, :], 1)  # [BM, BN]
+                sumi = sumi >> 4  # exact: every term is a multiple of 16 (|16 sumi| < 2^30)
+                a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
+                wd = tl.load(w1 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
+                wm = tl.load(w2 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
+                dd = a_d[:, None] * wd[None, :]  # f32: y.d * fp16(x.d)
+                dm = (-a_d)[:, None] * wm[None, :]  # f32: -y.d * fp16(x.dmin)
+                acc = acc + (dd.to(tl.float64) * sumi.to(tl.float64) + dm.to(tl.float64) * summ.to(tl.float64))
+        else:  # Q6_K: w0 ql, w1 qh, w2 sc, w3 d
+            nb = K // 256
+            ones = tl.full([32, BN], 1, tl.int8)
+            for b in range(0, nb):
+                sumi = tl.zeros([BM, BN], dtype=tl.int32)
+                for hh in tl.static_range(2):  # 128-element halves
+                    qh = _byte_tile(w1, row, nb * 64, nmask, b * 64 + 32 * hh)
+                    for g in tl.static_range(2):
+                        ql = _byte_tile(w0, row, nb * 128, nmask, b * 128 + 64 * hh + 32 * g)
+                        for hi in tl.static_range(2):
+                            qq = g + 2 * hi  # quarter: elements 128hh + 32qq + l, q = lo4 + 16 h2
+                            # operands by byte-wise logic alone (a per-byte shift costs ~3 instructions
+                            # a weight); each isum is an exact integer identity over the half's codes:
+                            # qq < 2: L = lo4 - 32 (or 0xE0 onto the low nibble), H = 4^qq h2:
+                            #         isum = D_L + 4^(2-qq) D_H
+                            # qq = 2: L = 16 lo4 - 128, H = 16 h2: 16 isum = D_L + 16 (D_H - 24 S)
+                            # qq = 3: L = 16 lo4 - 128, H = 64 h2 - 128: 16 isum = D_L + 4 (D_H + 32 S)
+                            # with S the half's activation sum (a dot with ones)
+                            if hi == 0:
+                                lop = ((ql & 0x0F) | 0xE0).to(tl.int8, bitcast=True)
+                            else:
+                                lop = ((ql & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
+                            if qq == 3:
+                                hop = ((qh & 0xC0) ^ 0x80).to(tl.int8, bitcast=True)
+                            else:
+                                hop = (qh & (3 << (2 * qq))).to(tl.int8)
+                            e0 = b * 256 + 128 * hh + 32 * qq
+                            s = b * 16 + 8 * hh + 2 * qq
+                            for half in tl.static_range(2):  # elements l < 16, then l >= 16
+                                # the other half's codes read as zeros (masked loads: no per-byte select)
+                                xh = tl.load(aq + tok[:, None] * K + e0 + k[None, :],
+                                             mask=mmask[:, None] & ((k // 16) == half)[None, :], other=0)
+                                if qq < 2:
+                                    t = tl.dot(xh, hop, out_dtype=tl.int32) << (4 - 2 * qq)
+                                    isum = tl.dot(xh, lop, acc=t, out_dtype=tl.int32)
+                                else:
+                                    s1 = tl.dot(xh, ones, out_dtype=tl.int32)
+                                    if qq == 2:
+                                        t = tl.dot(xh, hop, acc=s1 * -24, out_dtype=tl.int32) << 4
+                                    else:
+                                        t = tl.dot(xh, hop, acc=s1 << 5, out_dtype=tl.int32) << 2
+                                    isum = tl.dot(xh, lop, acc=t, out_dtype=tl.int32) >> 4  # exact
+                                sc = tl.load(w2 + row * (nb * 16) + s + half, mask=nmask, other=0).to(tl.int32)
+                                sumi = sumi + isum * sc[None, :]
+                a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
+                wd = tl.load(w3 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
+                dd = a_d[:, None] * wd[None, :]  # f32: y.d * fp16(x.d)
+                acc = acc + dd.to(tl.float64) * sumi.to(tl.float64)
+        tl.store(y + tok[:, None] * sy + n[None, :], acc.to(tl.float32), mask=mmask[:, None] & nmask[None, :])
+
+
+def _need_triton() -> None:
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+
+
+def quantize_act(x: torch.Tensor, kind: G) -> Act:
+    """f32 [T, K] -> Act in `kind` (Q8_K or Q8_0), bitwise ggml's quantize_row_q8_K /
+    quantize_row_q8_0 (activation.quantize_q8_K / quantize_q8_0)."""
+    _need_triton()
+    if kind not in KINDS:
+        raise ValueError(f"quantize_act: kind {kind!r} is not one of {[k.name for k in KINDS]}")
+    kind = G(kind)
+    blk = _BLOCK[kind]
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 2:
+        what = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"quantize_act takes float32 [T, K], got {what}")
+    T, K = x.shape
+    if T < 1 or K < blk or K % blk or x.stride(1) != 1:
+        raise ValueError(f"quantize_act: x {list(x.shape)} (stride {list(x.stride())}) needs T >= 1, "
+                         f"K a multiple of {blk} and unit column stride for {kind.name}")
+    dev = x.device
+    qs = torch.empty((T, K), dtype=torch.int8, device=dev)
+    d = torch.empty((T, K // blk), dtype=torch.float32, device=dev)
+    if kind == G.Q8_K:
+        bs = torch.empty((T, K // 32), dtype=torch.int32, device=dev)
+        _quant_q8_K_kernel[(T, K // 256)](x, qs, d, bs, K, x.stride(0), num_warps=4, enable_fp_fusion=False)
+        return Act(kind, qs, d, bs)
+    grid = (T, triton.cdiv(K // 32, _Q8_0_BLOCKS))
+    _quant_q8_0_kernel[grid](x, qs, d, K, x.stride(0), BB=_Q8_0_BLOCKS, num_warps=4, enable_fp_fusion=False)
+    return Act(kind, qs, d, None)
+
+
+def _check_weight(w: QWeight) -> None:
+    if w.fmt not in FORMATS:
+        raise LaneError(f"tensor {w.name!r}: {G(w.fmt).name} has no integer-lane kernel "
+                        f"(served: {', '.join(f.name for f in FORMATS)})")
+    for k in FIELDS[w.fmt]:
+        t = w.fields.get(k)
+        if t is None or t.dim() != 2 or t.shape[0] != w.n_out or not t.is_contiguous():
+            got = "absent" if t is None else f"{list(t.shape)} (stride {list(t.stride())})"
+            raise ValueError(f"tensor {w.name!r}: field {k!r} is {got}; need contiguous [{w.n_out}, ...]")
+
+
+def matmul_i8_act(w: QWeight, act: Act, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """Quantized activations [T, K] x weight [N, K] -> f32 [T, N] (y = x @ W^T), bitwise
+    matmul_ggml. `out` may be a column slice of a wider output (unit column stride);
+    `config` = (BM, BN, num_warps, num_stages) overrides the table (speed only)."""
+    _need_triton()
+    _check_weight(w)
+    want = VEC_DOT_TYPE[w.fmt]
+    if act.kind != want or act.n_in != w.n_in:
+        raise ValueError(f"tensor {w.name!r} ({G(w.fmt).name}, n_in {w.n_in}) reads {want.name} activations "
+                         f"of {w.n_in} columns, got {G(act.kind).name} [{act.rows}, {act.n_in}]")
+    T, N = act.rows, w.n_out
+    if out is None:
+        out = torch.empty((T, N), dtype=torch.float32, device=act.qs.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (T, N) or out.stride(1) != 1:
+        raise ValueError(f"out {out.dtype} {list(out.shape)} (stride {list(out.stride())}): "
+                         f"need float32 [{T}, {N}] with unit column stride")
+    bm, bn, nw, ns = check_config(config) if config is not None else config_for(T)
+    f = w.fields
+    ptrs = [f[k] for k in FIELDS[w.fmt]]
+    ptrs += [ptrs[0]] * (6 - len(ptrs))  # absent slots repeat the first field (never read)
+    bs = act.bsum32 if act.bsum32 is not None else act.qs  # Q8_0: never read
+    grid = (triton.cdiv(N, bn), triton.cdiv(T, bm))
+    _qmatmul_i8_kernel[grid](act.qs, act.d, bs, out, *ptrs, N, w.n_in, T, out.stride(0),
+                             FMT=_CODE[w.fmt], BM=bm, BN=bn, num_warps=nw, num_stages=ns, enable_fp_fusion=False)
+    return out
+
+
+def matmul_i8(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """x f32 [T, K] -> f32 [T, N]: x quantized to the weight's vec_dot_type, then matmul_i8_act."""
+    _check_weight(w)
+    return matmul_i8_act(w, quantize_act(x, VEC_DOT_TYPE[w.fmt]), out, config)
+
+
+__all__ = ["Act", "CONFIGS", "FORMATS", "HAVE_TRITON", "KINDS", "check_config", "config_for", "matmul_i8",
+           "matmul_i8_act", "quantize_act", "supports"]
