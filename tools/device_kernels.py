@@ -247,8 +247,8 @@ def i8_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -> d
     r["T16_over_T1"] = r["T16"]["us"] / r["T1"]["us"]
     if device == "cuda":  # tilings of the one-row and the wide call: speed only, never bits
         sweep = {}
-        for T, cfgs in ((1, [(16, n, w_, s) for n in (16, 32, 64) for w_ in (2, 4) for s in (2, 4)]),
-                        (big, [(m, n, w_, 3) for m in (64, 128) for n in (64, 128) for w_ in (4, 8)])):
+        for T, cfgs in ((1, [(16, n, w_, s) for n in (16, 32) for w_ in (1, 2) for s in (2, 4)]),
+                        (big, [(64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 64, 8, 2)])):
             xt, ref_y = x[:T].contiguous(), (y1[:1] if T == 1 else yb)
             for cfg in cfgs:
                 try:
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
     dtypes = DTYPES if a.lane == "exact" else tuple(d for d in DTYPES if not d.startswith("nvfp4"))
     cases = [(d, kv) for d in (("Q8_0", "Q4_K") if a.smoke else dtypes) for kv in ("f16", "f32")]
     for dtype, kv in cases:
-        if time.time() - t0 > a.budget * 0.6:
+        if time.time() - t0 > a.budget * (0.6 if a.lane == "exact" else 0.45):
             rec["skipped"].append(f"invariance {dtype}/{kv}: budget")
             continue
         try:

@@ -251,6 +251,8 @@ for st in "${STAGES[@]}"; do
       if [ -f tools/device_kernels.py ]; then
         mkdir -p "$R/kernels"
         if [ $DRY = 1 ]; then run_stage kernels 150 20 $PY tools/device_kernels.py --out "$R/kernels" --device cpu --smoke --budget 130 --lane $LANE
+        elif [ $LANE = fast ]; then  # GEMM shapes with tilings and the attention check besides the invariance
+          run_stage kernels 320 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 290 --lane fast
         else run_stage kernels 200 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 180 --lane $LANE; fi
       else record kernels - 0 "tools/device_kernels.py is absent"; fi ;;
     gate) ;;  # in the background from t = 0 (wide_gate_bg)
