@@ -219,3 +219,21 @@ def test_graph_step_passes_f16_operands(tiny_gguf, kernels, monkeypatch, lane, w
     monkeypatch.setattr(graphs, "attend_triton", _recorder(seen, graphs.attend_triton))
     eng.graph(((1, "all", 32),), ()).run([s], [np.array([9])])
     assert seen and set(seen) == {want}
+
+
+def test_triton_f16_operands_with_more_rows_per_launch_than_the_scratch_has_rows(kernels):
+    """A launch may group up to rows x splits rows of a short plane (attend_triton's `group`); the
+    f16-operand passes keep each grouped row's max and 1 / sum in scratch sized for that many, so
+    a 12-row prefill through a 2-row scratch gives the bits of a 12-row scratch."""
+    _, att = kernels
+    T = 12
+    q, kn, vn, args = _inputs(CASES[0], T, False, seed=5)
+    kp, vp, hm, ol, op, ln, cap, p0, window, scale = args
+    meta = torch.tensor([ol, op, ln, cap], dtype=torch.int64)
+    pos = torch.tensor([p0], dtype=torch.int64)
+    small = att.AttnScratch(2, H, D, 8 * att.split_count(T, cap, window), "cpu")
+    assert small.st_m.numel() >= T * H  # the grouped rows' statistics fit
+    big = att.AttnScratch(T, H, D, att.split_count(T, cap, window), "cpu")
+    a = att.attend_triton(q, kn, vn, kp, vp, hm, meta, pos, window, scale, small, plane_len=ln, f16_operands=True)
+    b = att.attend_triton(q, kn, vn, kp, vp, hm, meta, pos, window, scale, big, plane_len=ln, f16_operands=True)
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))

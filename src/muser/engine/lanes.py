@@ -10,8 +10,9 @@
   ggml_vec_dot_*). CUDA: kernels/qmatmul_i8.py; CPU: dot.matmul_codes over codes built once
   from the repacked fields. Each output row depends only on its own input row, so the lane is
   row-invariant by construction. F32/F16/BF16 weights: the activations are rounded to the
-  vec_dot_type (f16/bf16 round-to-nearest-even, f32 as is) and the exact lane's path runs (an
-  f32 fixed-order sum, not the oracle's f64: a few ulps). Gate 2 of the fast lane compares it
+  vec_dot_type (f16/bf16 round-to-nearest-even, f32 as is) and the exact lane's fixed-order f32
+  sum runs (not the oracle's f64: a few ulps); on CUDA always through the fused matvec, in slices
+  of <= 16 rows, so these weights stay row-invariant at every row count too. Gate 2 of the fast lane compares it
   with the oracle's "ggml-cpu" arithmetic (muser.gates.gate2).
 
 On the CPU every exact-lane projection runs the C library's GEMM (kernels/cpu_native.py: one
@@ -197,7 +198,11 @@ class Linear:
         T = x.shape[0]
         if self.lane is Lane.FAST:
             if w.fmt in FLOAT_FORMATS:
-                return self._exact(w, round_to_vec_dot(x, w.fmt))
+                xr = round_to_vec_dot(x, w.fmt)
+                if self.triton_rows:  # the fused matvec in <= 16-row slices at every T: one order per row
+                    return torch.cat([qmatvec.matvec(w, xr[t0:t0 + qmatvec.MAX_ROWS].contiguous())
+                                      for t0 in range(0, T, qmatvec.MAX_ROWS)])
+                return self._exact(w, xr)
             if self.cuda:
                 from .kernels import qmatmul_i8  # the integer lane's GEMM (SPEC of dot.py)
 

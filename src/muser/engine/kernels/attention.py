@@ -322,8 +322,10 @@ class AttnScratch:
         self.m = torch.empty(n, dtype=torch.float32, device=device)
         self.l = torch.empty(n, dtype=torch.float32, device=device)
         self.o = torch.empty(n * D, dtype=torch.float32, device=device)
-        self.st_m = torch.empty(rows * H, dtype=torch.float32, device=device)  # f16 operands: row max
-        self.st_inv = torch.empty(rows * H, dtype=torch.float32, device=device)  # and 1 / row sum
+        # f16 operands: each row's max and 1 / sum; a launch may group up to rows x splits rows
+        # (attend_triton's `group`), so they are sized for that many
+        self.st_m = torch.empty(n, dtype=torch.float32, device=device)
+        self.st_inv = torch.empty(n, dtype=torch.float32, device=device)
 
 
 def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -359,7 +361,7 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     S = split_len(window)
     assert S % BLOCK == 0
     units = scratch.rows * scratch.splits  # (row, split) partials per head the scratch holds
-    assert scratch.m.numel() >= units * H and scratch.o.numel() < 2**31
+    assert scratch.m.numel() >= units * H and scratch.st_m.numel() >= units * H and scratch.o.numel() < 2**31
 
     def per_row(g: int) -> int:  # splits per row of any launch of g consecutive rows (>= _span's)
         return _splits_over(min(rows_bound + T, window - 1 + g) if window > 0 else rows_bound + T, S)
