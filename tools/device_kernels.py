@@ -248,7 +248,7 @@ def i8_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -> d
     if device == "cuda":  # tilings of the one-row and the wide call: speed only, never bits
         sweep = {}
         for T, cfgs in ((1, [(16, n, w_, s) for n in (16, 32) for w_ in (1, 2) for s in (2, 4)]),
-                        (big, [(64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 64, 8, 2)])):
+                        (big, [(16, 16, 1, 4), (16, 32, 1, 4), (16, 32, 2, 3), (32, 32, 2, 3), (64, 64, 4, 3)])):
             xt, ref_y = x[:T].contiguous(), (y1[:1] if T == 1 else yb)
             for cfg in cfgs:
                 try:

@@ -37,7 +37,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-_TT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
+_TT = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
        torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
 
@@ -128,8 +128,7 @@ def drive(rec: Recorder) -> None:
     from muser.engine.kernels import qmatmul_i8 as i8
 
     for fmt in i8.FORMATS:  # the integer lane: decode (BM 16, narrow and wide N), verify, prefill tiles
-        n_in = 512
-        for n_out in (24, 4096):
+        for n_in, n_out in ((512, 24), (512, 4096), (2560, 256)):  # 2560: several chunks, the chunk-sum launch
             w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy()))
             for T in (1, 16, 17, 512):
                 i8.matmul_i8(w, torch.zeros(T, n_in), torch.empty(T, n_out))

@@ -56,9 +56,10 @@ def _x(T: int, K: int, seed: int = 0) -> np.ndarray:
     return x
 
 
-def _weight(fmt: G, n_out: int = 40, seed: int = 0):
-    raw = random_bytes(fmt, n_out, N_IN[fmt], seed)
-    return raw, repack("t", fmt, n_out, N_IN[fmt], torch.from_numpy(raw.copy()))
+def _weight(fmt: G, n_out: int = 40, seed: int = 0, n_in: int | None = None):
+    n_in = N_IN[fmt] if n_in is None else n_in
+    raw = random_bytes(fmt, n_out, n_in, seed)
+    return raw, repack("t", fmt, n_out, n_in, torch.from_numpy(raw.copy()))
 
 
 def _bits(a) -> np.ndarray:
@@ -97,6 +98,22 @@ def test_matmul_i8_equals_matmul_ggml_bitwise(i8, fmt):
     for T in ROWS:
         got = i8.matmul_i8(w, torch.from_numpy(x[:T].copy()))
         assert got.shape == (T, 40)
+        assert np.array_equal(_bits(got), _bits(ref[:T])), T
+
+
+@pytest.mark.parametrize("fmt, n_in", [(G.Q8_0, 2080), (G.Q4_K, 2560), (G.Q6_K, 2304)], ids=lambda v: str(v))
+def test_several_chunks_of_the_two_level_sum_equal_matmul_ggml_bitwise(i8, fmt, n_in):
+    """Rows whose length spans several chunks (dot.CHUNK_ELEMS; the last one partial): one
+    program per chunk plus the chunk-sum launch at <= 16 rows, one program walking the chunks
+    above, both matmul_ggml's bits; every output of the <= 16-row path equals the wide path's."""
+    from muser.quant.dot import CHUNK_ELEMS
+
+    assert n_in > 2 * CHUNK_ELEMS and n_in % CHUNK_ELEMS
+    raw, w = _weight(fmt, 24, 7, n_in)
+    x = _x(17, n_in, 8)
+    ref = matmul_ggml(raw, fmt, x)
+    for T in (1, 5, 17):
+        got = i8.matmul_i8(w, torch.from_numpy(x[:T].copy()))
         assert np.array_equal(_bits(got), _bits(ref[:T])), T
 
 

@@ -16,8 +16,10 @@ May differ from ggml by float reassociation only: ggml accumulates scale * int i
 float32 FMA lanes and reduces them with hadd (the SIMD accumulation order, and for repacked
 weights or llamafile's tinyBLAS a different tiling); here each block's term is formed in float64
 (float32 scale x integer, exact; the K-quants' two products added once) and the terms are summed
-in float64 one block after another from +0.0, in block order (`_block_sum`), then rounded to
-float32 once. The difference from ggml is a few float32 ulps of the row sum. The fixed order is
+in float64 in two fixed levels (`_chunk_sum`): within each chunk of CHUNK_ELEMS elements from
++0.0 one block after another, then the chunk sums from +0.0 in chunk order; then rounded to
+float32 once. (The chunks let a GPU kernel give each chunk its own program, so a one-row call
+has enough programs to keep memory busy; the order is the same for every row count.) The difference from ggml is a few float32 ulps of the row sum. The fixed order is
 the contract of the engine's integer lane (engine/kernels/qmatmul_i8.py reproduces it bit for
 bit on CUDA, whatever the row count or tiling).
 """
@@ -142,14 +144,29 @@ def codes_nbytes(t: G, n_out: int, n_in: int) -> int:
     return 4 * n_out * n_in + 8 * n_out * (n_in // 16)
 
 
-def _block_sum(scale: np.ndarray, isum: np.ndarray) -> np.ndarray:
-    """float32 scales [nb, T, O] x exact integer sums [nb, T, O] -> float64 [T, O]: acc = +0.0,
-    then acc + f64(scale_b) * f64(isum_b) for block b = 0, 1, ... in order (one fixed order, so a
-    kernel that adds the same terms the same way gets the same bits)."""
-    acc = np.zeros(isum.shape[1:], dtype=F64)
-    for b in range(isum.shape[0]):
-        acc = acc + scale[b].astype(F64) * isum[b]
+# Elements per chunk of the two-level float64 sum (module docstring; kernels/qmatmul_i8.py).
+CHUNK_ELEMS = 1024
+
+
+def _chunk_sum(term, nb: int, block_elems: int, shape) -> np.ndarray:
+    """float64 [T, O] from the terms of blocks 0 .. nb-1 (term(b) -> float64 [T, O]): per chunk of
+    CHUNK_ELEMS // block_elems blocks, part = +0.0 then part + term(b) in block order; then
+    acc = +0.0 and acc + part for the chunks in order (one fixed order, so a kernel that adds the
+    same terms the same way gets the same bits)."""
+    per = CHUNK_ELEMS // block_elems
+    acc = np.zeros(shape, dtype=F64)
+    for c0 in range(0, nb, per):
+        part = np.zeros(shape, dtype=F64)
+        for b in range(c0, min(nb, c0 + per)):
+            part = part + term(b)
+        acc = acc + part
     return acc
+
+
+def _block_sum(scale: np.ndarray, isum: np.ndarray, block_elems: int) -> np.ndarray:
+    """float32 scales [nb, T, O] x exact integer sums [nb, T, O] -> float64 [T, O]: the terms
+    f64(scale_b) * f64(isum_b) summed by `_chunk_sum`."""
+    return _chunk_sum(lambda b: scale[b].astype(F64) * isum[b], isum.shape[0], block_elems, isum.shape[1:])
 
 
 def _dot_q8_0(wc: dict, a: Q8_0Activation, t: G) -> np.ndarray:
@@ -162,10 +179,10 @@ def _dot_q8_0(wc: dict, a: Q8_0Activation, t: G) -> np.ndarray:
         ad16 = ad[:, np.arange(nb * 2) // 2].T  # [nb*2, T]
         wd16 = wc["d"].reshape(O, nb * 2).T  # [nb*2, O]
         s = (wd16[:, None, :] * ad16[:, :, None]).astype(F32)  # ue4m3(x.d[s]) * fp16(y.d)
-        return _block_sum(s, isum)  # 16-blocks in order
+        return _block_sum(s, isum, 16)  # 16-blocks in order
     isum = _int_dots(a.qs, wc["q"])  # [nb, T, O]
     s = (wc["d"].T[:, None, :] * ad.T[:, :, None]).astype(F32)  # fp16(x.d) * fp16(y.d)  [nb, T, O]
-    return _block_sum(s, isum)
+    return _block_sum(s, isum, 32)
 
 
 def _dot_q8_K(wc: dict, a: Q8KActivation, t: G) -> np.ndarray:
@@ -176,17 +193,15 @@ def _dot_q8_K(wc: dict, a: Q8KActivation, t: G) -> np.ndarray:
     if t == G.Q6_K:
         isum = _int_dots(a.qs.reshape(T, nb * 16, 16), wc["q"]).reshape(nb, 16, T, O)
         sumi = (isum * sc[:, :, None, :]).sum(axis=1)  # exact integers  [nb, T, O]
-        return _block_sum(d, sumi)
+        return _block_sum(d, sumi, 256)
     isum = _int_dots(a.qs.reshape(T, nb * 8, 32), wc["q"]).reshape(nb, 8, T, O)
     sumi = (isum * sc[:, :, None, :]).sum(axis=1)
     bs = a.bsums.reshape(T, nb, 8, 2).astype(np.int64).sum(axis=3)  # per 32: bsums[2j] + bsums[2j+1]
     m = wc["m"].transpose(1, 2, 0).astype(F64)  # [nb, j, O]
     summ = np.matmul(bs.transpose(1, 0, 2).astype(F64), m)  # [nb, T, O]: integers, exact in f64
     dmin = ((-a.d).T[:, :, None] * wc["dmin"].T[:, None, :]).astype(F32)  # -y.d * fp16(x.dmin)
-    acc = np.zeros((T, O), dtype=F64)
-    for b in range(nb):  # as _block_sum, the term of a K-quant block being its two products added once
-        acc = acc + (d[b].astype(F64) * sumi[b] + dmin[b].astype(F64) * summ[b])
-    return acc
+    # as _block_sum, the term of a K-quant block being its two products added once
+    return _chunk_sum(lambda b: d[b].astype(F64) * sumi[b] + dmin[b].astype(F64) * summ[b], nb, 256, (T, O))
 
 
 def matmul_ggml(weight_bytes: np.ndarray, t: G, x: np.ndarray) -> np.ndarray:

@@ -21,7 +21,11 @@ Arithmetic (the integer lane's contract, ggml-cpu's vec_dot with one fixed float
 3. Each block's term is formed in float64 as dot.py forms it: Q8_0/Q4_0 f64(f32(wd * ad)) * isum
    per 32-block; Q4_K/Q5_K f64(f32(ad * wd)) * sumi + f64(f32(-ad * dmin)) * summ per 256-block;
    Q6_K f64(f32(ad * wd)) * sumi per 256-block (products and the one addition each rounded once).
-4. acc (f64, +0.0) = acc + term for the blocks in order, rounded to f32 once at the store.
+4. The terms are summed in float64 in two fixed levels (dot._chunk_sum): per chunk of
+   dot.CHUNK_ELEMS elements, +0.0 then + term block by block; then +0.0 and + each chunk's sum in
+   chunk order; rounded to f32 once at the store. Calls of <= SPLIT_ROWS rows give every chunk
+   its own program (a one-row call has N / BN x chunks programs) and add the chunk sums in
+   `_chunk_reduce_kernel`; wider calls walk the chunks in one program.
    Kernels launch with enable_fp_fusion=False, so no step contracts into an FMA.
 
 Why every row's bits are independent of the batch (row invariance by construction): an output
@@ -53,7 +57,7 @@ import torch
 
 from ...errors import LaneError
 from ...gguf.types import GgmlType as G
-from ...quant.dot import VEC_DOT_TYPE
+from ...quant.dot import CHUNK_ELEMS, VEC_DOT_TYPE
 from ..weights import FIELDS, QWeight
 
 try:  # Triton is optional on the CPU; the CUDA backend requires it.
@@ -72,17 +76,22 @@ _CODE = {G.Q8_0: 0, G.Q4_0: 1, G.Q4_K: 2, G.Q5_K: 3, G.Q6_K: 4}
 # Q8_0 activation blocks per quantization program
 _Q8_0_BLOCKS = 8
 
-# (BM, BN, num_warps, num_stages) per row bucket (16: T <= 16, 64: wider). BM 16 for decode and
-# verify: a one-row call is a 16-row tile with 15 idle rows, bandwidth-bound, the tensor cores'
-# idle rows cost nothing. The 16-row default is one warp per 16 output columns: the most programs
-# (N / 16) to keep bytes in flight (the block order forbids splitting K) and the fewest
-# instructions a weight in the compiled sm_90 loop (Q4_K 5.6, Q5_K/Q6_K/Q8_0 below 8, counted
-# statically; not yet timed on a device). Device sweeps override through `config`; the bits
+# (BM, BN, num_warps, num_stages) per row bucket (16: T <= 16, 64: wider). BM 16: a one-row call
+# is a 16-row tile with 15 idle rows, bandwidth-bound, the tensor cores' idle rows cost nothing.
+# One warp per 16 output columns: the fewest instructions a weight in the compiled sm_90 loop
+# (Q4_K 5.6, Q5_K/Q6_K/Q8_0 below 8, counted statically). The H200 sweep of 2026-12-02
+# (bench/reports/device-20261202b/) measured this tiling fastest at one row on every
+# full-geometry shape, and 64 x 64 x 4 warps 1.8x slower at 512 rows than 32 launches' worth of
+# 16-row tiles, so wide calls take it too. Device sweeps override through `config`; the bits
 # never depend on it.
 CONFIGS: dict[int, tuple[int, int, int, int]] = {
     16: (16, 16, 1, 4),
-    64: (64, 64, 4, 3),
+    64: (16, 16, 1, 4),
 }
+# Calls of at most this many rows give each chunk of the two-level sum (dot.CHUNK_ELEMS) its own
+# program and add the chunk sums in a second launch; wider calls walk the chunks in one program.
+# The additions and their order are the same either way (the bits never depend on it).
+SPLIT_ROWS = 16
 
 
 def supports(fmt: G) -> bool:
@@ -190,141 +199,182 @@ if HAVE_TRITON:
         k = tl.arange(0, 32)
         return tl.load(p + row[None, :] * width + at + k[:, None], mask=nmask[None, :], other=0)
 
+    @triton.jit
+    def _term(FMT: tl.constexpr, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, row, tok, nmask, mmask, K,
+              BM: tl.constexpr, BN: tl.constexpr):
+        """The float64 term [BM, BN] of weight block b (Q8_0/Q4_0: a 32-block; K-quants: a 256-block),
+        formed as dot.py forms it."""
+        k = tl.arange(0, 32)
+        if FMT <= 1:  # Q8_0 / Q4_0: w0 qs, w1 d; one 32-block per step
+            nb = K // 32
+            ones = tl.full([32, BN], 1, tl.int8)
+            if FMT == 0:
+                xq = _act_tile(aq, tok, mmask, K, b * 32)  # [BM, 32] int8
+                wq = tl.load(w0 + row[None, :] * K + b * 32 + k[:, None], mask=nmask[None, :], other=0)
+                isum = tl.dot(xq, wq, out_dtype=tl.int32)  # [BM, BN] exact
+            else:
+                # byte k % 16 on both halves; element i < 16 is its low nibble, read as lo - 16
+                # (0xF0 or-ed on), element 16 + i its high nibble, read as 16 hi - 128, against
+                # activations with the other half loaded as zeros (no per-byte select or shift):
+                # 16 isum = 16 (D_lo + 8 S_lo) + D_hi, S_lo from a dot with ones
+                wb = tl.load(w0 + row[None, :] * (K // 2) + b * 16 + (k % 16)[:, None], mask=nmask[None, :],
+                             other=0)
+                lop = ((wb & 0x0F) | 0xF0).to(tl.int8, bitcast=True)
+                hop = ((wb & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
+                xp = aq + tok[:, None] * K + b * 32 + k[None, :]
+                xa = tl.load(xp, mask=mmask[:, None] & (k < 16)[None, :], other=0)
+                xb = tl.load(xp, mask=mmask[:, None] & (k >= 16)[None, :], other=0)
+                t = tl.dot(xa, lop, acc=tl.dot(xa, ones, out_dtype=tl.int32) << 3, out_dtype=tl.int32)
+                isum = tl.dot(xb, hop, acc=t << 4, out_dtype=tl.int32) >> 4  # exact
+            wd = tl.load(w1 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
+            a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
+            s = wd[None, :] * a_d[:, None]  # f32: fp16(x.d) * fp16(y.d)
+            term = s.to(tl.float64) * isum.to(tl.float64)
+        elif FMT <= 3:  # Q4_K / Q5_K: w0 qs, w1 d, w2 dmin, w3 sc, w4 m, w5 qh
+            nb = K // 256
+            j8 = tl.arange(0, 8)
+            ones = tl.full([32, BN], 1, tl.int8)
+            if FMT == 3:
+                qh = _byte_tile(w5, row, nb * 32, nmask, b * 32)
+            sumi = tl.zeros([BM, BN], dtype=tl.int32)  # 16 x sum_j sc_j * isum_j
+            for c in tl.static_range(4):
+                wb = _byte_tile(w0, row, nb * 128, nmask, b * 128 + 32 * c)  # [32, BN] u8
+                for h in tl.static_range(2):
+                    j = 2 * c + h  # sub-block
+                    sc = tl.load(w3 + row * (nb * 8) + b * 8 + j, mask=nmask, other=0).to(tl.int32)
+                    xq = _act_tile(aq, tok, mmask, K, b * 256 + 32 * j)
+                    if FMT == 3:  # the 5th bit in place: (qh & 2^j) is 2^j hb (j = 7: -128 hb)
+                        th = tl.dot(xq, (qh & (1 << j)).to(tl.uint8).to(tl.int8, bitcast=True), out_dtype=tl.int32)
+                    if h == 0:  # low nibble lo: isum = D_lo (+ 16 sum x hb)
+                        lop = (wb & 0x0F).to(tl.int8, bitcast=True)
+                        if FMT == 3:
+                            if j <= 4:
+                                t = th << (4 - j)
+                            else:
+                                t = th >> (j - 4)  # exact: th is a multiple of 2^j
+                            isum = tl.dot(xq, lop, acc=t, out_dtype=tl.int32)
+                        else:
+                            isum = tl.dot(xq, lop, out_dtype=tl.int32)
+                        sc = sc * 16
+                    else:  # high nibble hi as 16 hi - 128: 16 isum = D_hi + 128 S (+ 256 sum x hb)
+                        hop = ((wb & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
+                        t = tl.dot(xq, ones, out_dtype=tl.int32) << 7
+                        if FMT == 3:
+                            if j == 7:
+                                t = t - 2 * th
+                            else:
+                                t = t + (th << (8 - j))
+                        isum = tl.dot(xq, hop, acc=t, out_dtype=tl.int32)
+                    sumi = sumi + isum * sc[None, :]
+            # mins against the activations' per-32 sums: summ = sum_j m_j * bsum32_j
+            bsv = tl.load(ab + tok[:, None] * (K // 32) + b * 8 + j8[None, :], mask=mmask[:, None], other=0)
+            mv = tl.load(w4 + row[None, :] * (nb * 8) + b * 8 + j8[:, None], mask=nmask[None, :],
+                         other=0).to(tl.int32)  # [8, BN]
+            summ = tl.sum(bsv[:, :, None] * mv[None, :, :], 1)  # [BM, BN]
+            sumi = sumi >> 4  # exact: every term is a multiple of 16 (|16 sumi| < 2^30)
+            a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
+            wd = tl.load(w1 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
+            wm = tl.load(w2 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
+            dd = a_d[:, None] * wd[None, :]  # f32: y.d * fp16(x.d)
+            dm = (-a_d)[:, None] * wm[None, :]  # f32: -y.d * fp16(x.dmin)
+            term = (dd.to(tl.float64) * sumi.to(tl.float64) + dm.to(tl.float64) * summ.to(tl.float64))
+        else:  # Q6_K: w0 ql, w1 qh, w2 sc, w3 d
+            nb = K // 256
+            ones = tl.full([32, BN], 1, tl.int8)
+            sumi = tl.zeros([BM, BN], dtype=tl.int32)
+            for hh in tl.static_range(2):  # 128-element halves
+                qh = _byte_tile(w1, row, nb * 64, nmask, b * 64 + 32 * hh)
+                for g in tl.static_range(2):
+                    ql = _byte_tile(w0, row, nb * 128, nmask, b * 128 + 64 * hh + 32 * g)
+                    for hi in tl.static_range(2):
+                        qq = g + 2 * hi  # quarter: elements 128hh + 32qq + l, q = lo4 + 16 h2
+                        # operands by byte-wise logic alone (a per-byte shift costs ~3 instructions
+                        # a weight); each isum is an exact integer identity over the half's codes:
+                        # qq < 2: L = lo4 - 32 (or 0xE0 onto the low nibble), H = 4^qq h2:
+                        #         isum = D_L + 4^(2-qq) D_H
+                        # qq = 2: L = 16 lo4 - 128, H = 16 h2: 16 isum = D_L + 16 (D_H - 24 S)
+                        # qq = 3: L = 16 lo4 - 128, H = 64 h2 - 128: 16 isum = D_L + 4 (D_H + 32 S)
+                        # with S the half's activation sum (a dot with ones)
+                        if hi == 0:
+                            lop = ((ql & 0x0F) | 0xE0).to(tl.int8, bitcast=True)
+                        else:
+                            lop = ((ql & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
+                        if qq == 3:
+                            hop = ((qh & 0xC0) ^ 0x80).to(tl.int8, bitcast=True)
+                        else:
+                            hop = (qh & (3 << (2 * qq))).to(tl.int8)
+                        e0 = b * 256 + 128 * hh + 32 * qq
+                        s = b * 16 + 8 * hh + 2 * qq
+                        for half in tl.static_range(2):  # elements l < 16, then l >= 16
+                            # the other half's codes read as zeros (masked loads: no per-byte select)
+                            xh = tl.load(aq + tok[:, None] * K + e0 + k[None, :],
+                                         mask=mmask[:, None] & ((k // 16) == half)[None, :], other=0)
+                            if qq < 2:
+                                t = tl.dot(xh, hop, out_dtype=tl.int32) << (4 - 2 * qq)
+                                isum = tl.dot(xh, lop, acc=t, out_dtype=tl.int32)
+                            else:
+                                s1 = tl.dot(xh, ones, out_dtype=tl.int32)
+                                if qq == 2:
+                                    t = tl.dot(xh, hop, acc=s1 * -24, out_dtype=tl.int32) << 4
+                                else:
+                                    t = tl.dot(xh, hop, acc=s1 << 5, out_dtype=tl.int32) << 2
+                                isum = tl.dot(xh, lop, acc=t, out_dtype=tl.int32) >> 4  # exact
+                            sc = tl.load(w2 + row * (nb * 16) + s + half, mask=nmask, other=0).to(tl.int32)
+                            sumi = sumi + isum * sc[None, :]
+            a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
+            wd = tl.load(w3 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
+            dd = a_d[:, None] * wd[None, :]  # f32: y.d * fp16(x.d)
+            term = dd.to(tl.float64) * sumi.to(tl.float64)
+        return term
+
     @triton.jit(do_not_specialize=["T"])
-    def _qmatmul_i8_kernel(aq, ad, ab, y, w0, w1, w2, w3, w4, w5, N, K, T, sy,
-                           FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    def _qmatmul_i8_kernel(aq, ad, ab, y, part, w0, w1, w2, w3, w4, w5, N, K, T, sy,
+                           FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CB: tl.constexpr,
+                           SPLIT: tl.constexpr):
+        """y [T, N] (or, SPLIT over several chunks, the chunk sums part [n_chunks, T, N] f64):
+        chunks of CB blocks (dot.CHUNK_ELEMS elements), each summed from +0.0 in block order,
+        then the chunks from +0.0 in chunk order (dot._chunk_sum). SPLIT: program_id(2) is the
+        chunk (a one-row call gets N / BN x n_chunks programs); otherwise each program walks the
+        chunks itself. Same additions in the same order either way."""
         n = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] output columns (weight rows)
         m = tl.program_id(1) * BM + tl.arange(0, BM)  # [BM] activation rows
         nmask = n < N
         mmask = m < T
         row = n.to(tl.int64)
         tok = m.to(tl.int64)
-        k = tl.arange(0, 32)
-        acc = tl.zeros([BM, BN], dtype=tl.float64)  # +0.0 (dot._block_sum)
-        if FMT <= 1:  # Q8_0 / Q4_0: w0 qs, w1 d; one 32-block per step
-            nb = K // 32
-            ones = tl.full([32, BN], 1, tl.int8)
-            for b in range(0, nb):
-                if FMT == 0:
-                    xq = _act_tile(aq, tok, mmask, K, b * 32)  # [BM, 32] int8
-                    wq = tl.load(w0 + row[None, :] * K + b * 32 + k[:, None], mask=nmask[None, :], other=0)
-                    isum = tl.dot(xq, wq, out_dtype=tl.int32)  # [BM, BN] exact
-                else:
-                    # byte k % 16 on both halves; element i < 16 is its low nibble, read as lo - 16
-                    # (0xF0 or-ed on), element 16 + i its high nibble, read as 16 hi - 128, against
-                    # activations with the other half loaded as zeros (no per-byte select or shift):
-                    # 16 isum = 16 (D_lo + 8 S_lo) + D_hi, S_lo from a dot with ones
-                    wb = tl.load(w0 + row[None, :] * (K // 2) + b * 16 + (k % 16)[:, None], mask=nmask[None, :],
-                                 other=0)
-                    lop = ((wb & 0x0F) | 0xF0).to(tl.int8, bitcast=True)
-                    hop = ((wb & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
-                    xp = aq + tok[:, None] * K + b * 32 + k[None, :]
-                    xa = tl.load(xp, mask=mmask[:, None] & (k < 16)[None, :], other=0)
-                    xb = tl.load(xp, mask=mmask[:, None] & (k >= 16)[None, :], other=0)
-                    t = tl.dot(xa, lop, acc=tl.dot(xa, ones, out_dtype=tl.int32) << 3, out_dtype=tl.int32)
-                    isum = tl.dot(xb, hop, acc=t << 4, out_dtype=tl.int32) >> 4  # exact
-                wd = tl.load(w1 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
-                a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
-                s = wd[None, :] * a_d[:, None]  # f32: fp16(x.d) * fp16(y.d)
-                acc = acc + s.to(tl.float64) * isum.to(tl.float64)
-        elif FMT <= 3:  # Q4_K / Q5_K: w0 qs, w1 d, w2 dmin, w3 sc, w4 m, w5 qh
-            nb = K // 256
-            j8 = tl.arange(0, 8)
-            ones = tl.full([32, BN], 1, tl.int8)
-            for b in range(0, nb):
-                if FMT == 3:
-                    qh = _byte_tile(w5, row, nb * 32, nmask, b * 32)
-                sumi = tl.zeros([BM, BN], dtype=tl.int32)  # 16 x sum_j sc_j * isum_j
-                for c in tl.static_range(4):
-                    wb = _byte_tile(w0, row, nb * 128, nmask, b * 128 + 32 * c)  # [32, BN] u8
-                    for h in tl.static_range(2):
-                        j = 2 * c + h  # sub-block
-                        sc = tl.load(w3 + row * (nb * 8) + b * 8 + j, mask=nmask, other=0).to(tl.int32)
-                        xq = _act_tile(aq, tok, mmask, K, b * 256 + 32 * j)
-                        if FMT == 3:  # the 5th bit in place: (qh & 2^j) is 2^j hb (j = 7: -128 hb)
-                            th = tl.dot(xq, (qh & (1 << j)).to(tl.uint8).to(tl.int8, bitcast=True), out_dtype=tl.int32)
-                        if h == 0:  # low nibble lo: isum = D_lo (+ 16 sum x hb)
-                            lop = (wb & 0x0F).to(tl.int8, bitcast=True)
-                            if FMT == 3:
-                                if j <= 4:
-                                    t = th << (4 - j)
-                                else:
-                                    t = th >> (j - 4)  # exact: th is a multiple of 2^j
-                                isum = tl.dot(xq, lop, acc=t, out_dtype=tl.int32)
-                            else:
-                                isum = tl.dot(xq, lop, out_dtype=tl.int32)
-                            sc = sc * 16
-                        else:  # high nibble hi as 16 hi - 128: 16 isum = D_hi + 128 S (+ 256 sum x hb)
-                            hop = ((wb & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
-                            t = tl.dot(xq, ones, out_dtype=tl.int32) << 7
-                            if FMT == 3:
-                                if j == 7:
-                                    t = t - 2 * th
-                                else:
-                                    t = t + (th << (8 - j))
-                            isum = tl.dot(xq, hop, acc=t, out_dtype=tl.int32)
-                        sumi = sumi + isum * sc[None, :]
-                # mins against the activations' per-32 sums: summ = sum_j m_j * bsum32_j
-                bsv = tl.load(ab + tok[:, None] * (K // 32) + b * 8 + j8[None, :], mask=mmask[:, None], other=0)
-                mv = tl.load(w4 + row[None, :] * (nb * 8) + b * 8 + j8[:, None], mask=nmask[None, :],
-                             other=0).to(tl.int32)  # [8, BN]
-                summ = tl.sum(bsv[:, :, None] * mv[None, :, :], 1)  # [BM, BN]
-                sumi = sumi >> 4  # exact: every term is a multiple of 16 (|16 sumi| < 2^30)
-                a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
-                wd = tl.load(w1 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
-                wm = tl.load(w2 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
-                dd = a_d[:, None] * wd[None, :]  # f32: y.d * fp16(x.d)
-                dm = (-a_d)[:, None] * wm[None, :]  # f32: -y.d * fp16(x.dmin)
-                acc = acc + (dd.to(tl.float64) * sumi.to(tl.float64) + dm.to(tl.float64) * summ.to(tl.float64))
-        else:  # Q6_K: w0 ql, w1 qh, w2 sc, w3 d
-            nb = K // 256
-            ones = tl.full([32, BN], 1, tl.int8)
-            for b in range(0, nb):
-                sumi = tl.zeros([BM, BN], dtype=tl.int32)
-                for hh in tl.static_range(2):  # 128-element halves
-                    qh = _byte_tile(w1, row, nb * 64, nmask, b * 64 + 32 * hh)
-                    for g in tl.static_range(2):
-                        ql = _byte_tile(w0, row, nb * 128, nmask, b * 128 + 64 * hh + 32 * g)
-                        for hi in tl.static_range(2):
-                            qq = g + 2 * hi  # quarter: elements 128hh + 32qq + l, q = lo4 + 16 h2
-                            # operands by byte-wise logic alone (a per-byte shift costs ~3 instructions
-                            # a weight); each isum is an exact integer identity over the half's codes:
-                            # qq < 2: L = lo4 - 32 (or 0xE0 onto the low nibble), H = 4^qq h2:
-                            #         isum = D_L + 4^(2-qq) D_H
-                            # qq = 2: L = 16 lo4 - 128, H = 16 h2: 16 isum = D_L + 16 (D_H - 24 S)
-                            # qq = 3: L = 16 lo4 - 128, H = 64 h2 - 128: 16 isum = D_L + 4 (D_H + 32 S)
-                            # with S the half's activation sum (a dot with ones)
-                            if hi == 0:
-                                lop = ((ql & 0x0F) | 0xE0).to(tl.int8, bitcast=True)
-                            else:
-                                lop = ((ql & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
-                            if qq == 3:
-                                hop = ((qh & 0xC0) ^ 0x80).to(tl.int8, bitcast=True)
-                            else:
-                                hop = (qh & (3 << (2 * qq))).to(tl.int8)
-                            e0 = b * 256 + 128 * hh + 32 * qq
-                            s = b * 16 + 8 * hh + 2 * qq
-                            for half in tl.static_range(2):  # elements l < 16, then l >= 16
-                                # the other half's codes read as zeros (masked loads: no per-byte select)
-                                xh = tl.load(aq + tok[:, None] * K + e0 + k[None, :],
-                                             mask=mmask[:, None] & ((k // 16) == half)[None, :], other=0)
-                                if qq < 2:
-                                    t = tl.dot(xh, hop, out_dtype=tl.int32) << (4 - 2 * qq)
-                                    isum = tl.dot(xh, lop, acc=t, out_dtype=tl.int32)
-                                else:
-                                    s1 = tl.dot(xh, ones, out_dtype=tl.int32)
-                                    if qq == 2:
-                                        t = tl.dot(xh, hop, acc=s1 * -24, out_dtype=tl.int32) << 4
-                                    else:
-                                        t = tl.dot(xh, hop, acc=s1 << 5, out_dtype=tl.int32) << 2
-                                    isum = tl.dot(xh, lop, acc=t, out_dtype=tl.int32) >> 4  # exact
-                                sc = tl.load(w2 + row * (nb * 16) + s + half, mask=nmask, other=0).to(tl.int32)
-                                sumi = sumi + isum * sc[None, :]
-                a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
-                wd = tl.load(w3 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
-                dd = a_d[:, None] * wd[None, :]  # f32: y.d * fp16(x.d)
-                acc = acc + dd.to(tl.float64) * sumi.to(tl.float64)
-        tl.store(y + tok[:, None] * sy + n[None, :], acc.to(tl.float32), mask=mmask[:, None] & nmask[None, :])
+        nb = K // 32 if FMT <= 1 else K // 256
+        nch = (nb + CB - 1) // CB
+        omask = mmask[:, None] & nmask[None, :]
+        if SPLIT:
+            c = tl.program_id(2)
+            acc = tl.zeros([BM, BN], dtype=tl.float64)  # +0.0 (dot._chunk_sum)
+            for b in range(c * CB, tl.minimum(nb, c * CB + CB)):
+                acc = acc + _term(FMT, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, row, tok, nmask, mmask, K, BM, BN)
+            if nch == 1:  # +0.0 + acc is acc (acc is never -0.0: it starts at +0.0)
+                tl.store(y + tok[:, None] * sy + n[None, :], acc.to(tl.float32), mask=omask)
+            else:
+                tl.store(part + (c * T + tok[:, None]) * N + n[None, :], acc, mask=omask)
+        else:
+            tot = tl.zeros([BM, BN], dtype=tl.float64)
+            for c in range(0, nch):
+                acc = tl.zeros([BM, BN], dtype=tl.float64)
+                for b in range(c * CB, tl.minimum(nb, c * CB + CB)):
+                    acc = acc + _term(FMT, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, row, tok, nmask, mmask, K,
+                                      BM, BN)
+                tot = tot + acc
+            tl.store(y + tok[:, None] * sy + n[None, :], tot.to(tl.float32), mask=omask)
+
+    @triton.jit(do_not_specialize=["T", "nch"])
+    def _chunk_reduce_kernel(part, y, N, T, sy, nch, BLOCK: tl.constexpr):
+        """y[t, n] = f32(+0.0 + part[0, t, n] + part[1, t, n] + ...), chunks in order."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < T * N
+        t = i // N
+        n = i % N
+        acc = tl.zeros([BLOCK], dtype=tl.float64)
+        for c in range(0, nch):
+            acc = acc + tl.load(part + c * T * N + i, mask=ok, other=0.0)
+        tl.store(y + t * sy + n, acc.to(tl.float32), mask=ok)
 
 
 def _need_triton() -> None:
@@ -391,9 +441,21 @@ def matmul_i8_act(w: QWeight, act: Act, out: torch.Tensor | None = None, config=
     ptrs = [f[k] for k in FIELDS[w.fmt]]
     ptrs += [ptrs[0]] * (6 - len(ptrs))  # absent slots repeat the first field (never read)
     bs = act.bsum32 if act.bsum32 is not None else act.qs  # Q8_0: never read
-    grid = (triton.cdiv(N, bn), triton.cdiv(T, bm))
-    _qmatmul_i8_kernel[grid](act.qs, act.d, bs, out, *ptrs, N, w.n_in, T, out.stride(0),
-                             FMT=_CODE[w.fmt], BM=bm, BN=bn, num_warps=nw, num_stages=ns, enable_fp_fusion=False)
+    blk = 32 if w.fmt in (G.Q8_0, G.Q4_0) else 256
+    cb = CHUNK_ELEMS // blk  # blocks per chunk of the two-level sum
+    nch = triton.cdiv(w.n_in // blk, cb)
+    split = T <= SPLIT_ROWS  # decode and verify: one program per chunk (enough programs for one row)
+    part = out  # never read unless split over several chunks
+    if split and nch > 1:
+        part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
+    grid = (triton.cdiv(N, bn), triton.cdiv(T, bm), nch if split else 1)
+    _qmatmul_i8_kernel[grid](act.qs, act.d, bs, out, part, *ptrs, N, w.n_in, T, out.stride(0),
+                             FMT=_CODE[w.fmt], BM=bm, BN=bn, CB=cb, SPLIT=split, num_warps=nw, num_stages=ns,
+                             enable_fp_fusion=False)
+    if split and nch > 1:
+        rb = 1024
+        _chunk_reduce_kernel[(triton.cdiv(T * N, rb),)](part, out, N, T, out.stride(0), nch, BLOCK=rb, num_warps=4,
+                                                         enable_fp_fusion=False)
     return out
 
 
