@@ -169,3 +169,18 @@ def test_bad_shapes_and_configs_refused(i8):
     with pytest.raises(LaneError, match="F16"):
         i8.matmul_i8(f16, x)
     assert i8.supports(G.Q6_K) and not i8.supports(G.F16)
+
+
+@pytest.mark.parametrize("fmt", (G.Q4_K, G.Q6_K), ids=lambda f: f.name)
+def test_shipped_tilings_are_valid_and_give_the_same_bits(i8, fmt):
+    """Every tiling the tables ship (CONFIGS per row bucket, WIDE_BY_FORMAT for wide calls) passes
+    check_config, config_for picks the format's wide entry only above 16 rows, and each gives the
+    default call's bits."""
+    assert i8.config_for(1, fmt) == i8.CONFIGS[16] == i8.config_for(16, fmt)
+    assert i8.config_for(17, fmt) == i8.WIDE_BY_FORMAT.get(fmt, i8.CONFIGS[64])
+    _, w = _weight(fmt, 40, 7)
+    x = torch.from_numpy(_x(17, N_IN[fmt], 8))
+    ref = i8.matmul_i8(w, x)
+    for c in list(i8.CONFIGS.values()) + list(i8.WIDE_BY_FORMAT.values()):
+        assert i8.check_config(c) == c
+        assert torch.equal(_t(i8.matmul_i8(w, x, config=c)), _t(ref)), c

@@ -76,18 +76,19 @@ _CODE = {G.Q8_0: 0, G.Q4_0: 1, G.Q4_K: 2, G.Q5_K: 3, G.Q6_K: 4}
 # Q8_0 activation blocks per quantization program
 _Q8_0_BLOCKS = 8
 
-# (BM, BN, num_warps, num_stages) per row bucket (16: T <= 16, 64: wider). BM 16: a one-row call
-# is a 16-row tile with 15 idle rows, bandwidth-bound, the tensor cores' idle rows cost nothing.
-# One warp per 16 output columns: the fewest instructions a weight in the compiled sm_90 loop
-# (Q4_K 5.6, Q5_K/Q6_K/Q8_0 below 8, counted statically). The H200 sweep of 2026-12-02
-# (bench/reports/device-20261202b/) measured this tiling fastest at one row on every
-# full-geometry shape, and 64 x 64 x 4 warps 1.8x slower at 512 rows than 32 launches' worth of
-# 16-row tiles, so wide calls take it too. Device sweeps override through `config`; the bits
-# never depend on it.
+# (BM, BN, num_warps, num_stages) per row bucket (16: T <= 16, 64: wider), from the H200 sweep of
+# 2026-12-02 on every full-geometry shape (20261202T051859Z-kernels-cuda.json; each tiling bitwise
+# equal to the default). BM 16: a one-row call is a 16-row tile with 15 idle rows. One warp per
+# program: two warps cost 2.2-3.5x at one row on every projection shape. At one row 16 x 32 with
+# 2 stages was fastest on 7 of 8 shapes (Q4_K 39936 x 6656: 124 us against 176 for 16 x 16 x 4
+# stages); at 512 rows 16 x 32 x 1 warp was within 2% of the best on the Q4_K shapes, Q5_K's LM
+# head keeps 16 x 16 (24.9 ms against 31.0) and Q6_K takes 32 x 32 x 2 warps (2.69 ms against 3.87
+# on 6656 x 19968). Device sweeps override through `config`; the bits never depend on it.
 CONFIGS: dict[int, tuple[int, int, int, int]] = {
-    16: (16, 16, 1, 4),
-    64: (16, 16, 1, 4),
+    16: (16, 32, 1, 2),
+    64: (16, 32, 1, 4),
 }
+WIDE_BY_FORMAT: dict[G, tuple[int, int, int, int]] = {G.Q5_K: (16, 16, 1, 4), G.Q6_K: (32, 32, 2, 3)}
 # Calls of at most this many rows give each chunk of the two-level sum (dot.CHUNK_ELEMS) its own
 # program and add the chunk sums in a second launch; wider calls walk the chunks in one program.
 # The additions and their order are the same either way (the bits never depend on it).
@@ -119,8 +120,12 @@ def check_config(config) -> tuple[int, int, int, int]:
     return bm, bn, nw, ns
 
 
-def config_for(rows: int) -> tuple[int, int, int, int]:
-    return CONFIGS[_bucket(rows)]
+def config_for(rows: int, fmt: G | None = None) -> tuple[int, int, int, int]:
+    """The tiling of a `rows`-row call on weights of type `fmt` (CONFIGS, WIDE_BY_FORMAT)."""
+    b = _bucket(rows)
+    if b == 64 and fmt in WIDE_BY_FORMAT:
+        return WIDE_BY_FORMAT[fmt]
+    return CONFIGS[b]
 
 
 @dataclass(frozen=True)
@@ -436,7 +441,7 @@ def matmul_i8_act(w: QWeight, act: Act, out: torch.Tensor | None = None, config=
     elif out.dtype != torch.float32 or tuple(out.shape) != (T, N) or out.stride(1) != 1:
         raise ValueError(f"out {out.dtype} {list(out.shape)} (stride {list(out.stride())}): "
                          f"need float32 [{T}, {N}] with unit column stride")
-    bm, bn, nw, ns = check_config(config) if config is not None else config_for(T)
+    bm, bn, nw, ns = check_config(config) if config is not None else config_for(T, G(w.fmt))
     f = w.fields
     ptrs = [f[k] for k in FIELDS[w.fmt]]
     ptrs += [ptrs[0]] * (6 - len(ptrs))  # absent slots repeat the first field (never read)
@@ -466,4 +471,4 @@ def matmul_i8(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None, conf
 
 
 __all__ = ["Act", "CONFIGS", "FORMATS", "HAVE_TRITON", "KINDS", "check_config", "config_for", "matmul_i8",
-           "matmul_i8_act", "quantize_act", "supports"]
+           "matmul_i8_act", "quantize_act", "supports", "WIDE_BY_FORMAT"]
