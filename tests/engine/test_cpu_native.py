@@ -4,6 +4,10 @@
   row count, either thread count and either ISA instantiation (AVX2 / baseline); Q8_0 read as
   stored equals the GEMM over its ggml decode bit for bit; the float64 product within 1e-6 of
   the sum of |x| |w| (another summation order).
+* The integer lane's GEMM (gemm_i8, Q8_0 and Q4_0 weights): muser.quant.dot.matmul_ggml's bits
+  for 1..17 rows, one and several 1024-element chunks of the float64 sum (a partial last chunk),
+  zero rows and rounding ties, N not a multiple of 4, 1 and 2 threads, AVX2 and portable forms;
+  bad inputs refused.
 * Attention vs attention.attend_ref (both plane layouts, f16 / f32 K/V, fresh / wrapped rings,
   windows cutting the live rows, T = 1..16): |d| <= 2e-6.
 * Tails vs the torch ops of engine/forward.py (ggml's op order): <= 4 ulp-scale (rtol 1e-6).
@@ -23,6 +27,7 @@ from muser.engine.forward import rms_norm, rope, sigmoid, silu, softcap_logits
 from muser.engine.kernels import cpu_native as C
 from muser.engine.kernels.attention import attend_ref
 from muser.engine.weights import random_bytes, repack
+from muser.errors import LaneError
 from muser.gguf.types import GgmlType as G
 from muser.model.synth import SynthSpec
 
@@ -174,3 +179,44 @@ def test_session_logits_do_not_depend_on_threads(make_gguf):
                                     s.decode(ids[36])[None]]))
         assert C.get_threads() == n
     assert np.array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("fmt", (G.Q8_0, G.Q4_0), ids=lambda f: f.name)
+@pytest.mark.parametrize("n_in", (32, 96, 1024, 2080))
+def test_gemm_i8_equals_matmul_ggml_bitwise(fmt, n_in):
+    from muser.quant.dot import matmul_ggml
+
+    N = 37
+    raw = random_bytes(fmt, N, n_in, seed=n_in)
+    w = repack("w", fmt, N, n_in, torch.from_numpy(raw.copy()))
+    wq, wd = C.i8_codes(fmt, w.fields["qs"], w.fields["d"])
+    rng = np.random.default_rng(n_in)
+    x = (rng.standard_normal((17, n_in)) * rng.choice([1e-3, 1.0, 30.0], size=(17, 1))).astype(np.float32)
+    x[0] = 0.0  # amax 0: d 0, codes 0
+    x[1, :32] = np.arange(32, dtype=np.float32) - 15.5  # x * id lands on half-integers
+    ref = matmul_ggml(raw.reshape(N, -1), fmt, x).view(np.int32)
+    try:
+        for base in (False, True):  # the AVX2 form (four rows a vector) and the portable one
+            C.gemm_baseline(base)
+            for threads in (1, 2):
+                C.set_threads(threads)
+                for T in (1, 2, 7, 17):
+                    got = C.gemm_i8(wq, wd, torch.from_numpy(x[:T].copy())).numpy().view(np.int32)
+                    assert np.array_equal(got, ref[:T]), (base, threads, T)
+    finally:
+        C.gemm_baseline(False)
+    out = torch.full((3, N + 5), float("nan"))
+    C.gemm_i8(wq, wd, torch.from_numpy(x[:3].copy()), out=out[:, 2:N + 2])  # a column slice of a wider output
+    assert np.array_equal(out[:, 2:N + 2].numpy().view(np.int32), ref[:3])
+
+
+def test_gemm_i8_refuses_bad_inputs():
+    w = _q8_weight(8, 64, 0)
+    wq, wd = C.i8_codes(G.Q8_0, w.fields["qs"], w.fields["d"])
+    with pytest.raises(AssertionError, match="gemm_i8 x"):
+        C.gemm_i8(wq, wd, torch.zeros(2, 64, dtype=torch.float64))
+    with pytest.raises(AssertionError, match="codes"):
+        C.gemm_i8(wq, wd, torch.zeros(2, 96))
+    f16 = repack("h", G.F16, 4, 64, torch.from_numpy(random_bytes(G.F16, 4, 64, 0).copy()))
+    with pytest.raises(LaneError, match="F16"):
+        C.i8_codes(G.F16, f16.fields.get("w", torch.zeros(1)), torch.zeros(1))

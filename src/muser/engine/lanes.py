@@ -291,9 +291,30 @@ class Linear:
         self._cached_bytes += size
         return wc
 
+    def i8_codes(self, w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        """cpu_native.i8_codes of a Q8_0/Q4_0 weight, cached within the byte budget (Q8_0: its own
+        qs, no copy; the scales as f32)."""
+        from .kernels import cpu_native
+
+        key = ("i8", id(w))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = cpu_native.i8_codes(w.fmt, w.fields["qs"], w.fields["d"])
+            size = hit[1].numel() * 4 + (hit[0].numel() if w.fmt != G.Q8_0 else 0)
+            if self._cached_bytes + size <= CPU_CACHE_BYTES:  # past the budget: formed per call
+                self._cache[key] = hit
+                self._cached_bytes += size
+        return hit
+
     def _cpu_int(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:
-        """The integer lane on the CPU: x f32 [T, n_in] -> [T, n_out], matmul_ggml's bits; past
-        the cache budget each call builds the codes of row chunks (rows are independent)."""
+        """The integer lane on the CPU: x f32 [T, n_in] -> [T, n_out], matmul_ggml's bits. Q8_0 and
+        Q4_0 weights through the C kernel (cpu.c mu_gemm_i8); the other formats through dot.py's
+        matmul_codes, past the cache budget building the codes of row chunks (rows are independent)."""
+        from .kernels import cpu_native
+
+        if w.fmt in cpu_native.I8_FORMATS:
+            wq, wd = self.i8_codes(w)
+            return cpu_native.gemm_i8(wq, wd, x.contiguous())
         xn = x.detach().contiguous().numpy()
         wc = self.int_codes(w)
         if wc is not None:

@@ -743,3 +743,145 @@ int mu_attend(const float *q, int64_t T, int64_t H, int64_t KV, int64_t D, const
     run_tasks(attn_task, &a);
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------- */
+/* The integer lane over Q8_0 activations (muser.quant.dot.matmul_ggml, ggml-cpu's
+ * vec_dot_q8_0_q8_0 and vec_dot_q4_0_q8_0, bit for bit):
+ *   x row -> Q8_0 per 32 as quantize_row_q8_0's AVX2 branch: amax, d = f16(amax / 127),
+ *            id = 127 / amax (0 when amax is 0), q = saturate(round-half-even(x * id));
+ *   weight codes int8 (Q8_0 qs as stored; Q4_0 nibble - 8, formed once by the caller), so each
+ *   32-block's sum of code x code is an exact int32 whatever the lane order;
+ *   term_b = f64(f32(wd_b * xd_b)) * f64(isum_b), summed in float64 per chunk of 1024 elements
+ *   (+0.0, then + term block by block) and the chunks in order from +0.0, rounded to f32 once
+ *   (dot.py _chunk_sum: the order kernels/qmatmul_i8.py keeps on CUDA).
+ * Threads split output rows; a row's value depends on its own x row and weight row only. */
+
+static MU_CLONES void quant_q8_0_rows(const float *x, int64_t ldx, int64_t T, int64_t K, int8_t *qs, float *d) {
+    const int64_t nb = K / 32;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + t * ldx + b * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                const float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
+            }
+            d[t * nb + b] = f16_round(amax / 127.0f);
+            const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *q = qs + t * K + b * 32;
+            for (int i = 0; i < 32; i++) {
+                const float r = (v[i] * id + 12582912.0f) - 12582912.0f; /* ggml nearest_int: half even */
+                const int c = (int)r;
+                q[i] = (int8_t)(c > 127 ? 127 : (c < -128 ? -128 : c));
+            }
+        }
+    }
+}
+
+typedef struct {
+    const int8_t *wq; /* [N, K] codes */
+    const float *wd;  /* [N, K / 32] weight scales (the f16 values) */
+    const int8_t *aq; /* [T, K] */
+    const float *ad;  /* [T, K / 32] */
+    int64_t N, K, T;
+    float *y;
+    int64_t ldy;
+} i8_args;
+
+static MU_CLONES void i8_task(void *p, int ith, int nth) {
+    const i8_args *a = (const i8_args *)p;
+    int64_t lo, hi;
+    split_range(a->N, ith, nth, 8, &lo, &hi);
+    const int64_t nb = a->K / 32, per = 1024 / 32;
+    for (int64_t n = lo; n < hi; n++) {
+        const int8_t *w = a->wq + n * a->K;
+        const float *wd = a->wd + n * nb;
+        for (int64_t t = 0; t < a->T; t++) {
+            const int8_t *xq = a->aq + t * a->K;
+            const float *xd = a->ad + t * nb;
+            double acc = 0.0;
+            for (int64_t c0 = 0; c0 < nb; c0 += per) {
+                const int64_t c1 = c0 + per < nb ? c0 + per : nb;
+                double part = 0.0;
+                for (int64_t b = c0; b < c1; b++) {
+                    int32_t s = 0;
+                    for (int i = 0; i < 32; i++) s += (int32_t)w[b * 32 + i] * (int32_t)xq[b * 32 + i];
+                    const float sc = wd[b] * xd[b];
+                    part = part + (double)sc * (double)s;
+                }
+                acc = acc + part;
+            }
+            a->y[t * a->ldy + n] = (float)acc;
+        }
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* The same sums, four output rows at a time: each block's four integer sums from 16-bit
+ * products (vpmaddwd: exact for any int8 codes, -128 included), reduced across lanes by
+ * vphaddd (integer: order-free); the four rows' float64 terms and chunk sums are the four lanes
+ * of one vector, each lane adding its own row's terms in block order, as the scalar form. */
+MU_AVX2 static void i8_task_avx2(void *p, int ith, int nth) {
+    const i8_args *a = (const i8_args *)p;
+    int64_t lo, hi;
+    split_range(a->N, ith, nth, 8, &lo, &hi);
+    const int64_t K = a->K, nb = K / 32, per = 1024 / 32;
+    for (int64_t n0 = lo; n0 < hi; n0 += 4) {
+        const int8_t *w[4];
+        const float *wd[4];
+        for (int r = 0; r < 4; r++) { /* past the range's end: its last row again, not stored */
+            const int64_t n = n0 + r < hi ? n0 + r : hi - 1;
+            w[r] = a->wq + n * K;
+            wd[r] = a->wd + n * nb;
+        }
+        for (int64_t t = 0; t < a->T; t++) {
+            const int8_t *xq = a->aq + t * K;
+            const float *xd = a->ad + t * nb;
+            __m256d acc = _mm256_setzero_pd();
+            for (int64_t c0 = 0; c0 < nb; c0 += per) {
+                const int64_t c1 = c0 + per < nb ? c0 + per : nb;
+                __m256d part = _mm256_setzero_pd();
+                for (int64_t b = c0; b < c1; b++) {
+                    const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq + b * 32)));
+                    const __m256i x1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq + b * 32 + 16)));
+                    __m256i s[4];
+                    for (int r = 0; r < 4; r++) {
+                        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[r] + b * 32)));
+                        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[r] + b * 32 + 16)));
+                        s[r] = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+                    }
+                    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+                    const __m128i isum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+                    const __m128 sc = _mm_mul_ps(_mm_set_ps(wd[3][b], wd[2][b], wd[1][b], wd[0][b]), _mm_set1_ps(xd[b]));
+                    part = _mm256_add_pd(part, _mm256_mul_pd(_mm256_cvtps_pd(sc), _mm256_cvtepi32_pd(isum)));
+                }
+                acc = _mm256_add_pd(acc, part);
+            }
+            float o[4];
+            _mm_storeu_ps(o, _mm256_cvtpd_ps(acc));
+            for (int r = 0; r < 4 && n0 + r < hi; r++) a->y[t * a->ldy + n0 + r] = o[r];
+        }
+    }
+}
+#endif
+
+static task_fn i8_task_for_cpu(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    static int avx2 = -1;
+    if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    if (avx2 && !baseline_only) return i8_task_avx2;
+#endif
+    return i8_task;
+}
+
+/* y [T, N] (row stride ldy) = the integer lane's x [T, K] (row stride ldx) @ W^T; aq, ad: caller's
+ * scratch of T * K and T * K / 32 elements */
+int mu_gemm_i8(const int8_t *wq, const float *wd, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t T,
+               int8_t *aq, float *ad, float *y, int64_t ldy) {
+    if (N < 0 || T < 0 || K < 32 || K % 32)
+        return -1;
+    quant_q8_0_rows(x, ldx, T, K, aq, ad);
+    i8_args a = {wq, wd, aq, ad, N, K, T, y, ldy};
+    run_tasks(i8_task_for_cpu(), &a);
+    return 0;
+}

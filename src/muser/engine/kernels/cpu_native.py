@@ -56,6 +56,7 @@ def _load() -> ctypes.CDLL:
         "mu_init": (None, []),
         "mu_gemm_baseline": (None, [ctypes.c_int]),
         "mu_nvfp4_scales": (None, [ctypes.c_int, _P]),
+        "mu_gemm_i8": (ctypes.c_int, [_P, _P, _I, _I, _P, _I, _I, _P, _P, _P, _I]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)
@@ -245,6 +246,45 @@ def gemm(m: CpuMat, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
                       x.data_ptr(), x.stride(0), T, out.data_ptr(), out.stride(0))
     if rc:
         raise LaneError(f"CPU gemm refused fmt {m.fmt} with n_in {m.n_in}")
+    return out
+
+
+I8_FORMATS = (G.Q8_0, G.Q4_0)  # weight types whose integer-lane dot reads Q8_0 activations as int8 codes
+
+
+def i8_codes(fmt: G, qs: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 or Q4_0 weight's repacked fields (engine/weights.py) -> (int8 codes [N, K], f32
+    scales [N, K / 32]) for gemm_i8: Q8_0's qs as stored; Q4_0's nibbles - 8 (per 32-block byte
+    i: element i low, element 16 + i high), the values ggml's vec_dot_q4_0_q8_0 multiplies."""
+    if fmt == G.Q8_0:
+        wq = qs.contiguous()
+    elif fmt == G.Q4_0:
+        b = qs.contiguous().view(torch.uint8).reshape(qs.shape[0], -1, 16)  # [N, K / 32, 16]
+        wq = (torch.cat([b & 0x0F, b >> 4], dim=2).to(torch.int16) - 8).to(torch.int8).reshape(qs.shape[0], -1)
+    else:
+        raise LaneError(f"gemm_i8 takes Q8_0 or Q4_0 weights, not {G(fmt).name}")
+    return wq, d.to(torch.float32).contiguous()
+
+
+def gemm_i8(wq: torch.Tensor, wd: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The integer lane over Q8_0 activations (cpu.c mu_gemm_i8; muser.quant.dot.matmul_ggml's
+    bits): x f32 [T, K] (unit column stride) -> out f32 [T, N] (fresh, or `out`: any row stride,
+    unit column stride). wq, wd: i8_codes'."""
+    _f32rows(x, "gemm_i8 x")
+    T, K = x.shape
+    N = wq.shape[0]
+    assert wq.dtype == torch.int8 and wq.shape == (N, K) and wq.is_contiguous(), f"gemm_i8: codes {wq.shape}"
+    assert wd.dtype == torch.float32 and wd.shape == (N, K // 32) and wd.is_contiguous()
+    if out is None:
+        out = torch.empty((T, N), dtype=torch.float32)
+    else:
+        assert out.shape == (T, N) and out.dtype == torch.float32 and out.stride(1) == 1
+    aq = torch.empty((T, K), dtype=torch.int8)
+    ad = torch.empty((T, K // 32), dtype=torch.float32)
+    rc = _lib.mu_gemm_i8(wq.data_ptr(), wd.data_ptr(), N, K, x.data_ptr(), x.stride(0), T, aq.data_ptr(),
+                         ad.data_ptr(), out.data_ptr(), out.stride(0))
+    if rc:
+        raise LaneError(f"CPU gemm_i8 refused n_in {K} (a multiple of 32 is needed)")
     return out
 
 
