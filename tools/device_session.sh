@@ -8,6 +8,8 @@
 #                                [--llama-server PATH] [--reuse-gates] [--gates-only]
 #                                [--lane exact|fast] STAGE...
 #
+# --reuse-gates takes a wide Gate 2 receipt of this tree and lane from an earlier call on this
+# machine or, on a bare machine, from DIR/gates/ of the carry (a receipt fetched back from one).
 # --lane (default exact) is the lane the kernels, gate, speed and nvfp4 stages measure: with fast,
 # the kernels stage checks the integer lane (tools/device_kernels.py --lane fast), the wide Gate 2 is
 # the integer lane's (against the oracle's ggml-cpu arithmetic) and the speed kinds run --lane fast.
@@ -16,7 +18,8 @@
 # that need their outputs wait for them inside their own time box):
 #   build    the pinned llama.cpp, CUDA sm_90, from DIR/llama.cpp-src.tgz: llama-bench, then
 #            llama-server (-j10; ~5-6 min)
-#   fixture  the full geometry (tools/make_fixture.py --full: Q4_K mix, 16.75 GB) and, once that is
+#   fixture  (implied by speed, kvpack and nvfp4)
+#            the full geometry (tools/make_fixture.py --full: Q4_K mix, 16.75 GB) and, once that is
 #            written and when the nvfp4 stage is named, its NVFP4 form by `muser quantize FULL NV
 #            --to nvfp4-ggml` (ggml type 40, the file llama.cpp runs too; one process per core;
 #            its time in nv.done and logs/fixture-<mix>.log)
@@ -147,7 +150,8 @@ if has build; then
       echo "llama-server rc=$? $(( $(date +%s) - t )) s" >"$W/llama-server.done" ) &
   fi
 fi
-if has fixture; then
+# the stages that read the full file write it when it is absent, named or not (a bare machine)
+if has fixture || has speed || has kvpack || has nvfp4; then
   if [ $DRY = 1 ]; then FX_Q4=(tools/make_fixture.py "$FULL" --dtype q4_k_xl --source blocks --layers 8)
   else FX_Q4=(tools/make_fixture.py "$FULL" --full); fi
   ( t=$(date +%s); [ -s "$FULL" ] || $PY "${FX_Q4[@]}" >"$L/fixture-q4_k_xl.log" 2>&1
@@ -174,7 +178,9 @@ wide_gate_bg() {  # MIX
 earlier_gate() {  # MIX -> an earlier call's wide Gate 2 receipt for MIX of this tree (copied into $R)
   local f
   [ -n "${MUSER_GIT_SHA:-}" ] || return 1
-  for f in "$W"/gates/*-engine-gate2-wide-$DEV.json; do  # (a glob that matches nothing stays literal)
+  # this machine's earlier calls, then receipts carried in DIR/gates/ (a bare machine: a gate of an
+  # earlier machine of this tree, fetched back and carried)
+  for f in "$W"/gates/*-engine-gate2-wide-$DEV.json "$CARRY"/gates/*-engine-gate2-wide-$DEV.json; do  # (an unmatched glob stays literal)
     if [ -f "$f" ] && grep -q "\"dtype\": \"$1\"" "$f" && grep -q "\"git_sha\": \"$MUSER_GIT_SHA\"" "$f" \
        && grep -q "^  \"lane\": \"$LANE\"" "$f"; then
       cp "$f" "$R/" && echo "$R/$(basename "$f")" && return 0

@@ -79,6 +79,36 @@ def test_reuse_gates_takes_an_earlier_calls_gate_of_this_tree_only(tmp_path):
         assert ("receipts/20260101T000000Z-engine-gate2-wide-cpu.json" in names) == reused, names
 
 
+def test_reuse_gates_takes_a_carried_gate_on_a_bare_machine(tmp_path):
+    """--reuse-gates on a machine with no earlier call: a receipt of this tree and lane in the carry's
+    gates/ folder gates the call (another lane's there is not used)."""
+    import json
+
+    sha = "c" * 40
+    gates = tmp_path / "carry" / "gates"
+    gates.mkdir(parents=True)
+    (gates / "20260101T000001Z-engine-gate2-wide-cpu.json").write_text(json.dumps(
+        {"kind": "engine-gate2-wide-cpu", "git_sha": sha, "model": {"dtype": "q4_k_xl"}, "lane": "fast"}, indent=2))
+    for lane, reused in (("fast", True), ("exact", False)):
+        env = dict(os.environ, OUT=str(tmp_path / "out"), PY=sys.executable, MUSER_DEVICE_WORK=str(tmp_path / "work"),
+                   MUSER_GIT_SHA=sha)
+        p = subprocess.run(["bash", str(SCRIPT), "--cpu-dry", "--deadline", "70", "--carry", str(tmp_path / "carry"),
+                            "--reuse-gates", "--lane", lane, "gate"], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 0, p.stdout + p.stderr
+        rows = [r.split("\t") for r in (tmp_path / "out" / "stages.tsv").read_text().splitlines()]
+        gate = [r for r in rows if r[0] == "gate-q4_k_xl"]
+        assert gate and gate[0][3].startswith("reused 20260101T000001Z-engine-gate2-wide-cpu.json") == reused, rows
+
+
+def test_the_speed_stage_writes_the_file_it_reads(tmp_path):
+    """A bare machine asked for speed (fixture not named) writes the full file first."""
+    p = run(tmp_path, "--cpu-dry", "--deadline", "70", "--gates-only", "speed")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (tmp_path / "work" / "full.done").read_text().startswith("rc=0")
+    assert (tmp_path / "work" / "dry-q4_k_xl.gguf").stat().st_size > 0
+
+
 def test_gates_only_records_the_speed_stage_without_running_it(tmp_path):
     p = run(tmp_path, "--cpu-dry", "--deadline", "70", "--gates-only", "gate", "speed")
     assert p.returncode == 0, p.stdout + p.stderr
