@@ -27,7 +27,7 @@ from muser.engine.forward import rms_norm, rope, sigmoid, silu, softcap_logits
 from muser.engine.kernels import cpu_native as C
 from muser.engine.kernels.attention import attend_ref
 from muser.engine.weights import random_bytes, repack
-from muser.errors import LaneError
+from muser.errors import FormatError, LaneError
 from muser.gguf.types import GgmlType as G
 from muser.model.synth import SynthSpec
 
@@ -220,3 +220,10 @@ def test_gemm_i8_refuses_bad_inputs():
     f16 = repack("h", G.F16, 4, 64, torch.from_numpy(random_bytes(G.F16, 4, 64, 0).copy()))
     with pytest.raises(LaneError, match="F16"):
         C.i8_codes(G.F16, f16.fields.get("w", torch.zeros(1)), torch.zeros(1))
+    for bad in (float("nan"), float("inf"), -float("inf")):  # refused, naming the value, nothing written
+        x = torch.ones(3, 64)
+        x[1, 37] = bad
+        out = torch.zeros(3, 8)
+        with pytest.raises(FormatError, match=r"non-finite value .* at row 1, column 37"):
+            C.gemm_i8(wq, wd, x, out=out)
+        assert torch.equal(out, torch.zeros(3, 8))

@@ -756,15 +756,22 @@ int mu_attend(const float *q, int64_t T, int64_t H, int64_t KV, int64_t D, const
  *   (dot.py _chunk_sum: the order kernels/qmatmul_i8.py keeps on CUDA).
  * Threads split output rows; a row's value depends on its own x row and weight row only. */
 
-static MU_CLONES void quant_q8_0_rows(const float *x, int64_t ldx, int64_t T, int64_t K, int8_t *qs, float *d) {
+/* returns the flat index (t * K + k) + 1 of the first non-finite x, 0 when every x is finite */
+static MU_CLONES int64_t quant_q8_0_rows(const float *x, int64_t ldx, int64_t T, int64_t K, int8_t *qs, float *d) {
     const int64_t nb = K / 32;
     for (int64_t t = 0; t < T; t++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + t * ldx + b * 32;
             float amax = 0.0f;
+            int finite = 1;
             for (int i = 0; i < 32; i++) {
                 const float a = fabsf(v[i]);
+                finite &= a <= 3.40282347e38f; /* false for inf and NaN */
                 amax = a > amax ? a : amax;
+            }
+            if (!finite) {
+                for (int i = 0; i < 32; i++)
+                    if (!(fabsf(v[i]) <= 3.40282347e38f)) return t * K + b * 32 + i + 1;
             }
             d[t * nb + b] = f16_round(amax / 127.0f);
             const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
@@ -776,6 +783,7 @@ static MU_CLONES void quant_q8_0_rows(const float *x, int64_t ldx, int64_t T, in
             }
         }
     }
+    return 0;
 }
 
 typedef struct {
@@ -875,12 +883,15 @@ static task_fn i8_task_for_cpu(void) {
 }
 
 /* y [T, N] (row stride ldy) = the integer lane's x [T, K] (row stride ldx) @ W^T; aq, ad: caller's
- * scratch of T * K and T * K / 32 elements */
-int mu_gemm_i8(const int8_t *wq, const float *wd, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t T,
-               int8_t *aq, float *ad, float *y, int64_t ldy) {
+ * scratch of T * K and T * K / 32 elements. Returns 0; -1 for a bad shape; 1 + the flat index of
+ * the first non-finite x (nothing written to y) */
+int64_t mu_gemm_i8(const int8_t *wq, const float *wd, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t T,
+                   int8_t *aq, float *ad, float *y, int64_t ldy) {
     if (N < 0 || T < 0 || K < 32 || K % 32)
         return -1;
-    quant_q8_0_rows(x, ldx, T, K, aq, ad);
+    const int64_t bad = quant_q8_0_rows(x, ldx, T, K, aq, ad);
+    if (bad)
+        return bad;
     i8_args a = {wq, wd, aq, ad, N, K, T, y, ldy};
     run_tasks(i8_task_for_cpu(), &a);
     return 0;

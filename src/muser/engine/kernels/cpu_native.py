@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...errors import LaneError
+from ...errors import FormatError, LaneError
 from ...gguf.types import GgmlType as G
 
 _P = ctypes.c_void_p
@@ -56,7 +56,7 @@ def _load() -> ctypes.CDLL:
         "mu_init": (None, []),
         "mu_gemm_baseline": (None, [ctypes.c_int]),
         "mu_nvfp4_scales": (None, [ctypes.c_int, _P]),
-        "mu_gemm_i8": (ctypes.c_int, [_P, _P, _I, _I, _P, _I, _I, _P, _P, _P, _I]),
+        "mu_gemm_i8": (ctypes.c_int64, [_P, _P, _I, _I, _P, _I, _I, _P, _P, _P, _I]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)
@@ -283,8 +283,12 @@ def gemm_i8(wq: torch.Tensor, wd: torch.Tensor, x: torch.Tensor, out: torch.Tens
     ad = torch.empty((T, K // 32), dtype=torch.float32)
     rc = _lib.mu_gemm_i8(wq.data_ptr(), wd.data_ptr(), N, K, x.data_ptr(), x.stride(0), T, aq.data_ptr(),
                          ad.data_ptr(), out.data_ptr(), out.stride(0))
-    if rc:
+    if rc < 0:
         raise LaneError(f"CPU gemm_i8 refused n_in {K} (a multiple of 32 is needed)")
+    if rc > 0:  # Q8_0 quantization of a NaN or inf has no value (matmul_ggml refuses it too)
+        i = rc - 1
+        raise FormatError(f"integer-lane activations: non-finite value {float(x[i // K, i % K])!r} "
+                          f"at row {i // K}, column {i % K}")
     return out
 
 
