@@ -94,6 +94,37 @@ def invariance_case(dtype: str, kv: str, device: str, work: Path, smoke: bool, l
     return out
 
 
+def graph_seconds(fn, launches: int, reps: int) -> list[float]:
+    """CUDA: `launches` calls of fn captured in one graph, replayed `reps` times after one warm
+    replay; seconds per call of each replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) / 1e3 / launches)
+    return samples
+
+
+def call_seconds(fn, device: str, launches: int) -> list[float]:
+    """Per-call seconds of fn: 5 graph replays on CUDA, one timed call elsewhere (smoke runs)."""
+    if device == "cuda":
+        return graph_seconds(fn, launches, 5)
+    t0 = time.perf_counter()
+    fn()
+    return [time.perf_counter() - t0]
+
+
 def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -> dict:
     import numpy as np
     import torch
@@ -132,28 +163,7 @@ def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -
     for T in (1, 2, 4, 8, 16):
         xt = x[:T].contiguous()
         out = torch.empty(T, n_out, device=device)
-        if device == "cuda":
-            launches = 20
-            qmatvec.matvec(w, xt, out)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(launches):
-                    qmatvec.matvec(w, xt, out)
-            graph.replay()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(5):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                samples.append(a.elapsed_time(b) / 1e3 / launches)
-        else:
-            t0 = time.perf_counter()
-            qmatvec.matvec(w, xt, out)
-            samples = [time.perf_counter() - t0]
+        samples = call_seconds(lambda: qmatvec.matvec(w, xt, out), device, 20)
         mean = float(np.mean(samples))
         r[f"T{T}"] = {"us": mean * 1e6, "cv": float(np.std(samples) / mean) if len(samples) > 1 else None,
                       "samples_s": samples, "GBps": nbytes / mean / 1e9}
@@ -165,18 +175,8 @@ def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -
                 xt, out = x.contiguous(), torch.empty(16, n_out, device=device)
                 got = qmatvec_v3.matvec_v3(w.packed, xt, out, config=cfg)
                 same = bool(torch.equal(got.view(torch.int32), y16.view(torch.int32)))
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(20):
-                        qmatvec_v3.matvec_v3(w.packed, xt, out, config=cfg)
-                graph.replay()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                sweep[str(list(cfg))] = {"us": a.elapsed_time(b) * 1e3 / 20, "bitwise_equal_default": same}
+                sec = graph_seconds(lambda: qmatvec_v3.matvec_v3(w.packed, xt, out, config=cfg), 20, 1)[0]
+                sweep[str(list(cfg))] = {"us": sec * 1e6, "bitwise_equal_default": same}
             except Exception as e:  # noqa: BLE001
                 sweep[str(list(cfg))] = {"error": f"{type(e).__name__}: {e}"[:300]}
         r["T16_sweep"] = sweep
@@ -218,28 +218,7 @@ def i8_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -> d
     for T in (1, 16, 64, big):
         xt = x[:T].contiguous()
         out = torch.empty(T, n_out, device=device)
-        if device == "cuda":
-            launches = 20 if T <= 64 else 5
-            qmatmul_i8.matmul_i8(w, xt, out)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(launches):
-                    qmatmul_i8.matmul_i8(w, xt, out)
-            graph.replay()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(5):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                samples.append(a.elapsed_time(b) / 1e3 / launches)
-        else:
-            t0 = time.perf_counter()
-            qmatmul_i8.matmul_i8(w, xt, out)
-            samples = [time.perf_counter() - t0]
+        samples = call_seconds(lambda: qmatmul_i8.matmul_i8(w, xt, out), device, 20 if T <= 64 else 5)
         mean = float(np.mean(samples))
         r[f"T{T}"] = {"us": mean * 1e6, "cv": float(np.std(samples) / mean) if len(samples) > 1 else None,
                       "samples_s": samples, "GBps": nbytes / mean / 1e9,
@@ -255,19 +234,8 @@ def i8_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -> d
                     out = torch.empty(T, n_out, device=device)
                     got = qmatmul_i8.matmul_i8(w, xt, out, config=cfg)
                     same = bool(torch.equal(bits(got), bits(ref_y)))
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    n_l = 10 if T == 1 else 3
-                    with torch.cuda.graph(graph):
-                        for _ in range(n_l):
-                            qmatmul_i8.matmul_i8(w, xt, out, config=cfg)
-                    graph.replay()
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    graph.replay()
-                    b.record()
-                    b.synchronize()
-                    sweep[f"T{T} {list(cfg)}"] = {"us": a.elapsed_time(b) * 1e3 / n_l, "bitwise_equal_default": same}
+                    sec = graph_seconds(lambda: qmatmul_i8.matmul_i8(w, xt, out, config=cfg), 10 if T == 1 else 3, 1)[0]
+                    sweep[f"T{T} {list(cfg)}"] = {"us": sec * 1e6, "bitwise_equal_default": same}
                 except Exception as e:  # noqa: BLE001
                     sweep[f"T{T} {list(cfg)}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         r["sweep"] = sweep

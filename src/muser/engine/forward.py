@@ -155,12 +155,17 @@ class ModelWeights:
         by itself when its vec_dot_type differs, and ffn gate|up."""
         from .lanes import fast_stack
 
+        self._stack_layers(fast_stack)
+
+    def _stack_layers(self, stack) -> None:
+        """attn_in = stack(q|k|v|gate), or stack(q|k|gate) with v by itself when `stack` refuses
+        the four (None: v's format or vec_dot_type differs); ffn_in = stack(gate|up)."""
         for L in self.layers:
-            L.attn_in = fast_stack([L.wq, L.wk, L.wv, L.wgate])
+            L.attn_in = stack([L.wq, L.wk, L.wv, L.wgate])
             L.attn_in_v = L.attn_in is not None
             if L.attn_in is None:
-                L.attn_in = fast_stack([L.wq, L.wk, L.wgate])
-            L.ffn_in = fast_stack([L.ffn_gate, L.ffn_up])
+                L.attn_in = stack([L.wq, L.wk, L.wgate])
+            L.ffn_in = stack([L.ffn_gate, L.ffn_up])
 
     def pack_for_decode(self, drop_fields: bool) -> None:
         """The decode kernel's layout (kernels/qmatvec_v3) for every K-quant and NVFP4 matrix, and the
@@ -169,12 +174,7 @@ class ModelWeights:
         from .kernels.qmatvec_v3 import pack_matrices, stack
 
         pack_matrices([w for w in self.matrices() if w is not self.embd], drop_fields=drop_fields)
-        for L in self.layers:
-            L.attn_in = stack([L.wq, L.wk, L.wv, L.wgate])
-            L.attn_in_v = L.attn_in is not None
-            if L.attn_in is None:
-                L.attn_in = stack([L.wq, L.wk, L.wgate])
-            L.ffn_in = stack([L.ffn_gate, L.ffn_up])
+        self._stack_layers(stack)
 
 
 # ---------------------------------------------------------------------------------------------
