@@ -41,6 +41,10 @@
 #   serve    muser bench serve --device cuda at 1/4/16 clients on the full Q4_K file when it is
 #            written (else, or when that run fails, the shipped micro model), the CUDA
 #            llama-server beside it when built (or the one --llama-server names)
+#   profile  python3 tools/device_profile.py on the full Q4_K file, both lanes: eager decode steps
+#            and 16-row verify steps at the first depth under the torch profiler (GPU time per kernel,
+#            launches) beside the same steps replayed as CUDA graphs, 200 s; it waits for the
+#            fixture only, so named before speed it runs while the wide gate is computed
 #   spec     muser bench spec on the shipped micro target + drafter (natural and synthetic prompts,
 #            greedy and sampled; Gate 3: speculative tokens == plain tokens) on CUDA
 #
@@ -71,7 +75,7 @@ while [ $# -gt 0 ]; do
     --gates-only) GATES_ONLY=1 ;;
     --lane) LANE=${2:?--lane exact|fast}; shift
             [ "$LANE" = exact ] || [ "$LANE" = fast ] || { echo "--lane $LANE: expected exact or fast" >&2; exit 2; } ;;
-    build|fixture|kernels|gate|speed|kvpack|nvfp4|serve|sampling|spec) STAGES+=("$1") ;;
+    build|fixture|kernels|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
   shift
@@ -151,7 +155,7 @@ if has build; then
   fi
 fi
 # the stages that read the full file write it when it is absent, named or not (a bare machine)
-if has fixture || has speed || has kvpack || has nvfp4; then
+if has fixture || has speed || has kvpack || has nvfp4 || has profile; then
   if [ $DRY = 1 ]; then FX_Q4=(tools/make_fixture.py "$FULL" --dtype q4_k_xl --source blocks --layers 8)
   else FX_Q4=(tools/make_fixture.py "$FULL" --full); fi
   ( t=$(date +%s); [ -s "$FULL" ] || $PY "${FX_Q4[@]}" >"$L/fixture-q4_k_xl.log" 2>&1
@@ -285,6 +289,13 @@ for st in "${STAGES[@]}"; do
       lj=""; llama_json "$model" "$st" && lj=$W/$st.json
       speed_kinds $st "$model" "$g" "$lj"
       speed_plot $st ;;
+    profile)
+      if [ $DRY = 1 ]; then record profile - 0 "dry run: the step profile needs CUDA"; continue; fi
+      if ! wait_for "$W/full.done" $(( DEADLINE - 60 )) || [ ! -s "$FULL" ]; then
+        record profile - 0 "no $FULL"; continue; fi
+      g=$(gate_receipt q4_k_xl); gr=(); [ -n "$g" ] && gr=(--gate-receipt "$g")
+      run_stage profile 200 60 $PY tools/device_profile.py "$FULL" "$R" --lanes exact,fast --depths "${DEPTHS%%,*}" \
+          --rows 1,16 --steps 8 "${gr[@]}" ;;
     kvpack)
       if ! wait_for "$W/full.done" $(( DEADLINE - 120 )) || [ ! -s "$FULL" ]; then
         record kvpack - 0 "no $FULL"; continue; fi

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Where a decode or verify step's time goes on the GPU: the engine on one file and lane, a
+session at each depth, eager steps under the torch profiler (GPU time per kernel, per step,
+launch counts) beside the same step replayed as its CUDA graph (wall time per step). The gap
+between the two is launch gaps plus the host work of a step (the logits read-back included).
+
+    python3 tools/device_profile.py FULL.gguf OUT [--lanes exact,fast] [--depths 0] [--rows 1,16]
+                                    [--steps 8] [--gate-receipt R]
+
+Writes one `step-profile-cuda` receipt per lane into OUT and prints the per-step tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+def family(name: str) -> str:
+    """A kernel's family: Triton kernels by their function name, the rest by a name prefix."""
+    n = name.strip()
+    if n.startswith("Memcpy") or n.startswith("Memset"):
+        return n.split(" ")[0] + " " + " ".join(n.split(" ")[1:2])
+    return n[:80]
+
+
+def profile_cell(eng, depth: int, rows: int, steps: int, rng) -> dict:
+    """One (depth, rows) cell: eager steps under the profiler, then graph-replayed steps timed."""
+    from muser.engine import MAX_VERIFY
+
+    if rows > MAX_VERIFY:
+        raise ValueError(f"rows {rows} > MAX_VERIFY {MAX_VERIFY}: prefill is not a graph step")
+    vocab = eng.cfg.vocab
+    n_ctx = depth + rows * (steps + 8) + 8
+    ids = rng.integers(6, min(vocab, 8000), size=n_ctx).astype(np.int64)
+    cell: dict = {"depth": depth, "rows": rows, "steps": steps}
+
+    def advance(s, i: int) -> None:
+        if rows == 1:
+            s.decode(int(ids[depth + i]))
+        else:
+            s.verify(ids[depth + i * rows: depth + (i + 1) * rows])
+
+    for graphs in (False, True):
+        s = eng.session(max_context=n_ctx, graphs=graphs)
+        s.prefill(ids[:max(depth, 1)])
+        for i in range(3):  # warm-up (graph capture on the graph session)
+            advance(s, i)
+        torch.cuda.synchronize()
+        if not graphs:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for i in range(steps):
+                    advance(s, 3 + i)
+                torch.cuda.synchronize()
+            agg: dict = defaultdict(lambda: [0.0, 0])
+            for e in prof.events():
+                dt = getattr(e, "device_type", None)
+                if dt is None or "CUDA" not in str(dt):
+                    continue
+                us = getattr(e, "device_time_total", None)
+                if us is None:
+                    us = e.cuda_time_total
+                a = agg[family(e.name)]
+                a[0] += us
+                a[1] += 1
+            table = sorted(((k, v[0] / steps / 1e3, v[1] / steps) for k, v in agg.items()), key=lambda r: -r[1])
+            cell["kernels"] = [{"name": k, "ms_per_step": round(ms, 4), "launches_per_step": round(n, 2)}
+                               for k, ms, n in table]
+            cell["eager_gpu_ms_per_step"] = round(sum(ms for _, ms, _ in table), 4)
+            cell["eager_launches_per_step"] = round(sum(n for _, _, n in table), 1)
+            t0 = time.perf_counter()
+            for i in range(steps):
+                advance(s, 3 + steps + i)
+            torch.cuda.synchronize()
+            cell["eager_wall_ms_per_step"] = round((time.perf_counter() - t0) / steps * 1e3, 4)
+        else:
+            samples = []
+            for i in range(steps):
+                t0 = time.perf_counter()
+                advance(s, 3 + i)
+                torch.cuda.synchronize()
+                samples.append((time.perf_counter() - t0) * 1e3)
+            cell["graph_wall_ms_per_step"] = round(float(np.mean(samples)), 4)
+            cell["graph_wall_ms_samples"] = [round(x, 4) for x in samples]
+        del s
+        torch.cuda.empty_cache()
+    return cell
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("out")
+    ap.add_argument("--lanes", default="exact", help="comma-separated lanes, each its own engine and receipt")
+    ap.add_argument("--depths", default="0")
+    ap.add_argument("--rows", default="1,16", help="rows per step: 1 = decode, 2..16 = a verify block")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--gate-receipt", default=None, help="the wide Gate 2 receipt of this tree and lane")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("device_profile: CUDA is not available", file=sys.stderr)
+        return 2
+    from muser.bench.receipt import device_description, write_receipt
+    from muser.engine import Engine
+
+    lanes = a.lanes.split(",")
+    for ln in lanes:
+        if ln not in ("exact", "fast"):
+            print(f"device_profile: lane {ln!r}: expected exact or fast", file=sys.stderr)
+            return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gate = {"status": "n/a", "what": "a profile, not a speed result"}
+    if a.gate_receipt:
+        gr = json.loads(Path(a.gate_receipt).read_text())
+        gate = {"status": "n/a", "gated_by": Path(a.gate_receipt).name, "gated_by_status": gr["gate"]["status"],
+                "what": "the wide Gate 2 of this tree on this machine"}
+    for lane in lanes:
+        res: dict = {"cells": []}
+        t = time.time()
+        eng = Engine.open(a.model, device="cuda", lane=lane, kv="f16")
+        res["load_s"] = round(time.time() - t, 1)
+        rng = np.random.default_rng(0)
+        for depth in [int(d) for d in a.depths.split(",")]:
+            for rows in [int(r) for r in a.rows.split(",")]:
+                try:
+                    cell = profile_cell(eng, depth, rows, a.steps, rng)
+                except Exception as e:  # recorded; the other cells go on
+                    cell = {"depth": depth, "rows": rows, "error": repr(e)[:300],
+                            "traceback": traceback.format_exc()[-2000:]}
+                res["cells"].append(cell)
+                print(f"lane {lane} depth {depth} rows {rows}: graph {cell.get('graph_wall_ms_per_step', 0)} ms/step "
+                      f"wall, eager GPU {cell.get('eager_gpu_ms_per_step', 0)} ms/step in "
+                      f"{cell.get('eager_launches_per_step', 0)} launches (eager wall "
+                      f"{cell.get('eager_wall_ms_per_step', 0)} ms)", flush=True)
+                for k in cell.get("kernels", [])[:16]:
+                    print(f"   {k['ms_per_step']:8.3f} ms  x{k['launches_per_step']:7.2f}  {k['name']}", flush=True)
+                if "error" in cell:
+                    print("   " + cell["error"], flush=True)
+        p = write_receipt("step-profile-cuda", model={"path": str(a.model), "bytes": Path(a.model).stat().st_size},
+                          device=device_description("cuda"), lane=lane, gate=gate, results=res, out_dir=out)
+        print(f"device_profile: lane {lane}: receipt {p}", flush=True)
+        del eng
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
