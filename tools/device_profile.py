@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Where a decode or verify step's time goes on the GPU: the engine on one file and lane, a
-session at each depth, eager steps under the torch profiler (GPU time per kernel, per step,
-launch counts) beside the same step replayed as its CUDA graph (wall time per step). The gap
-between the two is launch gaps plus the host work of a step (the logits read-back included).
+session at each depth, the step eager and replayed as its CUDA graph, each timed (wall per step)
+and then under the torch profiler: GPU time per kernel and launch counts, and the timeline split
+into GPU busy time, short idle gaps between one step's kernels and long ones (the host's work
+between steps: bookkeeping, the logits read-back).
 
     python3 tools/device_profile.py FULL.gguf OUT [--lanes exact,fast] [--depths 0] [--rows 1,16]
                                     [--steps 8] [--gate-receipt R]
@@ -35,64 +36,99 @@ def family(name: str) -> str:
     return n[:80]
 
 
+HOST_GAP_US = 150.0  # an idle stretch of the GPU at least this long is the host's turn between steps
+
+
+def kernel_events(prof) -> list:
+    """The device-side events (kernels, copies) of a profile, by start time."""
+    ev = [e for e in prof.events() if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)]
+    return sorted(ev, key=lambda e: e.time_range.start)
+
+
+def per_kernel(ev: list, steps: int) -> tuple[list[dict], float, float]:
+    agg: dict = defaultdict(lambda: [0.0, 0])
+    for e in ev:
+        a = agg[family(e.name)]
+        a[0] += e.time_range.end - e.time_range.start
+        a[1] += 1
+    table = sorted(((k, v[0] / steps / 1e3, v[1] / steps) for k, v in agg.items()), key=lambda r: -r[1])
+    rows = [{"name": k, "ms_per_step": round(ms, 4), "launches_per_step": round(n, 2)} for k, ms, n in table]
+    return rows, sum(ms for _, ms, _ in table), sum(n for _, _, n in table)
+
+
+def timeline(ev: list, steps: int) -> dict:
+    """GPU busy time (the union of the kernels' intervals), the idle gaps shorter than HOST_GAP_US
+    (between the kernels of one step: launch latency, dependency waits) and the longer ones (the
+    host preparing the next step, the read-back), each per step."""
+    busy = short = long_ = 0.0
+    end = None
+    for e in ev:
+        a, b = e.time_range.start, e.time_range.end
+        if end is None:
+            busy += b - a
+            end = b
+            continue
+        if a > end:
+            gap = a - end
+            if gap >= HOST_GAP_US:
+                long_ += gap
+            else:
+                short += gap
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return {"gpu_busy_ms_per_step": round(busy / steps / 1e3, 4),
+            "short_gaps_ms_per_step": round(short / steps / 1e3, 4),
+            "host_gaps_ms_per_step": round(long_ / steps / 1e3, 4)}
+
+
 def profile_cell(eng, depth: int, rows: int, steps: int, rng) -> dict:
-    """One (depth, rows) cell: eager steps under the profiler, then graph-replayed steps timed."""
+    """One (depth, rows) cell: eager steps under the profiler; graph-replayed steps timed, then
+    under the profiler (the graph's kernels and the gaps between them)."""
     from muser.engine import MAX_VERIFY
 
     if rows > MAX_VERIFY:
         raise ValueError(f"rows {rows} > MAX_VERIFY {MAX_VERIFY}: prefill is not a graph step")
     vocab = eng.cfg.vocab
-    n_ctx = depth + rows * (steps + 8) + 8
+    n_steps = 3 + 3 * steps  # warm-up, timed, profiled
+    n_ctx = max(depth, 1) + rows * n_steps + 8
     ids = rng.integers(6, min(vocab, 8000), size=n_ctx).astype(np.int64)
     cell: dict = {"depth": depth, "rows": rows, "steps": steps}
+    p0 = max(depth, 1)
 
     def advance(s, i: int) -> None:
         if rows == 1:
-            s.decode(int(ids[depth + i]))
+            s.decode(int(ids[p0 + i]))
         else:
-            s.verify(ids[depth + i * rows: depth + (i + 1) * rows])
+            s.verify(ids[p0 + i * rows: p0 + (i + 1) * rows])
 
     for graphs in (False, True):
+        tag = "graph" if graphs else "eager"
         s = eng.session(max_context=n_ctx, graphs=graphs)
-        s.prefill(ids[:max(depth, 1)])
+        s.prefill(ids[:p0])
         for i in range(3):  # warm-up (graph capture on the graph session)
             advance(s, i)
         torch.cuda.synchronize()
-        if not graphs:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for i in range(steps):
-                    advance(s, 3 + i)
-                torch.cuda.synchronize()
-            agg: dict = defaultdict(lambda: [0.0, 0])
-            for e in prof.events():
-                dt = getattr(e, "device_type", None)
-                if dt is None or "CUDA" not in str(dt):
-                    continue
-                us = getattr(e, "device_time_total", None)
-                if us is None:
-                    us = e.cuda_time_total
-                a = agg[family(e.name)]
-                a[0] += us
-                a[1] += 1
-            table = sorted(((k, v[0] / steps / 1e3, v[1] / steps) for k, v in agg.items()), key=lambda r: -r[1])
-            cell["kernels"] = [{"name": k, "ms_per_step": round(ms, 4), "launches_per_step": round(n, 2)}
-                               for k, ms, n in table]
-            cell["eager_gpu_ms_per_step"] = round(sum(ms for _, ms, _ in table), 4)
-            cell["eager_launches_per_step"] = round(sum(n for _, _, n in table), 1)
+        samples = []
+        for i in range(steps):
             t0 = time.perf_counter()
+            advance(s, 3 + i)
+            torch.cuda.synchronize()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        cell[f"{tag}_wall_ms_per_step"] = round(float(np.mean(samples)), 4)
+        cell[f"{tag}_wall_ms_samples"] = [round(x, 4) for x in samples]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for i in range(steps):
                 advance(s, 3 + steps + i)
             torch.cuda.synchronize()
-            cell["eager_wall_ms_per_step"] = round((time.perf_counter() - t0) / steps * 1e3, 4)
-        else:
-            samples = []
-            for i in range(steps):
-                t0 = time.perf_counter()
-                advance(s, 3 + i)
-                torch.cuda.synchronize()
-                samples.append((time.perf_counter() - t0) * 1e3)
-            cell["graph_wall_ms_per_step"] = round(float(np.mean(samples)), 4)
-            cell["graph_wall_ms_samples"] = [round(x, 4) for x in samples]
+        ev = kernel_events(prof)
+        table, gpu_ms, launches = per_kernel(ev, steps)
+        cell[f"{tag}_kernels"] = table
+        cell[f"{tag}_kernel_ms_per_step"] = round(gpu_ms, 4)
+        cell[f"{tag}_launches_per_step"] = round(launches, 1)
+        cell[f"{tag}_timeline"] = timeline(ev, steps)
         del s
         torch.cuda.empty_cache()
     return cell
@@ -141,10 +177,10 @@ def main() -> int:
                             "traceback": traceback.format_exc()[-2000:]}
                 res["cells"].append(cell)
                 print(f"lane {lane} depth {depth} rows {rows}: graph {cell.get('graph_wall_ms_per_step', 0)} ms/step "
-                      f"wall, eager GPU {cell.get('eager_gpu_ms_per_step', 0)} ms/step in "
-                      f"{cell.get('eager_launches_per_step', 0)} launches (eager wall "
-                      f"{cell.get('eager_wall_ms_per_step', 0)} ms)", flush=True)
-                for k in cell.get("kernels", [])[:16]:
+                      f"wall, its kernels {cell.get('graph_kernel_ms_per_step', 0)} ms in "
+                      f"{cell.get('graph_launches_per_step', 0)} launches, {cell.get('graph_timeline', {})}; eager "
+                      f"wall {cell.get('eager_wall_ms_per_step', 0)} ms", flush=True)
+                for k in cell.get("graph_kernels", [])[:18]:
                     print(f"   {k['ms_per_step']:8.3f} ms  x{k['launches_per_step']:7.2f}  {k['name']}", flush=True)
                 if "error" in cell:
                     print("   " + cell["error"], flush=True)

@@ -38,13 +38,16 @@ from .plane import (
 DEFAULT_BLOCK = 16
 
 
+_NO_SLOTS = np.zeros(0, dtype=np.int64)  # a mark with nothing to restore (never written to)
+
+
 @dataclass(frozen=True)
 class _PlaneMark:
     epoch: int
     appended: int
     state: tuple[int, int, int]  # (len, origin_logical, origin_physical)
     slots: np.ndarray  # int64: ring slots holding live rows the next `block` appends overwrite
-    keys: Any  # saved rows at `slots` (token-major)
+    keys: Any  # saved rows at `slots` (token-major); None when `slots` is empty
     values: Any
 
 
@@ -175,13 +178,16 @@ class KvCache:
             raise KvStateError(f"checkpoint block must be >= 1, got {block}")
         marks = []
         for p in self._planes:
-            slots = np.zeros(0, dtype=np.int64)
-            if p.geometry.sliding:
-                cap = p.capacity
-                # The i-th next append writes slot (op + len + i) % cap; it holds a live row
-                # once len + i >= cap. Only those rows can be lost.
-                i = np.arange(max(0, cap - p.len), min(block, cap), dtype=np.int64)
-                slots = (p.origin_physical + p.len + i) % cap
+            cap = p.capacity
+            # The i-th next append writes slot (op + len + i) % cap; it holds a live row once
+            # len + i >= cap. Only those rows can be lost: none for a full-attention plane or a
+            # ring with room for the block, so nothing is read (a decode step's checkpoint
+            # before the window fills is host bookkeeping only).
+            if not p.geometry.sliding or p.len + block <= cap:
+                marks.append(_PlaneMark(p.epoch, p.appended, p.state(), _NO_SLOTS, None, None))
+                continue
+            i = np.arange(max(0, cap - p.len), min(block, cap), dtype=np.int64)
+            slots = (p.origin_physical + p.len + i) % cap
             k, v = p.read(slots)
             marks.append(_PlaneMark(p.epoch, p.appended, p.state(), slots, k, v))
         return KvCheckpoint(block, marks)

@@ -10,6 +10,7 @@ numpy's astype, so the engine's f16 planes hold the oracle's bits for the same f
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -23,14 +24,34 @@ NP_KV = {"f16": np.float16, "f32": np.float32}
 _HOST = NumpyBackend()  # CPU planes are numpy arrays under the tensors (see zeros)
 
 
+_IDX_MEMO_ROWS = 64  # indices of at most this many slots are memoised (a checkpoint's block)
+_IDX_MEMO_SIZE = 64  # distinct index sets kept
+
+
 class TorchBackend:
     name = "torch"
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
+        self._memo: OrderedDict[bytes, torch.Tensor] = OrderedDict()
 
     def _idx(self, physical: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(physical, dtype=np.int64)).to(self.device)
+        """Device int64 slot indices; a short recent set is reused (read-only tensors): the planes
+        of one geometry share their next slots, so a checkpoint copies its index once, not once
+        per plane and per K and V (each copy is a host-to-device round trip)."""
+        a = np.ascontiguousarray(physical, dtype=np.int64)
+        if a.size > _IDX_MEMO_ROWS:
+            return torch.from_numpy(a).to(self.device)
+        key = a.tobytes()
+        t = self._memo.get(key)
+        if t is None:
+            t = self._memo[key] = torch.from_numpy(a.copy()).to(self.device)
+            while len(self._memo) > _IDX_MEMO_SIZE:  # oldest first; another thread may pop too
+                try:
+                    self._memo.popitem(last=False)
+                except KeyError:
+                    break
+        return t
 
     def zeros(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         if self.device.type == "cpu":
