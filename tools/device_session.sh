@@ -6,10 +6,11 @@
 #                                [--kv-lengths 2048,8192,32768] [--nvfp4-mix nvfp4-ggml]
 #                                [--kind-box S (150)] [--kvpack-box S (420)]
 #                                [--llama-server PATH] [--reuse-gates] [--gates-only]
-#                                [--lane exact|fast] STAGE...
+#                                [--lane exact|fast] [--kinds decode,prefill,verify] STAGE...
 #
 # --reuse-gates takes a wide Gate 2 receipt of this tree and lane from an earlier call on this
 # machine or, on a bare machine, from DIR/gates/ of the carry (a receipt fetched back from one).
+# --kinds (default all three) are the speed kinds the speed and nvfp4 stages run, in that order.
 # --lane (default exact) is the lane the kernels, gate, speed and nvfp4 stages measure: with fast,
 # the kernels stage checks the integer lane (tools/device_kernels.py --lane fast), the wide Gate 2 is
 # the integer lane's (against the oracle's ggml-cpu arithmetic) and the speed kinds run --lane fast.
@@ -58,7 +59,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"
 DRY=0 CARRY=.device/gpubench DEADLINE=585 LLAMA_SERVER="" DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
-KIND_BOX=150 KVPACK_BOX=420 REUSE_GATES=0 GATES_ONLY=0 LANE=exact
+KIND_BOX=150 KVPACK_BOX=420 REUSE_GATES=0 GATES_ONLY=0 LANE=exact KINDS=decode,prefill,verify
 STAGES=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -72,6 +73,9 @@ while [ $# -gt 0 ]; do
     --kind-box) KIND_BOX=${2:?--kind-box SECONDS}; shift ;;
     --kvpack-box) KVPACK_BOX=${2:?--kvpack-box SECONDS}; shift ;;
     --reuse-gates) REUSE_GATES=1 ;;
+    --kinds) KINDS=${2:?--kinds LIST}; shift
+             [[ "$KINDS" =~ ^(decode|prefill|verify)(,(decode|prefill|verify))*$ ]] || {
+               echo "--kinds $KINDS: expected a comma-separated list of decode, prefill, verify" >&2; exit 2; } ;;
     --gates-only) GATES_ONLY=1 ;;
     --lane) LANE=${2:?--lane exact|fast}; shift
             [ "$LANE" = exact ] || [ "$LANE" = fast ] || { echo "--lane $LANE: expected exact or fast" >&2; exit 2; } ;;
@@ -226,7 +230,7 @@ speed_kinds() {
   local label=$1 model=$2 gate=$3 lj=$4 kind against=()
   if [ $DRY = 1 ]; then against=(--against llama.cpp); elif [ -n "$lj" ]; then
     against=(--against llama.cpp --llama-bench-json "$lj"); fi
-  for kind in decode prefill verify; do
+  for kind in ${KINDS//,/ }; do
     local plot=(); plot_flag $kind && plot=(--plot)
     local d=$DEPTHS; [ $kind = decode ] || d=${DEPTHS%%,*}  # prefill and verify at the first depth
     run_stage "$label-$kind" $KIND_BOX 40 $PY -m muser bench $kind --model "$model" --device $DEV --lane $LANE --depths "$d" \

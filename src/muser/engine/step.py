@@ -229,8 +229,17 @@ def host_captures(captured: dict) -> dict[int, np.ndarray]:
 
 def host_rows(lg: torch.Tensor | None) -> np.ndarray | None:
     """Device logits as a float32 host array (graphs run on CUDA only, so a graph's reused
-    buffer is always copied here; eager CPU logits are fresh tensors)."""
-    return None if lg is None else lg.to("cpu", torch.float32).numpy()
+    buffer is always copied here; eager CPU logits are fresh tensors). From CUDA the copy lands
+    in page-locked memory from torch's host cache: a fresh pageable buffer page-faults through
+    the copy (16 verify rows, 12.9 MB, took 3.6 ms on the H200 machine's step profile); the
+    array owns its block until it is dropped, so a caller may keep it."""
+    if lg is None:
+        return None
+    if lg.device.type != "cuda":
+        return lg.to("cpu", torch.float32).numpy()
+    out = torch.empty(lg.shape, dtype=torch.float32, pin_memory=True)
+    out.copy_(lg)  # synchronous: the step has finished when this returns
+    return out.numpy()
 
 
 def _check_finite(works: list[StepWork], lgs: list[np.ndarray | None], n0: list[int]) -> None:
