@@ -27,7 +27,8 @@
 #   kernels  python3 tools/device_kernels.py --out ...: row invariance on CUDA (every format, both
 #            K/V types) and each full-geometry matvec shape timed at 1..16 rows, 200 s
 #   gate     Gate 2 at full width, 4 layers (tools/device_gate_wide.py), f16 K/V, Q4_K mix: the
-#            receipt the speed stage is gated by; in the background from t = 0 (CPU-bound oracle)
+#            receipt the speed stage is gated by; in the background from t = 0 (CPU-bound oracle),
+#            boxed at the deadline - 60 s (the exact lane's takes ~335 s, the integer lane's ~360 s)
 #   speed    muser bench decode|prefill|verify --device cuda on the full Q4_K file: decode at
 #            --depths (default 0,8192), prefill and verify at the first depth; llama-bench's figures
 #            on the same file beside them (pp512/pp16/tg128/tg1 at the first depth, tg128 deeper;

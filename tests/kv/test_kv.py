@@ -106,6 +106,34 @@ def test_append_batch_equals_sequential(splits):
     assert planes_equal(seq, bat)
 
 
+@pytest.mark.parametrize("splits", [[1] * 12, [3, 5, 1, 7], [16], [7, 1, 1, 1, 9]])
+def test_reserve_batch_all_equals_each_plane_reserving(splits):
+    # across the ring wrap (W = 8): one shared placement per (capacity, state), the same slots
+    # and states as each plane reserving alone
+    each, all_ = make(), make()
+    pos = 0
+    for n in splits:
+        want = [p.reserve_batch(pos, n) for p in each.planes]
+        got = all_.reserve_batch_all(pos, n)
+        assert [(w.source_first, w.physical.tolist()) for w in want] == \
+            [(g.source_first, g.physical.tolist()) for g in got]
+        assert [(p.state(), p.appended) for p in each.planes] == [(p.state(), p.appended) for p in all_.planes]
+        pos += n
+
+
+def test_reserve_batch_all_refusal_reserves_nothing():
+    c = make(max_context=12)
+    append_all(c, 0, 10)
+    before = [(p.state(), p.appended) for p in c.planes]
+    with pytest.raises(CacheDiscontinuity):
+        c.reserve_batch_all(11, 1)
+    with pytest.raises(ContextOverflow):
+        c.reserve_batch_all(10, 3)
+    assert [(p.state(), p.appended) for p in c.planes] == before
+    with pytest.raises(KvStateError):  # a plane not in the state the shared reserve was made from
+        c.planes[1].reserve_batch_as(10, 1, (0, 0, 0), c.planes[0].state(), c.planes[0].reserve_batch(10, 1))
+
+
 def test_f16_storage_rounds_to_nearest_even():
     c = make(dtype="f16")
     k = (rows(0) * 1.0001).astype(np.float32)

@@ -159,8 +159,7 @@ class StepGraph:
             o += 4 * L
             h[o] = p0
             o += 1
-            for il, p in enumerate(s.cache.planes):
-                placement = p.reserve_batch(p0, T)
+            for il, placement in enumerate(s.cache.reserve_batch_all(p0, T)):
                 assert placement.source_first == 0 and len(placement.physical) == T
                 h[o + il * T:o + (il + 1) * T] = placement.physical
         self.dev.copy_(self.host, non_blocking=self.cuda)

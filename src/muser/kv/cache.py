@@ -168,6 +168,26 @@ class KvCache:
     def append_batch(self, layer: int, start: int, keys: Any, values: Any) -> BatchPlacement:
         return self.plane(layer).append_batch(start, keys, values)
 
+    def reserve_batch_all(self, start: int, count: int) -> list[BatchPlacement]:
+        """reserve_batch(start, count) on every plane, in layer order. Planes of one capacity in one
+        state (all sliding planes, all full ones) get the same placement, computed once: a graph
+        step's host bookkeeping is part of its decode time. All planes are checked first."""
+        for p in self._planes:
+            p._check_next(start, count)
+        shared: dict[tuple, tuple[tuple[int, int, int], BatchPlacement]] = {}
+        out = []
+        for p in self._planes:
+            before = p.state()
+            key = (p.capacity,) + before
+            hit = shared.get(key)
+            if hit is None:
+                pl = p.reserve_batch(start, count)
+                shared[key] = (p.state(), pl)
+            else:
+                pl = p.reserve_batch_as(start, count, before, hit[0], hit[1])
+            out.append(pl)
+        return out
+
     def view(self, layer: int, order: str = "logical") -> PlaneView:
         return self.plane(layer).view(order)
 

@@ -205,6 +205,18 @@ class KvPlane:
         self.appended += count
         return BatchPlacement(start, count, first, (op + logical - ol) % cap)
 
+    def reserve_batch_as(self, start: int, count: int, before: tuple[int, int, int], after: tuple[int, int, int],
+                         placement: BatchPlacement) -> BatchPlacement:
+        """reserve_batch(start, count) for a plane in state `before` whose result another plane of
+        the same capacity computed (`placement`, its state `after`): the same checks and state
+        change without the arithmetic again (KvCache.reserve_batch_all)."""
+        if self.state() != before:
+            raise KvStateError(f"layer {self.layer}: state {self.state()} is not the shared reserve's {before}")
+        self._check_next(start, count)
+        self.len, self.origin_logical, self.origin_physical = after
+        self.appended += count
+        return placement
+
     # -- rows ----------------------------------------------------------------------------------
     def append(self, position: int, keys: Any, values: Any) -> int:
         """Reserve and store one token's K/V rows ([1, kv_dim] each)."""
