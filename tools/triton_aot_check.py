@@ -2,7 +2,7 @@
 """Compile every Triton kernel of the engine for an NVIDIA target (default sm_90, the H200)
 without a GPU: the launches are driven through the real host code (matvec v1/v3 for every
 format and row bucket, v3 under every shipped tuning config, dequant, the integer-lane GEMM and
-its activation quantizers, attention for both plane kinds and KV dtypes) with CPU tensors,
+its activation quantizers, attention and the graph step's K/V rounding and stores for both plane kinds and KV dtypes) with CPU tensors,
 each launch is recorded instead of run, and each distinct (kernel, signature, constexprs,
 options) is compiled by Triton down to a cubin with the bundled ptxas.
 
@@ -164,6 +164,10 @@ def drive(rec: Recorder) -> None:
                 for f16ops in (False, True) if dt == torch.float16 else (False,):  # the fast lane's f16 dots
                     att.attend_triton(q, kn, kn, kp, kp, hm, meta, pos, win, 0.0883883, sc,
                                       plane_len=100 if T > 16 else None, f16_operands=f16ops)
+                if T <= 16:  # a graph step's K/V tail: rounding, then both planes' stores
+                    kf = torch.zeros(T, n_kv, D)
+                    kq, vq = att.kv_round(kf, kf, dt)
+                    att.kv_store(kq, vq, kp, kp, torch.zeros(T, dtype=torch.int64), hm)
 
 
 def main(argv=None) -> int:

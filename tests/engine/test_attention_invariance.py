@@ -246,3 +246,38 @@ def test_graph_step_logits_row_invariant(tiny_gguf, kernels):
     beside = g.split(g.run([other, fresh(prompt)], [np.array([9, 10]), blk]))[1].numpy().copy()
     assert np.array_equal(alone.view(np.int32), blocked.view(np.int32))
     assert np.array_equal(alone.view(np.int32), beside.view(np.int32))
+
+
+@pytest.mark.parametrize("head_major", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_kv_round_and_store_equal_the_cast_and_index_copy(kernels, head_major, dtype):
+    """The graph step's K/V tail: kv_round == torch's .to (RNE, NaN and inf kept, the f16 range's
+    edges), kv_store == TorchBackend.write_rows_at on both planes, slots out of order (a ring
+    wrap), the other slots untouched."""
+    from muser.kv.torch_backend import TorchBackend
+
+    _, att = kernels
+    g = torch.Generator().manual_seed(3)
+    T, cap = 5, 12
+    k = torch.randn(T, N_KV, D, generator=g) * 3
+    v = torch.randn(T, N_KV, D, generator=g)
+    k.view(-1)[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 65519.0, 65520.0, 2.0**-25])
+    v.view(-1)[:3] = torch.tensor([1 + 2.0**-11, 1 + 3 * 2.0**-11, -(1 + 2.0**-11)])  # ties to even
+    kq, vq = att.kv_round(k, v, dtype)
+    assert kq.dtype == vq.dtype == dtype and kq.shape == (T, N_KV, D)
+    bits = torch.int16 if dtype == torch.float16 else torch.int32
+    for got, want in ((kq, k.to(dtype)), (vq, v.to(dtype))):
+        assert torch.equal(got.view(bits), want.view(bits))
+    shape = (N_KV, cap, D) if head_major else (cap, N_KV * D)
+    base_k = torch.randn(shape, generator=g).to(dtype)
+    base_v = torch.randn(shape, generator=g).to(dtype)
+    widx = torch.tensor([10, 11, 0, 1, 2], dtype=torch.int64)
+    kp, vp = base_k.clone(), base_v.clone()
+    att.kv_store(kq, vq, kp, vp, widx, head_major)
+    want_k, want_v = base_k.clone(), base_v.clone()
+    TorchBackend.write_rows_at(want_k, widx, kq.reshape(T, N_KV * D), head_major, N_KV, D)
+    TorchBackend.write_rows_at(want_v, widx, vq.reshape(T, N_KV * D), head_major, N_KV, D)
+    assert torch.equal(kp.view(bits), want_k.view(bits)) and torch.equal(vp.view(bits), want_v.view(bits))
+    untouched = [s for s in range(cap) if s not in widx.tolist()]
+    sel = (slice(None), untouched) if head_major else (untouched,)
+    assert torch.equal(kp[sel], base_k[sel]) and torch.equal(vp[sel], base_v[sel])

@@ -24,8 +24,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .kernels.attention import AttnScratch, attend_triton, split_count
-from ..kv.torch_backend import TorchBackend
+from .kernels.attention import AttnScratch, attend_triton, kv_round, kv_store, split_count
 
 MAX_CAPTURES = 32  # captured graphs kept per shape (least recently used go first)
 
@@ -49,16 +48,12 @@ class _GraphKv:
             a, b = g.bounds[i]
             plane = s.cache.planes[il]
             geo = plane.geometry
-            kq = k[a:b].to(s.kv_torch)  # rounded like the store (llama.cpp reads the cache back)
-            vq = v[a:b].to(s.kv_torch)
-            T = b - a
+            # rounded like the store (llama.cpp reads the cache back), K and V in one launch
+            kq, vq = kv_round(k[a:b].contiguous(), v[a:b].contiguous(), s.kv_torch)
             outs.append(attend_triton(q[a:b], kq, vq, plane.keys, plane.values, geo.head_major, g.meta[i][il],
                                       g.pos0[i], geo.window if geo.sliding else 0, s.cfg.attn_scale,
                                       g.scratch[i], f16_operands=s.fwd.f16_attention and s.kv_torch == torch.float16))
-            TorchBackend.write_rows_at(plane.keys, g.widx[i][il], kq.reshape(T, geo.kv_dim), geo.head_major,
-                                       geo.n_kv_heads, geo.head_dim)
-            TorchBackend.write_rows_at(plane.values, g.widx[i][il], vq.reshape(T, geo.kv_dim), geo.head_major,
-                                       geo.n_kv_heads, geo.head_dim)
+            kv_store(kq, vq, plane.keys, plane.values, g.widx[i][il], geo.head_major)  # after attending
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [N, H, D]
 
 

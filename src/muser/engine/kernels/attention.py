@@ -394,3 +394,61 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
 
 __all__ = ["BLOCK", "HAVE_TRITON", "REDUCE_CHUNK", "SPLIT_FULL", "SPLIT_SLIDING", "AttnScratch", "attend_ref",
            "attend_triton", "plane_strides", "split_count", "split_len"]
+
+
+# --- the step's new K/V rows: rounded to the plane type once, stored into both planes once ------
+# (graph steps: one launch each instead of a cast per K and V and an index_copy per plane; the
+# graph launch costs host time per node, bench/NOTES.md "the step profile")
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _kv_round_kernel(k, v, kq, vq, N, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < N
+        # f32 -> the plane's type, round to nearest even: torch's .to, what the store keeps
+        tl.store(kq + i, tl.load(k + i, mask=m).to(kq.dtype.element_ty), mask=m)
+        tl.store(vq + i, tl.load(v + i, mask=m).to(vq.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _kv_store_kernel(kq, vq, kp, vp, widx, s_row, s_slot, s_head, D: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        d = tl.arange(0, D)
+        slot = tl.load(widx + t)  # int64: the slot offset is formed in 64 bits
+        src = t * s_row + h * D + d
+        dst = slot * s_slot + h * s_head + d
+        tl.store(kp + dst, tl.load(kq + src))
+        tl.store(vp + dst, tl.load(vq + src))
+
+
+def kv_round(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v f32 [T, KV, D] contiguous -> both rounded to `dtype` (RNE), in one launch; f32 planes
+    take the rows as they are."""
+    assert k.shape == v.shape and k.dim() == 3 and k.dtype == v.dtype == torch.float32
+    assert k.is_contiguous() and v.is_contiguous()
+    if dtype == torch.float32:
+        return k, v
+    kq = torch.empty(k.shape, dtype=dtype, device=k.device)
+    vq = torch.empty(v.shape, dtype=dtype, device=v.device)
+    n = k.numel()
+    B = 1024
+    _kv_round_kernel[(triton.cdiv(n, B),)](k, v, kq, vq, n, BLOCK=B, num_warps=4)
+    return kq, vq
+
+
+def kv_store(kq: torch.Tensor, vq: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
+             widx: torch.Tensor, head_major: bool) -> None:
+    """Row t of kq / vq [T, KV, D] (the plane's type, contiguous) into slot widx[t] (int64 [T],
+    device) of k_plane / v_plane, token-major [cap, KV*D] or head-major [KV, cap, D]; the
+    slots of one call are distinct (muser.kv reserves each once). What
+    TorchBackend.write_rows_at does for each plane, in one launch (graph-capturable)."""
+    T, n_kv, D = kq.shape
+    assert vq.shape == kq.shape and kq.is_contiguous() and vq.is_contiguous()
+    assert kq.dtype == vq.dtype == k_plane.dtype == v_plane.dtype
+    assert widx.dtype == torch.int64 and widx.shape == (T,) and widx.stride(0) == 1
+    s_slot, s_head = plane_strides(k_plane, head_major, n_kv, D)
+    assert plane_strides(v_plane, head_major, n_kv, D) == (s_slot, s_head)
+    assert (D & (D - 1)) == 0
+    if T:
+        _kv_store_kernel[(T, n_kv)](kq, vq, k_plane, v_plane, widx, n_kv * D, s_slot, s_head, D=D, num_warps=1)
