@@ -31,8 +31,8 @@ import torch  # noqa: E402
 def family(name: str) -> str:
     """A kernel's family: Triton kernels by their function name, the rest by a name prefix."""
     n = name.strip()
-    if n.startswith("Memcpy") or n.startswith("Memset"):
-        return n.split(" ")[0] + " " + " ".join(n.split(" ")[1:2])
+    if n.startswith(("Memcpy", "Memset")):
+        return " ".join(n.split(" ")[:2])  # "Memcpy DtoH (Device -> Pageable)" -> "Memcpy DtoH"
     return n[:80]
 
 
@@ -85,8 +85,8 @@ def timeline(ev: list, steps: int) -> dict:
 
 
 def profile_cell(eng, depth: int, rows: int, steps: int, rng) -> dict:
-    """One (depth, rows) cell: eager steps under the profiler; graph-replayed steps timed, then
-    under the profiler (the graph's kernels and the gaps between them)."""
+    """One (depth, rows) cell, eager and then graph-replayed: `steps` steps timed, then `steps`
+    more under the profiler (kernels, launches, the timeline's busy time and gaps)."""
     from muser.engine import MAX_VERIFY
 
     if rows > MAX_VERIFY:
