@@ -14,7 +14,9 @@ the decoded-chunk GEMM, which is not part of the row-invariant family.
 Part 2, speed: each (format, n_out, n_in) of the full geometry's launch shapes (the shipped tuning
 table's keys), random valid blocks, timed at 1, 2, 4, 8 and 16 rows through a CUDA graph of 20
 launches (warm-up, 5 repetitions, mean and CV), achieved GB/s of the weight bytes, and one row
-alone against the same row inside a 16-row launch (bitwise).
+alone against the same row inside a 16-row launch (bitwise); then each tiling of SWEEP at 1 and 16
+rows (graph-timed), the winners whose outputs are bitwise the default tiling's written as
+DIR/v3_tuning.json (the shipped table's form).
 
 With --lane fast, part 1 runs the integer lane's engines (every format it serves on the device)
 and part 2 times the integer GEMM (kernels/qmatmul_i8.py) at 1, 16, 64 and 512 rows, each shape's
@@ -168,19 +170,44 @@ def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -
         r[f"T{T}"] = {"us": mean * 1e6, "cv": float(np.std(samples) / mean) if len(samples) > 1 else None,
                       "samples_s": samples, "GBps": nbytes / mean / 1e9}
     r["T16_over_T1"] = r["T16"]["us"] / r["T1"]["us"]
-    if device == "cuda" and w.packed is not None:  # the 16-row tiling (BN, num_warps): speed only
-        sweep = {}
-        for cfg in ((2, 4, False), (4, 4, False), (4, 8, False), (8, 8, False), (8, 4, False), (16, 8, False)):
-            try:
-                xt, out = x.contiguous(), torch.empty(16, n_out, device=device)
-                got = qmatvec_v3.matvec_v3(w.packed, xt, out, config=cfg)
-                same = bool(torch.equal(got.view(torch.int32), y16.view(torch.int32)))
-                sec = graph_seconds(lambda: qmatvec_v3.matvec_v3(w.packed, xt, out, config=cfg), 20, 1)[0]
-                sweep[str(list(cfg))] = {"us": sec * 1e6, "bitwise_equal_default": same}
-            except Exception as e:  # noqa: BLE001
-                sweep[str(list(cfg))] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        r["T16_sweep"] = sweep
+    if device == "cuda" and w.packed is not None:  # the tilings (BN, num_warps, PREFETCH): speed only
+        for T, cfgs in SWEEP.items():
+            sweep = {}
+            ref_t = y16[:T]
+            for cfg in cfgs:
+                try:
+                    xt, out = x[:T].contiguous(), torch.empty(T, n_out, device=device)
+                    got = qmatvec_v3.matvec_v3(w.packed, xt, out, config=cfg)
+                    same = bool(torch.equal(got.view(torch.int32), ref_t.view(torch.int32)))
+                    sec = graph_seconds(lambda: qmatvec_v3.matvec_v3(w.packed, xt, out, config=cfg), 20, 1)[0]
+                    sweep[str(list(cfg))] = {"us": sec * 1e6, "bitwise_equal_default": same}
+                except Exception as e:  # noqa: BLE001
+                    sweep[str(list(cfg))] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            r[f"T{T}_sweep"] = sweep
     return r
+
+
+# the tilings each row bucket's sweep times (every one sums each output in the same order)
+SWEEP = {
+    1: ((8, 4, False), (16, 4, False), (16, 4, True), (32, 4, False), (32, 8, False), (32, 8, True),
+        (64, 8, False)),
+    16: ((2, 4, False), (4, 4, False), (4, 8, False), (8, 8, False), (8, 4, False), (16, 8, False)),
+}
+
+
+def tuning_table(speed: list[dict]) -> list[dict]:
+    """The sweep's winner per (format, row bucket, shape): v3_tuning.json's entries, only from
+    configs whose outputs were bitwise those of the default tiling."""
+    table = []
+    for r in speed:
+        for T in SWEEP:
+            ok = {c: v["us"] for c, v in r.get(f"T{T}_sweep", {}).items() if v.get("bitwise_equal_default")}
+            if ok:
+                best = min(ok, key=ok.__getitem__)
+                table.append({"fmt": r["fmt"], "rows": T, "n_out": r["n_out"], "n_in": r["n_in"],
+                              "config": json.loads(best.replace("False", "false").replace("True", "true")),
+                              "us": round(ok[best], 1)})
+    return table
 
 
 def i8_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -> dict:
@@ -327,6 +354,9 @@ def main(argv=None) -> int:
                  "trace": traceback.format_exc()[-2000:]}
             print(f"matvec {fmt} {n_out}x{n_in}: {r['error']}", flush=True)
         rec["speed"].append(r)
+        table = tuning_table(rec["speed"])
+        if table:  # the sweep's winners so far, in v3_tuning.json's form
+            (out_dir / "v3_tuning.json").write_text(json.dumps(table, indent=1) + "\n")
         save()
     if a.lane == "fast" and a.device == "cuda":  # the lane's attention: f16 operands on tensor cores
         import subprocess

@@ -39,10 +39,24 @@ products of a lane, applies the block's scale to that sum in f32, and scale2 onc
 (the scales in f32 after the exact value products); the dequant kernel forms ggml's decoded
 weight.
 
-The dot accumulates in f32 by fma in a [ROWS, BN, J, 4] accumulator reduced once at
-the end by a fixed pairwise tree: an order that differs from the reference at the ulp level (the
-exact lane's contract) and that is the same for every row count, so a row's bits do not depend on
-how it was batched (row invariance).
+The matvec does not form the decoded weight (the dequant kernel does; the exact lane's contract
+is Gate 2, not ggml's per-weight rounding): it factors each K-quant unit's scale out of its dot,
+sum (d1 q - m1) x = d1 sum q x - m1 sum x (Q6_K: d sc sum q x - 32 d sc sum x per 16-element
+half), so a weight costs one mask and one fma. The mask leaves the integer code q at bit P of an
+int32 (P = 4e for nibbles e <= 4, 4e - 12 above, read from the word shifted right by 12) whose
+other bits are 0; read as f32 that is the subnormal q 2^(P - 149), exact, with no float
+conversion. The one-row path multiplies each activation by 2^(64 - P) (exact, once per activation
+for all of a thread's rows), the several-row path each code by the same factor (once per weight
+for all rows): both fma products are the real number q x 2^-85, so both round to the same bits.
+Per unit lane, t = sum over the unit's nibbles of those products and xs = sum x, both in nibble
+order; then acc = fma(t, d1 2^85, fma(xs, -m1, acc)). Domain: activations below 2^64 in
+magnitude (beyond it x 2^64 overflows; a finite model's activations never come near); products
+below 2^-41 in magnitude lose low bits to the subnormal range, far under the f32 rounding of any
+sum they join.
+
+The accumulator [ROWS, BN, J, 4] is reduced once at the end by a fixed pairwise tree: an order
+that differs from the reference at the ulp level (the exact lane's contract) and that is the same
+for every row count, so a row's bits do not depend on how it was batched (row invariance).
 
 Reference beside it: `qmatvec.matvec_ref(w, x)`; `unpack` inverts `pack` and `decode` decodes
 the packed form with the torch reference decoder.
@@ -89,16 +103,17 @@ _FP4_F16_HI = (0x42403C00, 0x4A484644)
 J_UNITS = 32
 # (BN rows per program, num_warps, PREFETCH) per row bucket; device sweeps override through
 # `config`. One chunk moves BN * J_UNITS * 16 bytes of quants per program.
-# The 16-row default is the H200 sweep's winner on every large full-geometry shape
-# (bench/reports/device-20261201/device-kernels-9bd4a40.json); 8 rows takes the same tiling. 4 rows
-# takes it too: with (4, 4, True) four rows ran slower than this tiling runs eight, on 7 of the 8
-# shapes (bench/receipts/20261201T153526Z-kernels-cuda.json, e.g. 39,936 x 6,656: 454 vs 414 us).
+# 4 rows take the 8- and 16-row tiling of the earlier (decoded-weight) dot: with (4, 4, True) four
+# rows ran slower than that tiling ran eight on 7 of the 8 shapes
+# (bench/receipts/20261201T153526Z-kernels-cuda.json). 8 and 16 rows: 8 outputs a program (the
+# factored dot keeps a second [ROWS, BN, J, 4] sum beside the accumulator; with 16 outputs ptxas
+# spills it, tools/sass_loop.py).
 CONFIGS: dict[int, tuple[int, int, bool]] = {
     1: (16, 4, True),
     2: (8, 4, True),
     4: (16, 8, False),
-    8: (16, 8, False),
-    16: (16, 8, False),
+    8: (8, 8, False),
+    16: (8, 8, False),
 }
 
 
@@ -440,6 +455,67 @@ if HAVE_TRITON:
         return w
 
     @triton.jit
+    def _code_bits(FMT: tl.constexpr, e: tl.constexpr, words, wsh, h0, h1, wi):
+        """The integer code of nibble e (Q4_K 4 bits, Q5_K 5, Q6_K 6 unsigned) left at bit P(e) of
+        an int32 whose other bits are 0: read as f32 it is the subnormal code * 2^(P(e) - 149),
+        exact, with no float conversion (one and-mask for nibbles 0..4; nibbles 5..7 from
+        `wsh` = words >> 12, so that a 6-bit code ends below the exponent field, bit 23).
+        P(e) = 4e for e <= 4, 4e - 12 above (`_code_pos`)."""
+        if e <= 4:
+            q = words & (0xF << (4 * e))
+            P: tl.constexpr = 4 * e
+        else:
+            q = wsh & (0xF << (4 * e - 12))
+            P: tl.constexpr = 4 * e - 12
+        if FMT == 6:  # 5th bit of element i = 4e + w at bit i of h0 -> bit P + 4
+            if e <= 4:
+                q = q | ((h0[:, :, None] << (4 - wi)[None, None, :]) & (1 << (P + 4)))
+            else:
+                q = q | ((h0[:, :, None] >> (8 + wi)[None, None, :]) & (1 << (P + 4)))
+        if FMT == 7:  # element i's 2 high bits at 2 (i % 16) of word i // 16 -> bits P + 4, P + 5
+            if e < 4:
+                t = (h0 >> (8 * e)) << (P + 4)
+            else:
+                t = (h1 >> (8 * (e - 4))) << (P + 4)
+            q = q | ((t[:, :, None] >> (2 * wi)[None, None, :]) & (3 << (P + 4)))
+        return q.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _act_scale(e: tl.constexpr):
+        """2^(64 - P(e)), exact in f32: the activation factor that undoes a code's bit position
+        (`_code_bits`), so that code * x products land at code * x * 2^-85 (`_UNIT_SCALE` undoes
+        it once per unit)."""
+        if e == 0:
+            f = 18446744073709551616.0  # 2^64
+        elif e == 1:
+            f = 1152921504606846976.0  # 2^60
+        elif e == 2 or e == 5:
+            f = 72057594037927936.0  # 2^56
+        elif e == 3 or e == 6:
+            f = 4503599627370496.0  # 2^52
+        else:
+            f = 281474976710656.0  # 2^48
+        return f
+
+    @triton.jit
+    def _unit_factors(FMT: tl.constexpr, e: tl.constexpr, a, b):
+        """The factors [BN, J] of a unit's (Q6_K: half-unit's) two sums, t = 2^-85 sum code x and
+        xs = sum x. Q4_K/Q5_K: sum (d1 code - m1) x = d1 sum code x - m1 sum x, so (d1 2^85, -m1);
+        Q6_K: d sc sum (code - 32) x = d sc sum code x - 32 d sc sum x, so (d sc 2^85, -32 d sc),
+        the low half (e < 4) from a, the high half from b. Every factor is exact."""
+        if FMT == 7:
+            if e < 4:
+                s = a
+            else:
+                s = b
+            fa = s * 3.8685626227668134e+25  # 2^85, exact
+            fb = s * -32.0  # exact
+        else:
+            fa = a * 3.8685626227668134e+25
+            fb = b
+        return fa, fb
+
+    @triton.jit
     def _dequant_v3_kernel(out, qp, hp, sp, dp, N, K, FMT: tl.constexpr, BN: tl.constexpr, J: tl.constexpr,
                            ASM: tl.constexpr):
         n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -518,11 +594,23 @@ if HAVE_TRITON:
                             acc = tl.fma(t, tl.reshape(tl.broadcast_to(a[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4)), acc)
                         if e == 7:
                             acc = tl.fma(t, tl.reshape(tl.broadcast_to(b[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4)), acc)
-                else:
+                else:  # K-quants: the factored dot (module doc), per unit lane
+                    wsh = words >> 12
                     for e in tl.static_range(8):
-                        w = _weights_e(FMT, e, words, h0, h1, a, b, ASM)  # [BN, J, 4]
+                        v = tl.reshape(_code_bits(FMT, e, words, wsh, h0, h1, wi), (BN // NW, NW, J, 4))
                         xe = tl.reshape(tl.load(xb + 4 * e, mask=xm, other=0.0), (1, NW, J, 4))
-                        acc = tl.fma(tl.reshape(w, (BN // NW, NW, J, 4)), xe, acc)  # f32
+                        xq = xe * _act_scale(e)  # exact: a power of two
+                        if e == 0 or (FMT == 7 and e == 4):
+                            t = v * xq
+                            xs = xe
+                        else:
+                            t = tl.fma(v, xq, t)
+                            xs = xs + xe
+                        if (FMT == 7 and e == 3) or e == 7:
+                            fa, fb = _unit_factors(FMT, e, a, b)  # [BN, J]
+                            fa = tl.reshape(tl.broadcast_to(fa[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4))
+                            fb = tl.reshape(tl.broadcast_to(fb[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4))
+                            acc = tl.fma(t, fa, tl.fma(xs, fb, acc))
             else:
                 xm = rmask[:, None, None] & (u < NU)[None, :, None]  # [ROWS, J, 1]
                 xb4 = x + r[:, None, None] * sx + (u * 32)[None, :, None] + wi[None, None, :]  # [ROWS, J, 4]
@@ -539,11 +627,23 @@ if HAVE_TRITON:
                             acc4 = tl.fma(t4, a[None, :, :, None], acc4)
                         if e == 7:
                             acc4 = tl.fma(t4, b[None, :, :, None], acc4)
-                else:
+                else:  # as the one-row path, in the same order (row invariance)
+                    wsh = words >> 12
                     for e in tl.static_range(8):
-                        w = _weights_e(FMT, e, words, h0, h1, a, b, ASM)  # [BN, J, 4]
+                        # code * 2^-85 (exact, normal): the one-row path's product code_bits * (x
+                        # 2^(64 - P)) is the same real number, so each fma rounds to the same bits,
+                        # with one multiply per weight here instead of one per activation and row
+                        v = _code_bits(FMT, e, words, wsh, h0, h1, wi) * _act_scale(e)  # [BN, J, 4]
                         xe4 = tl.load(xb4 + 4 * e, mask=xm, other=0.0)  # [ROWS, J, 4]
-                        acc4 = tl.fma(w[None, :, :, :], xe4[:, None, :, :], acc4)  # f32
+                        if e == 0 or (FMT == 7 and e == 4):
+                            t4 = v[None, :, :, :] * xe4[:, None, :, :]
+                            xs4 = xe4
+                        else:
+                            t4 = tl.fma(v[None, :, :, :], xe4[:, None, :, :], t4)
+                            xs4 = xs4 + xe4
+                        if (FMT == 7 and e == 3) or e == 7:
+                            fa, fb = _unit_factors(FMT, e, a, b)  # [BN, J]
+                            acc4 = tl.fma(t4, fa[None, :, :, None], tl.fma(xs4[:, None, :, :], fb[None, :, :, None], acc4))
         # the J * 4 lanes of each output by one fixed tree, whatever the bucket (row invariance)
         if ROWS == 1:
             res = _lane_tree(tl.reshape(acc, (BN, J * 4)), BN, J * 4)  # [BN]
