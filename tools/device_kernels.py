@@ -99,6 +99,8 @@ def invariance_case(dtype: str, kv: str, device: str, work: Path, smoke: bool, l
 def graph_seconds(fn, launches: int, reps: int) -> list[float]:
     """CUDA: `launches` calls of fn captured in one graph, replayed `reps` times after one warm
     replay; seconds per call of each replay."""
+    import torch
+
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -170,7 +172,7 @@ def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -
         r[f"T{T}"] = {"us": mean * 1e6, "cv": float(np.std(samples) / mean) if len(samples) > 1 else None,
                       "samples_s": samples, "GBps": nbytes / mean / 1e9}
     r["T16_over_T1"] = r["T16"]["us"] / r["T1"]["us"]
-    if device == "cuda" and w.packed is not None:  # the tilings (BN, num_warps, PREFETCH): speed only
+    if device == "cuda" and w.packed is not None:  # the tilings (BN, num_warps, PIPE): speed only
         for T, cfgs in SWEEP.items():
             sweep = {}
             ref_t = y16[:T]
@@ -188,10 +190,10 @@ def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -
 
 
 # the tilings each row bucket's sweep times (every one sums each output in the same order)
-SWEEP = {
-    1: ((8, 4, False), (16, 4, False), (16, 4, True), (32, 4, False), (32, 8, False), (32, 8, True),
-        (64, 8, False)),
-    16: ((2, 4, False), (4, 4, False), (4, 8, False), (8, 8, False), (8, 4, False), (16, 8, False)),
+SWEEP = {  # (BN, num_warps, PIPE): qmatvec_v3.check_config
+    1: ((8, 4, 0), (8, 4, 3), (16, 4, 0), (16, 4, 1), (16, 4, 2), (16, 4, 3), (16, 8, 0), (16, 8, 3),
+        (32, 4, 0), (32, 8, 0), (32, 8, 1), (32, 8, 2), (64, 8, 0)),
+    16: ((2, 4, 0), (4, 4, 0), (4, 4, 2), (4, 8, 0), (8, 8, 0), (8, 8, 2), (8, 4, 0), (16, 8, 0)),
 }
 
 
@@ -205,7 +207,7 @@ def tuning_table(speed: list[dict]) -> list[dict]:
             if ok:
                 best = min(ok, key=ok.__getitem__)
                 table.append({"fmt": r["fmt"], "rows": T, "n_out": r["n_out"], "n_in": r["n_in"],
-                              "config": json.loads(best.replace("False", "false").replace("True", "true")),
+                              "config": json.loads(best),
                               "us": round(ok[best], 1)})
     return table
 
@@ -275,6 +277,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=140.0, help="wall seconds; cases past it are skipped")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few cases (the CPU dry run)")
+    ap.add_argument("--no-invariance", action="store_true",
+                    help="part 2 only (the kernels' timings and tilings; part 1 ran on this tree before)")
     ap.add_argument("--lane", default="exact", choices=("exact", "fast"),
                     help="fast: the integer lane's engines and its GEMM (kernels/qmatmul_i8.py)")
     a = ap.parse_args(argv)
@@ -301,6 +305,9 @@ def main(argv=None) -> int:
 
     dtypes = DTYPES if a.lane == "exact" else tuple(d for d in DTYPES if not d.startswith("nvfp4"))
     cases = [(d, kv) for d in (("Q8_0", "Q4_K") if a.smoke else dtypes) for kv in ("f16", "f32")]
+    if a.no_invariance:
+        rec["skipped"].append("invariance: --no-invariance")
+        cases = []
     for dtype, kv in cases:
         if time.time() - t0 > a.budget * (0.6 if a.lane == "exact" else 0.45):
             rec["skipped"].append(f"invariance {dtype}/{kv}: budget")

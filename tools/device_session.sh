@@ -6,11 +6,18 @@
 #                                [--kv-lengths 2048,8192,32768] [--nvfp4-mix nvfp4-ggml]
 #                                [--kind-box S (150)] [--kvpack-box S (420)]
 #                                [--llama-server PATH] [--reuse-gates] [--gates-only]
-#                                [--lane exact|fast] [--kinds decode,prefill,verify] STAGE...
+#                                [--lane exact|fast] [--kinds decode,prefill,verify]
+#                                [--kernels-lane exact|fast] [--kernels-timings-only] [--install-tuning]
+#                                STAGE...
 #
 # --reuse-gates takes a wide Gate 2 receipt of this tree and lane from an earlier call on this
 # machine or, on a bare machine, from DIR/gates/ of the carry (a receipt fetched back from one).
 # --kinds (default all three) are the speed kinds the speed and nvfp4 stages run, in that order.
+# --kernels-lane (default --lane) is the lane the kernels stage checks; --kernels-timings-only skips
+# its invariance part (tools/device_kernels.py --no-invariance: a tree whose kernels an earlier call
+# checked; the stage's receipt then says partial). --install-tuning: the exact kernels stage's sweep
+# winners (DIR/kernels/v3_tuning.json, checked by load_tuning) replace this copy's
+# kernels/v3_tuning.json for the stages after it (the speed receipts name the table's SHA-256).
 # --lane (default exact) is the lane the kernels, gate, speed and nvfp4 stages measure: with fast,
 # the kernels stage checks the integer lane (tools/device_kernels.py --lane fast), the wide Gate 2 is
 # the integer lane's (against the oracle's ggml-cpu arithmetic) and the speed kinds run --lane fast.
@@ -62,7 +69,7 @@ cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"
 DRY=0 CARRY=.device/gpubench DEADLINE=585 LLAMA_SERVER="" DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
 KIND_BOX=150 KVPACK_BOX=420 REUSE_GATES=0 GATES_ONLY=0 LANE=exact KINDS=decode,prefill,verify
-STAGES=()
+STAGES=() KLANE="" KARGS=() INSTALL_TUNING=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu-dry) DRY=1 ;;
@@ -79,6 +86,10 @@ while [ $# -gt 0 ]; do
              [[ "$KINDS" =~ ^(decode|prefill|verify)(,(decode|prefill|verify))*$ ]] || {
                echo "--kinds $KINDS: expected a comma-separated list of decode, prefill, verify" >&2; exit 2; } ;;
     --gates-only) GATES_ONLY=1 ;;
+    --kernels-lane) KLANE=${2:?--kernels-lane exact|fast}; shift
+            [ "$KLANE" = exact ] || [ "$KLANE" = fast ] || { echo "--kernels-lane $KLANE: expected exact or fast" >&2; exit 2; } ;;
+    --kernels-timings-only) KARGS=(--no-invariance) ;;
+    --install-tuning) INSTALL_TUNING=1 ;;
     --lane) LANE=${2:?--lane exact|fast}; shift
             [ "$LANE" = exact ] || [ "$LANE" = fast ] || { echo "--lane $LANE: expected exact or fast" >&2; exit 2; } ;;
     build|fixture|kernels|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile) STAGES+=("$1") ;;
@@ -87,6 +98,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 [ ${#STAGES[@]} -gt 0 ] || { echo "name at least one stage" >&2; exit 2; }
+[ -n "$KLANE" ] || KLANE=$LANE
 if [ -n "${MUSER_GIT_SHA:-}" ] && ! [[ "$MUSER_GIT_SHA" =~ ^[0-9a-f]{40}$ ]]; then  # receipts must name the full SHA
   echo "MUSER_GIT_SHA '$MUSER_GIT_SHA' is not a full 40-hex SHA (git rev-parse HEAD)" >&2; exit 2; fi
 PY=${PY:-python3}
@@ -267,9 +279,16 @@ for st in "${STAGES[@]}"; do
       if [ -f tools/device_kernels.py ]; then
         mkdir -p "$R/kernels"
         if [ $DRY = 1 ]; then run_stage kernels 150 20 $PY tools/device_kernels.py --out "$R/kernels" --device cpu --smoke --budget 130 --lane $LANE
-        elif [ $LANE = fast ]; then  # GEMM shapes with tilings and the attention check besides the invariance
-          run_stage kernels 320 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 290 --lane fast
-        else run_stage kernels 260 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 240 --lane $LANE; fi
+        elif [ $KLANE = fast ]; then  # GEMM shapes with tilings and the attention check besides the invariance
+          run_stage kernels 320 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 290 --lane fast "${KARGS[@]}"
+        else run_stage kernels 260 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 240 --lane exact "${KARGS[@]}"; fi
+        if [ $INSTALL_TUNING = 1 ]; then  # the sweep's winners become this copy's table for the stages after it
+          if [ -s "$R/kernels/v3_tuning.json" ] && $PY -c "import sys; sys.path.insert(0, 'src')
+from muser.engine.kernels import qmatvec_v3 as q; q.load_tuning(sys.argv[1])" "$R/kernels/v3_tuning.json"; then
+            cp "$R/kernels/v3_tuning.json" src/muser/engine/kernels/v3_tuning.json
+            record tuning 0 0 "installed the sweep's table, sha256 $(sha256sum src/muser/engine/kernels/v3_tuning.json | cut -c1-16)"
+          else record tuning 1 0 "no valid sweep table: the tree's own table stays"; fi
+        fi
       else record kernels - 0 "tools/device_kernels.py is absent"; fi ;;
     gate) ;;  # in the background from t = 0 (wide_gate_bg)
     spec)

@@ -4,7 +4,7 @@ way Triton's JIT specializes it (16-byte-aligned pointers, sizes divisible by 16
 cubin with the bundled cuobjdump, find the innermost loop (the backward branch) and count its
 instructions by class, then divide by the weights one thread decodes per iteration.
 
-    python3 tools/sass_loop.py v3 FMT T [--config BN,NUM_WARPS,PREFETCH] [--dump]
+    python3 tools/sass_loop.py v3 FMT T [--config BN,NUM_WARPS,PIPE] [--dump]
 
 Used to predict a kernel's issue-bound ceiling before spending GPU time (bench/NOTES.md).
 """

@@ -138,3 +138,30 @@ def test_cpu_dry_nvfp4_fixture_is_the_q4_k_file_quantized(tmp_path):
         assert q4.tensors["blk.0.ffn_up.weight"].type.ggml_type.name == "Q4_K"
         assert nv.tensors["blk.0.ffn_up.weight"].type.ggml_type.name == "NVFP4"
         assert nv.get_str("muser.weight_precision") == "nvfp4-ggml"
+
+
+def test_an_unknown_kernels_lane_is_refused_before_any_work(tmp_path):
+    p = run(tmp_path, "--cpu-dry", "--kernels-lane", "turbo", "kernels")
+    assert p.returncode == 2 and "--kernels-lane turbo" in p.stderr
+    assert not (tmp_path / "work").exists()
+
+
+def test_the_tuning_table_takes_the_fastest_tiling_with_the_default_bits():
+    """tools/device_kernels.py's sweep -> v3_tuning.json entries: per shape and row bucket the
+    fastest config among those whose outputs were bitwise the default tiling's; a faster config
+    with other bits, or one that failed, is never taken."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import device_kernels
+    finally:
+        sys.path.pop(0)
+    speed = [{"fmt": "Q4_K", "n_out": 64, "n_in": 512,
+              "T1_sweep": {"[8, 4, 0]": {"us": 9.0, "bitwise_equal_default": True},
+                           "[16, 4, 3]": {"us": 7.5, "bitwise_equal_default": True},
+                           "[32, 4, 0]": {"us": 5.0, "bitwise_equal_default": False},
+                           "[64, 8, 0]": {"error": "OutOfResources"}},
+              "T16_sweep": {"[8, 8, 0]": {"us": 40.0, "bitwise_equal_default": True}}},
+             {"fmt": "Q6_K", "n_out": 64, "n_in": 512, "error": "boom"}]
+    table = device_kernels.tuning_table(speed)
+    assert table == [{"fmt": "Q4_K", "rows": 1, "n_out": 64, "n_in": 512, "config": [16, 4, 3], "us": 7.5},
+                     {"fmt": "Q4_K", "rows": 16, "n_out": 64, "n_in": 512, "config": [8, 8, 0], "us": 40.0}]

@@ -133,10 +133,10 @@ def test_v3_rows_are_bitwise_invariant(v3, fmt):
     x = torch.randn(16, 1280, generator=torch.Generator().manual_seed(9))
     alone = torch.cat([m.matvec_v3(p, x[i:i + 1]) for i in range(16)])
     for T in (2, 3, 7, 16):
-        for cfg in (None, (4, 4, True), (2, 2, False)):
+        for cfg in (None, (4, 4, True), (2, 2, False), (4, 4, 3)):
             got = m.matvec_v3(p, x[:T], config=cfg)
             assert torch.equal(got.view(torch.int32), alone[:T].view(torch.int32)), (T, cfg)
-    for cfg in ((4, 4, True), (16, 4, False), (8, 2, True)):
+    for cfg in ((4, 4, True), (16, 4, False), (8, 2, True), (8, 4, 2), (4, 2, 4)):
         assert torch.equal(m.matvec_v3(p, x[5:6], config=cfg).view(torch.int32), alone[5:6].view(torch.int32))
 
 
@@ -149,6 +149,9 @@ def test_v3_refuses(v3):
         m.matvec_v3(p, torch.zeros(17, 256))
     with pytest.raises(AssertionError):
         m.matvec_v3(p, torch.zeros(1, 512))
+    for cfg in ((4, 4, 5), (4, 4, -1), (6, 2, 0), (2, 4, 0)):  # pipeline depth, powers of two, BN % warps
+        with pytest.raises(ValueError, match="config"):
+            m.matvec_v3(p, torch.zeros(1, 256), config=cfg)
 
 
 def test_v3_stack_members_are_views_and_outputs_match(v3):

@@ -68,8 +68,21 @@ DEVICE_SCRIPT = "device-llama-bench.sh"
 LLAMA_TARBALL = "llama.cpp-src.tgz"
 
 
-# --- flags ------------------------------------------------------------------------------------
+def _tuning_identity() -> dict | None:
+    """The CUDA matvec tiling table this process runs (speed only, never values): its file and the
+    SHA-256 of its bytes, so a receipt names the table it was measured under."""
+    try:
+        from ..engine.kernels import qmatvec_v3
+    except ImportError:
+        return None
+    path = Path(qmatvec_v3.TUNING_FILE)
+    if not path.is_file():
+        return None
+    return {"file": "src/muser/engine/kernels/v3_tuning.json", "entries": len(qmatvec_v3.TUNED),
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
 
+
+# --- flags ------------------------------------------------------------------------------------
 
 def register_kind(sub: argparse._SubParsersAction, kind: str, help: str, doc: str) -> None:
     p = sub.add_parser(kind, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -759,7 +772,7 @@ def run(args: argparse.Namespace, kind: str) -> int:
             results["copy_bandwidth"] = copy_bw
         extra = {"settings": {"device": args.device, "lane": args.lane, "kv": args.kv, "threads": threads,
                               "seed": args.seed, "muser_prefill_chunk": PREFILL_CHUNK,
-                              "cuda_graphs": cuda},
+                              "cuda_graphs": cuda, "matvec_tuning": _tuning_identity()},
                  "comparator": None, "argv": sys.argv}
         if isinstance(llama, LlamaCpuCells):
             extra["comparator"] = llama.settings | {"interleaved": True}

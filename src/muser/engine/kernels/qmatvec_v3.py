@@ -99,21 +99,21 @@ _FP4_F16_HI = (0x42403C00, 0x4A484644)
 # row bucket, so decode, verify and batched decode give a row the same bits. Each output keeps
 # J * 4 accumulator lanes (lane 4j + w takes element 32(cJ + j) + 4e + w of chunk c, nibble e, in
 # the order c, e) and they are combined by one fixed pairwise tree (`_lane_tree`). J is therefore
-# one constant for every bucket and weight; tuning may change BN, the warps and PREFETCH only.
+# one constant for every bucket and weight; tuning may change BN, the warps and the pipelining only.
 J_UNITS = 32
-# (BN rows per program, num_warps, PREFETCH) per row bucket; device sweeps override through
+# (BN rows per program, num_warps, PIPE: check_config) per row bucket; device sweeps override through
 # `config`. One chunk moves BN * J_UNITS * 16 bytes of quants per program.
-# 4 rows take the 8- and 16-row tiling of the earlier (decoded-weight) dot: with (4, 4, True) four
+# 4 rows take the 8- and 16-row tiling of the earlier (decoded-weight) dot: with (4, 4, 1) four
 # rows ran slower than that tiling ran eight on 7 of the 8 shapes
 # (bench/receipts/20261201T153526Z-kernels-cuda.json). 8 and 16 rows: 8 outputs a program (the
 # factored dot keeps a second [ROWS, BN, J, 4] sum beside the accumulator; with 16 outputs ptxas
 # spills it, tools/sass_loop.py).
-CONFIGS: dict[int, tuple[int, int, bool]] = {
-    1: (16, 4, True),
-    2: (8, 4, True),
-    4: (16, 8, False),
-    8: (8, 8, False),
-    16: (8, 8, False),
+CONFIGS: dict[int, tuple[int, int, int]] = {
+    1: (16, 4, 1),
+    2: (8, 4, 1),
+    4: (16, 8, 0),
+    8: (8, 8, 0),
+    16: (8, 8, 0),
 }
 
 
@@ -550,8 +550,8 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["T", "zero"])
     def _matvec_v3_kernel(x, y, qp, hp, sp, dp, N, K, sx, sy, T, zero, FMT: tl.constexpr, ROWS: tl.constexpr,
-                          BN: tl.constexpr, J: tl.constexpr, PREFETCH: tl.constexpr, NW: tl.constexpr,
-                          ASM: tl.constexpr):
+                          BN: tl.constexpr, J: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
+                          NW: tl.constexpr, ASM: tl.constexpr):
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         row = n.to(tl.int64)
@@ -566,7 +566,10 @@ if HAVE_TRITON:
             acc4 = tl.zeros([ROWS, BN, J, 4], dtype=tl.float32)
         if PREFETCH:
             nw, nh0, nh1, nsv, ndv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, 0, NU, zero, J)
-        for c in range(0, n_chunks):
+        # STAGES > 1: Triton's pipeliner issues the loads of the next STAGES - 1 chunks as async
+        # copies into shared memory, so the bytes in flight do not cost registers (book ch. 1:
+        # decode is a bandwidth problem; Little's law wants ~30 KB in flight per SM on an H200)
+        for c in tl.range(0, n_chunks, num_stages=STAGES):
             if PREFETCH:  # next chunk's loads go out before this chunk's arithmetic
                 words, h0, h1, sv, dv = nw, nh0, nh1, nsv, ndv
                 nw, nh0, nh1, nsv, ndv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask & (c + 1 < n_chunks),
@@ -736,21 +739,23 @@ def stack(ws) -> Stack | None:
 
 # Measured winners of the device sweep per (format, rows bucket, n_out, n_in) (tools/device_kernels.py
 # writes v3_tuning.json; `load_tuning` reads one); other shapes use CONFIGS.
-TUNED: dict[tuple[str, int, int, int], tuple[int, int, bool]] = {}
+TUNED: dict[tuple[str, int, int, int], tuple[int, int, int]] = {}
 
 
-def check_config(config, rows: int) -> tuple[int, int, bool]:
-    """(BN, num_warps, PREFETCH) for a row bucket, or ValueError naming it (tl.arange extents are
-    powers of two; one-row tiles need BN a multiple of num_warps)."""
-    bn, nw, pf = (int(v) for v in config)
+def check_config(config, rows: int) -> tuple[int, int, int]:
+    """(BN, num_warps, PIPE) for a row bucket, or ValueError naming it (tl.arange extents are
+    powers of two; one-row tiles need BN a multiple of num_warps). PIPE: 0 a plain chunk loop, 1
+    the next chunk's loads held in registers (prefetch), 2..4 that many pipeline stages through
+    shared memory (the loop's loads as async copies); false/true in a table read as 0/1."""
+    bn, nw, pipe = (int(v) for v in config)
     pow2 = all(v > 0 and v & (v - 1) == 0 for v in (bn, nw))
-    if not pow2 or rows not in CONFIGS or (rows == 1 and bn % nw):
+    if not pow2 or rows not in CONFIGS or (rows == 1 and bn % nw) or not 0 <= pipe <= 4:
         raise ValueError(f"config {list(config)!r} for the {rows}-row bucket")
-    return bn, nw, bool(pf)
+    return bn, nw, pipe
 
 
 def load_tuning(path: str) -> int:
-    """Merge a v3_tuning.json (list of {fmt, rows, n_out, n_in, config: [BN, num_warps, PREFETCH]})
+    """Merge a v3_tuning.json (list of {fmt, rows, n_out, n_in, config: [BN, num_warps, PIPE]})
     into TUNED; returns the number of entries. Every config is checked before any is taken."""
     import json
 
@@ -762,7 +767,7 @@ def load_tuning(path: str) -> int:
         for e in entries:
             key = (str(e["fmt"]), int(e["rows"]), int(e["n_out"]), int(e["n_in"]))
             if len(e["config"]) != 3:
-                raise ValueError(f"config {e['config']!r} for {key}: expected [BN, num_warps, PREFETCH]")
+                raise ValueError(f"config {e['config']!r} for {key}: expected [BN, num_warps, PIPE]")
             parsed.append((key, check_config(e["config"], key[1])))
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise LaneError(f"v3 tuning file {path!r}: {err}") from None
@@ -778,7 +783,7 @@ if os.path.isfile(TUNING_FILE):
     load_tuning(TUNING_FILE)
 
 
-def config_for(p: Packed, rows: int) -> tuple[int, int, bool]:
+def config_for(p: Packed, rows: int) -> tuple[int, int, int]:
     hit = TUNED.get((p.fmt.name, rows, p.n_out, p.n_in))
     if hit is not None:
         return hit
@@ -791,17 +796,18 @@ def config_for(p: Packed, rows: int) -> tuple[int, int, bool]:
 def matvec_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
               config: tuple | None = None) -> torch.Tensor:
     """x [T, n_in] f32 (T <= 16) -> [T, n_out] f32 over a Packed weight. `config` =
-    (BN, num_warps, PREFETCH) overrides the table (device sweeps); the bits never depend on it."""
+    (BN, num_warps, PIPE) overrides the table (device sweeps); the bits never depend on it."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     out = check_matvec_args(p, x, out)  # the shared contract (n_in, n_out, name: Packed has them)
     T = x.shape[0]
     rows = _rows_bucket(T)
-    bn, num_warps, prefetch = check_config(config, rows) if config is not None else config_for(p, rows)
+    bn, num_warps, pipe = check_config(config, rows) if config is not None else config_for(p, rows)
     grid = (triton.cdiv(p.n_out, bn),)
     _matvec_v3_kernel[grid](x, out, *p.pointers(), p.n_out, p.n_in, x.stride(0), out.stride(0), T, 0,
-                            FMT=_CODE[p.fmt], ROWS=rows, BN=bn, J=J_UNITS, PREFETCH=prefetch, NW=num_warps,
-                            ASM=_asm(), num_warps=num_warps, enable_fp_fusion=False)
+                            FMT=_CODE[p.fmt], ROWS=rows, BN=bn, J=J_UNITS, PREFETCH=pipe == 1,
+                            STAGES=max(pipe, 1), NW=num_warps, ASM=_asm(), num_warps=num_warps,
+                            enable_fp_fusion=False)
     return out
 
 
