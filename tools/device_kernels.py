@@ -190,9 +190,10 @@ def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -
 
 
 # the tilings each row bucket's sweep times (every one sums each output in the same order)
-SWEEP = {  # (BN, num_warps, PIPE): qmatvec_v3.check_config
-    1: ((8, 4, 0), (8, 4, 3), (16, 4, 0), (16, 4, 1), (16, 4, 2), (16, 4, 3), (16, 8, 0), (16, 8, 3),
-        (32, 4, 0), (32, 8, 0), (32, 8, 1), (32, 8, 2), (64, 8, 0)),
+# (BN, num_warps, PIPE): qmatvec_v3.check_config. One row: no shared-memory pipelining (PIPE >= 2
+# took 3-5x the plain loop's time on every shape, bench/reports/device-20261203/call2).
+SWEEP = {
+    1: ((8, 4, 0), (16, 4, 0), (16, 4, 1), (16, 8, 0), (32, 4, 0), (32, 8, 0), (32, 8, 1), (64, 8, 0)),
     16: ((2, 4, 0), (4, 4, 0), (4, 4, 2), (4, 8, 0), (8, 8, 0), (8, 8, 2), (8, 4, 0), (16, 8, 0)),
 }
 

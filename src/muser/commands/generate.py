@@ -40,10 +40,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF path (default: the embedded model)")
     p.add_argument("--device", default="cpu", choices=DEVICES, help="default cpu")
     p.add_argument("--lane", default="exact", choices=LANES,
-                   help="exact: f32 activations against the exact weight decode (Gate 2 vs oracle f32); fast: ggml-cpu's "
+                   help="exact: f32 activations against the exact weight values (Gate 2 vs oracle f32); fast: ggml-cpu's "
                         "integer arithmetic on every call (activations to Q8_K/Q8_0, integer block sums, row-invariant; Gate 2 vs oracle ggml-cpu); w4a4: exact, FP4 activations in verify forwards (W4A4 files only); "
-                        "default exact: the integer lane decodes no faster on either device (on the H200 its one-row GEMMs take "
-                        "1.2-2.0x the exact lane's matvec; on the CPU, micro model: decode 0.97x, prefill 1.14x; "
+                        "default exact: the integer lane decodes no faster on either device (H200, full geometry: "
+                        "50.52 against 91.96 tok/s; on the CPU, micro model: decode 0.97x, prefill 1.14x; "
                         "bench/NOTES.md)")
     p.add_argument("--kv", default="f16", choices=KV_TYPES, help="KV cache type (default f16)")
     p.add_argument("--threads", type=int, help="CPU threads for the forward (default: torch's, the usable cores)")

@@ -1,8 +1,9 @@
 """Lanes and how a projection is computed on each (DESIGN.md "Exactness contract").
 
-* exact: f32 activations and f32 accumulation against weights decoded bit-exactly from their
-  stored blocks. Decode-shaped calls (<= 16 rows) on CUDA use the fused Triton dequant-matvec;
-  wider calls decode row chunks and run an f32 GEMM with TF32 off.
+* exact: f32 activations and f32 accumulation against the weights' exact values. Decode-shaped
+  calls (<= 16 rows) on CUDA use the fused Triton dequant-matvec, which factors each K-quant
+  unit's scale out of its dot (kernels/qmatvec_v3.py: d1 sum q x - m1 sum x in one order for
+  every row count); wider calls decode row chunks bit-exactly and run an f32 GEMM with TF32 off.
 * fast (the integer lane): every projection, at every row count, on both devices, computes
   `muser.quant.dot.matmul_ggml` bit for bit: the activations are converted to the weight type's
   vec_dot_type (Q8_K per 256 for the K-quants, Q8_0 per 32 for Q8_0/Q4_0/NVFP4), integer block
