@@ -463,10 +463,10 @@ if HAVE_TRITON:
         P(e) = 4e for e <= 4, 4e - 12 above (`_code_pos`)."""
         if e <= 4:
             q = words & (0xF << (4 * e))
-            P: tl.constexpr = 4 * e
+            P = 4 * e
         else:
             q = wsh & (0xF << (4 * e - 12))
-            P: tl.constexpr = 4 * e - 12
+            P = 4 * e - 12
         if FMT == 6:  # 5th bit of element i = 4e + w at bit i of h0 -> bit P + 4
             if e <= 4:
                 q = q | ((h0[:, :, None] << (4 - wi)[None, None, :]) & (1 << (P + 4)))
