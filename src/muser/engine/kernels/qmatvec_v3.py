@@ -105,9 +105,10 @@ J_UNITS = 32
 # `config`. One chunk moves BN * J_UNITS * 16 bytes of quants per program.
 # 4 rows take the 8- and 16-row tiling of the earlier (decoded-weight) dot: with (4, 4, 1) four
 # rows ran slower than that tiling ran eight on 7 of the 8 shapes
-# (bench/receipts/20261201T153526Z-kernels-cuda.json). 8 and 16 rows: 8 outputs a program (the
-# factored dot keeps a second [ROWS, BN, J, 4] sum beside the accumulator; with 16 outputs ptxas
-# spills it, tools/sass_loop.py).
+# (bench/receipts/20261201T153526Z-kernels-cuda.json). 8 and 16 rows: 8 outputs a program, chosen
+# from register counts (the factored dot keeps a second [ROWS, BN, J, 4] sum; with 16 outputs ptxas
+# spills, tools/sass_loop.py); the H200 sweep still preferred 16 outputs on 5 of its 8 shapes
+# (v3_tuning.json, bench/reports/device-20261203/call2), so these defaults serve untuned shapes only.
 CONFIGS: dict[int, tuple[int, int, int]] = {
     1: (16, 4, 1),
     2: (8, 4, 1),
@@ -567,8 +568,8 @@ if HAVE_TRITON:
         if PREFETCH:
             nw, nh0, nh1, nsv, ndv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, 0, NU, zero, J)
         # STAGES > 1: Triton's pipeliner issues the loads of the next STAGES - 1 chunks as async
-        # copies into shared memory, so the bytes in flight do not cost registers (book ch. 1:
-        # decode is a bandwidth problem; Little's law wants ~30 KB in flight per SM on an H200)
+        # copies into shared memory (bytes in flight that cost no registers). Measured on the H200
+        # it lost 3-5x at one row on every shape; one 16-row shape's tiling takes it (v3_tuning.json)
         for c in tl.range(0, n_chunks, num_stages=STAGES):
             if PREFETCH:  # next chunk's loads go out before this chunk's arithmetic
                 words, h0, h1, sv, dv = nw, nh0, nh1, nsv, ndv
