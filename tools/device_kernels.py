@@ -11,7 +11,11 @@ bitwise with the same positions verified in blocks of 2, 7 and 16, prefilled in 
 sessions. Wider prefill chunks (33, 64) are reported (max |delta|), not asserted: on CUDA they run
 the decoded-chunk GEMM, which is not part of the row-invariant family.
 
-Part 2, speed: each (format, n_out, n_in) of the full geometry's launch shapes (the shipped tuning
+Part 2, speed: each K-quant shape of the full geometry's launches through the split GEMM
+(kernels/qgemm_split.py, `split_case`: bitwise against its reference, a row alone against the same
+row in 2, 16 and 512 rows, timed at 1..512 rows beside the v3 matvec; on the first Q4_K shape the
+tile tilings of SPLIT_SWEEP); then, for NVFP4,
+each (format, n_out, n_in) of the full geometry's launch shapes (the shipped tuning
 table's keys), random valid blocks, timed at 1, 2, 4, 8 and 16 rows through a CUDA graph of 20
 launches (warm-up, 5 repetitions, mean and CV), achieved GB/s of the weight bytes, and one row
 alone against the same row inside a 16-row launch (bitwise); then each tiling of SWEEP at 1 and 16
@@ -43,6 +47,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 DTYPES = ("F16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "q4_k_xl", "nvfp4", "nvfp4-ggml")
+# fixtures whose every projection runs the split GEMM (kernels/qgemm_split.py) in the exact lane on
+# CUDA: row-invariant at every chunk size, so their wide prefill chunks are asserted too
+SPLIT_DTYPES = ("Q4_K", "Q5_K", "Q6_K", "q4_k_xl")
 N_POS = 80
 
 
@@ -82,7 +89,7 @@ def invariance_case(dtype: str, kv: str, device: str, work: Path, smoke: bool, l
         if smoke and chunk > 16:
             continue
         got = eng.session(max_context=n, chunk=chunk).prefill(ids, all_logits=True)
-        out[f"prefill{chunk}"] = cmp(got) | {"asserted": chunk <= 16 or lane == "fast"}
+        out[f"prefill{chunk}"] = cmp(got) | {"asserted": chunk <= 16 or lane == "fast" or dtype in SPLIT_DTYPES}
     # four sessions in one step: session 0 carries the reference sequence, the others other tokens
     ss = [eng.session(max_context=n) for _ in range(4)]
     other = [_ids(eng.cfg.vocab, n + 7 * k)[7 * k:] for k in range(4)]
@@ -213,6 +220,88 @@ def tuning_table(speed: list[dict]) -> list[dict]:
     return table
 
 
+# (BM, BN, num_warps, num_stages) of the split GEMM's tiles timed per row count (qgemm_split.check_tile_config)
+SPLIT_SWEEP = {16: ((16, 32, 4, 2), (16, 64, 4, 2), (16, 128, 4, 3), (16, 64, 2, 3)),
+               512: ((64, 64, 4, 2), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3))}
+
+
+def split_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool, sweep: bool) -> dict:
+    """The split GEMM (kernels/qgemm_split.py) on one shape: the kernels bitwise against
+    matmul_ref on a row subset, a row alone (CUDA-core kernel) bitwise equal to it inside 2, 16 and
+    512 rows (tensor-core tiles), the error against the f32 dot of the decoded weights, and the time
+    per launch at 1, 2, 16, 64 and 512 rows (activation split included, as the engine calls it)
+    beside the v3 matvec's at 1 and 16 rows; `sweep`: the tile tilings of SPLIT_SWEEP."""
+    import numpy as np
+    import torch
+
+    from muser.engine.kernels import qgemm_split as sg
+    from muser.engine.kernels import qmatvec_v3
+    from muser.engine.weights import random_bytes, repack
+    from muser.gguf.types import GgmlType as G
+
+    fmt = G[fmt_name]
+    if smoke:
+        n_out, n_in = min(n_out, 48), min(n_in, 512)
+    raw = random_bytes(fmt, n_out, n_in, 3)
+    w = repack("t", fmt, n_out, n_in, torch.from_numpy(raw.copy()).to(device))
+    p = sg.pack(w)
+    v3 = qmatvec_v3.pack(w)
+    nbytes = p.nbytes
+    big = 40 if smoke else 512
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(big, n_in, generator=g).to(device)
+    x[:, 7] *= 30.0  # an outlier channel
+    bits = lambda t: t.contiguous().view(torch.int32)  # noqa: E731
+    r: dict = {"fmt": fmt_name, "n_out": n_out, "n_in": n_in, "weight_bytes": nbytes}
+    act = sg.split_act(x)
+    r["split_act_bitwise_vs_ref"] = bool(all(torch.equal(a, b) for a, b in zip(
+        (act.a, bits(act.s), act.bs), (lambda q: (q.a, bits(q.s), q.bs))(sg.split_act_ref(x.cpu())))))
+    yb = sg.matmul(p, act)
+    y16 = sg.matmul(p, x[:16].contiguous())
+    y2 = sg.matmul(p, x[:2].contiguous())
+    y1 = torch.cat([sg.matmul(p, x[i:i + 1].contiguous()) for i in range(4)])
+    r["row_alone_equals_row_in_2_16_and_big"] = bool(torch.equal(bits(y1), bits(y16[:4])) and torch.equal(
+        bits(y2), bits(y16[:2])) and torch.equal(bits(y16), bits(yb[:16])))
+    rows = torch.arange(0, n_out, max(1, n_out // 48), device=device)
+    sub = sg.SplitPacked("sub", fmt, int(rows.numel()), n_in, {k: v.index_select(0, rows) for k, v in p.fields.items()})
+    act16 = sg.split_act(x[:16].contiguous())
+    ref = sg.matmul_ref(sub, act16)
+    got = y16.index_select(1, rows)
+    r["bitwise_vs_matmul_ref"] = bool(torch.equal(bits(got), bits(ref)))
+    dec = sg.decode(sub).double()
+    exact = x[:16].double() @ dec.T
+    mag = x[:16].double().abs() @ dec.abs().T
+    r["max_err_over_sum_abs"] = float(((got.double() - exact).abs() / mag.clamp_min(1e-30)).max())
+    for T in sorted({1, 2, 16, min(64, big), big}):
+        xt = x[:T].contiguous()
+        out = torch.empty(T, n_out, device=device)
+        samples = call_seconds(lambda: sg.matmul(p, xt, out), device, 20 if T <= 64 else 5)
+        mean = float(np.mean(samples))
+        r[f"T{T}"] = {"us": mean * 1e6, "cv": float(np.std(samples) / mean) if len(samples) > 1 else None,
+                      "samples_s": samples, "GBps": nbytes / mean / 1e9, "TOPS": 2.0 * T * n_out * n_in / mean / 1e12}
+        if T in (1, 16):
+            o3 = torch.empty(T, n_out, device=device)
+            s3 = call_seconds(lambda: qmatvec_v3.matvec_v3(v3, xt, o3), device, 20)
+            r[f"v3_T{T}_us"] = float(np.mean(s3)) * 1e6
+    r["T16_over_T1"] = r["T16"]["us"] / r["T1"]["us"]
+    if sweep and device == "cuda":
+        sw = {}
+        for T, cfgs in SPLIT_SWEEP.items():
+            xt = x[:T].contiguous()
+            at = sg.split_act(xt)
+            ref_y = y16 if T == 16 else yb
+            for cfg in cfgs:
+                try:
+                    out = torch.empty(T, n_out, device=device)
+                    same = bool(torch.equal(bits(sg.matmul(p, at, out, config=cfg)), bits(ref_y)))
+                    sec = graph_seconds(lambda: sg.matmul(p, at, out, config=cfg), 10 if T == 16 else 3, 1)[0]
+                    sw[f"T{T} {list(cfg)}"] = {"us": sec * 1e6, "bitwise_equal_default": same}
+                except Exception as e:  # noqa: BLE001
+                    sw[f"T{T} {list(cfg)}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        r["sweep"] = sw
+    return r
+
+
 def i8_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -> dict:
     """The integer lane's GEMM on one shape: bitwise against matmul_ggml on 64 output rows, a row
     alone against it inside 16 and 512 rows, and the time per launch at 1, 16, 64 and 512 rows."""
@@ -323,14 +412,39 @@ def main(argv=None) -> int:
                          for k, v in r.items() if isinstance(v, dict) and "bitwise" in v)
         print(f"invariance {dtype:10} kv {kv}: ok={r['ok']} {cells or r.get('error', '')}", flush=True)
         save()
-    shapes = sorted({(f, n_out, n_in) for (f, _, n_out, n_in) in qmatvec_v3.TUNED})
+    shapes = sorted({(f, n_out, n_in) for (f, _, n_out, n_in) in qmatvec_v3.TUNED if f != "NVFP4"})
     # the same shapes in ggml's NVFP4 (type 40): the storage lane's bytes per second beside the K-quants'
     shapes += sorted({("NVFP4", n_out, n_in) for (_, n_out, n_in) in shapes if n_out >= 4096})
     if a.lane == "fast":
         shapes = sorted({(f, n_out, n_in) for (f, _, n_out, n_in) in qmatvec_v3.TUNED if f != "NVFP4"})
     if a.smoke:
         shapes = shapes[:2] + [("Q8_0", 64, 512)]
+    swept = False
     for fmt, n_out, n_in in shapes:
+        if a.lane == "exact" and fmt in ("Q4_K", "Q5_K", "Q6_K"):
+            if time.time() - t0 > a.budget:
+                rec["skipped"].append(f"split {fmt} {n_out}x{n_in}: budget")
+                continue
+            try:
+                r = split_case(fmt, n_out, n_in, a.device, a.smoke, sweep=not swept and fmt == "Q4_K")
+                swept = swept or "sweep" in r
+                big = max(int(k[1:]) for k in r if k.startswith("T") and k[1:].isdigit())
+                print(f"split {fmt} {n_out}x{n_in}: T1 {r['T1']['us']:.1f} us {r['T1']['GBps']:.0f} GB/s "
+                      f"(v3 {r['v3_T1_us']:.1f}), T2 {r['T2']['us']:.1f}, T16 {r['T16']['us']:.1f} us "
+                      f"({r['T16_over_T1']:.2f}x; v3 {r['v3_T16_us']:.1f}), T{big} {r[f'T{big}']['TOPS']:.1f} TOPS, "
+                      f"bitwise vs ref {r['bitwise_vs_matmul_ref']}, act {r['split_act_bitwise_vs_ref']}, "
+                      f"alone==in2==in16==in{big} {r['row_alone_equals_row_in_2_16_and_big']}, "
+                      f"err {r['max_err_over_sum_abs']:.2e}", flush=True)
+                if "sweep" in r:
+                    print("  sweep " + ", ".join(f"{k}: {v.get('us', 0):.1f} us {v.get('bitwise_equal_default', v.get('error'))}"
+                                                 for k, v in r["sweep"].items()), flush=True)
+            except Exception as e:  # noqa: BLE001
+                r = {"fmt": fmt, "n_out": n_out, "n_in": n_in, "error": f"{type(e).__name__}: {e}",
+                     "trace": traceback.format_exc()[-2000:]}
+                print(f"split {fmt} {n_out}x{n_in}: {r['error']}", flush=True)
+            rec["split"] = rec.get("split", []) + [r]
+            save()
+            continue
         if a.lane == "fast":
             if time.time() - t0 > a.budget:
                 rec["skipped"].append(f"i8 {fmt} {n_out}x{n_in}: budget")
@@ -383,15 +497,19 @@ def main(argv=None) -> int:
             r.get("row_alone_equals_row_in_16_and_big") and r.get("bitwise_vs_matmul_ggml") for r in rec["speed"])
     else:
         rec["ok"] = all(r.get("ok") for r in rec["invariance"]) and all(
-            r.get("row_alone_equals_row_in_16") for r in rec["speed"])
+            r.get("row_alone_equals_row_in_16") for r in rec["speed"]) and all(
+            r.get("row_alone_equals_row_in_2_16_and_big") and r.get("bitwise_vs_matmul_ref")
+            and r.get("split_act_bitwise_vs_ref") for r in rec.get("split", []))
     save()
     from muser.bench.receipt import device_description, write_receipt
 
     checked = {f"{r['dtype']}/{r['kv']}": r.get("ok", False) for r in rec["invariance"]}
     gate = {"status": ("partial" if rec["skipped"] else "pass") if rec["ok"] else "fail",
             "rule": ("logits of every position bitwise equal decoded alone, verified in blocks, prefilled in "
-                     "chunks <= 16 rows and stepped beside other sessions; each matvec shape's row alone bitwise "
-                     "equal to it inside 16 rows" if a.lane == "exact" else
+                     "chunks <= 16 rows (every chunk size for the K-quant fixtures: the split GEMM) and stepped "
+                     "beside other sessions; each split GEMM shape bitwise equal to matmul_ref on a row subset and "
+                     "a row alone bitwise equal to it inside 2, 16 and 512 rows; each v3 matvec shape's row alone "
+                     "bitwise equal to it inside 16 rows" if a.lane == "exact" else
                      "logits of every position bitwise equal decoded alone, verified in blocks, prefilled in "
                      "chunks of any size and stepped beside other sessions; each GEMM shape bitwise equal to "
                      "matmul_ggml on a row subset and a row alone bitwise equal to it inside 16 and 512 rows"),

@@ -134,6 +134,16 @@ def drive(rec: Recorder) -> None:
                 i8.matmul_i8(w, torch.zeros(T, n_in), torch.empty(T, n_out))
         for cfg in ((16, 16, 4, 1), (64, 32, 4, 2), (128, 64, 8, 2)):  # sweep corners (< 227 KB shared)
             i8.matmul_i8(w, torch.zeros(64, n_in), config=cfg)
+    from muser.engine.kernels import qgemm_split as sg
+
+    for fmt in sg.FORMATS:  # the exact lane's K-quant GEMM: the CUDA-core rows, the 16-row and wide tiles
+        n_out, n_in = 24, 1280
+        p = sg.pack(repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy())))
+        for T in (1, 2, 3, 16, 17, 512):
+            act = sg.launch_split_act(torch.zeros(T, n_in))
+            act = sg.Act(torch.zeros(T, sg.PARTS, n_in, dtype=torch.int8), torch.zeros(T, n_in // 256),
+                         torch.zeros(T, sg.PARTS, n_in // 16, dtype=torch.int32))
+            sg.launch_matmul(p, act, torch.empty(T, n_out))
     from muser.engine.kernels import fused
 
     for R, N in ((1, 6656), (16, 6656), (4, 512)):

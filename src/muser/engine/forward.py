@@ -168,12 +168,19 @@ class ModelWeights:
             L.ffn_in = stack([L.ffn_gate, L.ffn_up])
 
     def pack_for_decode(self, drop_fields: bool) -> None:
-        """The decode kernel's layout (kernels/qmatvec_v3) for every K-quant and NVFP4 matrix, and the
-        stacks of projections that read one input. The embedding is read a row at a time and
-        keeps its repacked form."""
+        """The exact lane's device layouts: the split GEMM's (kernels/qgemm_split) for every K-quant
+        matrix, the v3 matvec's (kernels/qmatvec_v3) for NVFP4, and the stacks of projections that
+        read one input. The embedding is read a row at a time and keeps its repacked form."""
+        from .kernels import qgemm_split
         from .kernels.qmatvec_v3 import pack_matrices, stack
 
-        pack_matrices([w for w in self.matrices() if w is not self.embd], drop_fields=drop_fields)
+        mats = [w for w in self.matrices() if w is not self.embd]
+        for w in mats:
+            if qgemm_split.supports(w.fmt) and w.packed is None:
+                w.packed = qgemm_split.pack(w)
+                if drop_fields:
+                    w.fields = {}
+        pack_matrices(mats, drop_fields=drop_fields)
         self._stack_layers(stack)
 
 
@@ -302,6 +309,7 @@ class Forward:
         T or len(out_rows)) or None. Capture-safe: no host sync, no host-built tensors."""
         rows_idx, out_rows = _row_mode(out_rows)
         cfg, W, lin = self.cfg, self.w, self.linear
+        lin.forget_acts()
         if self.native:
             self.tails.follow_torch_threads()
         T = tokens.shape[0]
@@ -329,7 +337,7 @@ class Forward:
                 x = x_next
             else:
                 x = FK.norm_mul(h, L.attn_norm, eps) if fz else rms_norm(h, eps) * L.attn_norm
-            qk_fused = fz and L.attn_in is not None and lin.stacked_ok(T)
+            qk_fused = fz and L.attn_in is not None and lin.stacked_ok(T, L.attn_in)
             if qk_fused:
                 # one launch for q|k|(v|)gate, one for the q/k head norms + RoPE (book 9.7, 14)
                 st = L.attn_in
@@ -373,7 +381,7 @@ class Forward:
                 h, x = FK.norm2(o, L.post_attn_norm, post_eps, h, L.ffn_norm, eps)
             else:
                 x = rms_norm(h, eps) * L.ffn_norm
-            if L.ffn_in is not None and lin.stacked_ok(T):
+            if L.ffn_in is not None and lin.stacked_ok(T, L.ffn_in):
                 fg, fu = lin.stacked(L.ffn_in, x)
             else:
                 fg, fu = lin(L.ffn_gate, x), lin(L.ffn_up, x)

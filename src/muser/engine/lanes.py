@@ -165,12 +165,16 @@ class Linear:
         self.triton_rows = self.cuda  # fused dequant-matvec for <= 16 rows (CUDA)
         self._cache: dict = {}
         self._cached_bytes = 0
+        self._act_memo: tuple | None = None  # (x, x._version, its split activations)
 
-    def stacked_ok(self, T: int) -> bool:
-        """Stacked projections serve this call: on CUDA (kernels/qmatvec_v3.Stack) decode-shaped
+    def stacked_ok(self, T: int, st=None) -> bool:
+        """Stacked projections serve this call: on CUDA stacks of the split GEMM's layout
+        (kernels/qgemm_split) every call, other stacks (kernels/qmatvec_v3.Stack) decode-shaped
         calls; on the CPU (cpu_native.CpuStack) every call of the C GEMM; in the fast lane
         (FastStack) every call on both devices."""
         if self.lane is Lane.FAST:
+            return True
+        if self.cuda and st is not None and _is_split(getattr(st, "packed", None)):
             return True
         if self.lane is Lane.W4A4 and 1 < T <= qmatvec.MAX_ROWS:
             return False  # verify rows of the W4A4 lane: each projection by itself (__call__)
@@ -189,6 +193,10 @@ class Linear:
                 return cpu_native.gemm(st.mat, x.contiguous())
         from .kernels import qmatvec_v3
 
+        if _is_split(st.packed):
+            from .kernels import qgemm_split
+
+            return qgemm_split.matmul(st.packed, self.split_act(x))
         return qmatvec_v3.matvec_v3(st.packed, x.contiguous())
 
     def stacked(self, st, x: torch.Tensor) -> list[torch.Tensor]:
@@ -232,9 +240,31 @@ class Linear:
             out[:, a:b] = self(w, x)
         return out
 
+    def split_act(self, x: torch.Tensor):
+        """kernels/qgemm_split.split_act of x, formed once for the projections that read the same
+        x (q|k|gate and v, ...): the last result is kept while x is the same tensor object, within
+        one forward run, and (outside inference mode) unmodified."""
+        from .kernels import qgemm_split
+
+        version = None if x.is_inference() else x._version  # inference tensors keep no counter
+        memo = self._act_memo
+        if memo is not None and memo[0] is x and memo[1] == version:
+            return memo[2]
+        act = qgemm_split.split_act(x.contiguous())
+        self._act_memo = (x, version, act)
+        return act
+
+    def forget_acts(self) -> None:
+        """Drop the kept split activations (Forward.run calls it first: x objects of one run only)."""
+        self._act_memo = None
+
     def _exact(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:
         """The exact lane's projection: f32 activations against the exact decode of `w`."""
         T = x.shape[0]
+        if self.cuda and _is_split(w.packed):  # every row count: one row-invariant family
+            from .kernels import qgemm_split
+
+            return qgemm_split.matmul(w.packed, self.split_act(x))
         if self.triton_rows and T <= qmatvec.MAX_ROWS:
             return qmatvec.matvec(w, x.contiguous())
         if not self.cuda:
@@ -327,6 +357,15 @@ class Linear:
             part = dot.codes_from_fields(w.fmt, {k: v[n0:n1].numpy() for k, v in w.fields.items()}, w.n_in)
             out[:, n0:n1] = dot.matmul_codes(part, w.fmt, xn)
         return torch.from_numpy(out)
+
+
+def _is_split(packed) -> bool:
+    """The weight or stack carries the split GEMM's layout (kernels/qgemm_split)."""
+    if packed is None:
+        return False
+    from .kernels.qgemm_split import SplitPacked
+
+    return isinstance(packed, SplitPacked)
 
 
 def decode_range(w: QWeight, n0: int, n1: int) -> torch.Tensor:

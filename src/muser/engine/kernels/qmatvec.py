@@ -203,7 +203,10 @@ def matvec(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torc
     matrices, packed at load), NVFP4's tile decoder for an unpacked NVFP4 weight, else this
     module's kernel. Every one is row-invariant."""
     if w.packed is not None:
-        from . import qmatvec_v3
+        from . import qgemm_split, qmatvec_v3
+
+        if isinstance(w.packed, qgemm_split.SplitPacked):
+            return qgemm_split.matmul(w.packed, x, out)
 
         return qmatvec_v3.matvec_v3(w.packed, x, out)
     if w.fmt in NVFP4_FORMATS:

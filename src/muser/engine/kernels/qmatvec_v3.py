@@ -681,6 +681,12 @@ def dequant_v3(p: Packed, bn: int = 4, j: int = 8) -> torch.Tensor:
 def decode_rows(p: Packed, rows: torch.Tensor | None = None, n0: int = 0, n1: int | None = None) -> torch.Tensor:
     """f32 [r, n_in] of rows `rows` (int64 tensor) or of the row range [n0, n1), bit-exact:
     the Triton decoder on CUDA, the torch reference decoder elsewhere."""
+    from .qgemm_split import SplitPacked
+
+    if isinstance(p, SplitPacked):  # the split GEMM's layout decodes through its own unpack
+        from .qgemm_split import decode as decode_split
+
+        return decode_split(p, n0, n1, rows)
     n1 = p.n_out if n1 is None else n1
     if rows is not None:
         f = {k: v.index_select(0, rows) for k, v in p.fields.items()}
@@ -725,16 +731,17 @@ def stack(ws) -> Stack | None:
     if not ws or any(w.packed is None for w in ws):
         return None
     f0 = ws[0].packed
-    if any(w.packed.fmt != f0.fmt or w.packed.n_in != f0.n_in for w in ws):
+    if any(w.packed.fmt != f0.fmt or w.packed.n_in != f0.n_in or type(w.packed) is not type(f0) for w in ws):
         return None
     fields = {k: torch.cat([w.packed.fields[k] for w in ws], 0).contiguous() for k in f0.fields}
     n, bounds = 0, []
     for w in ws:
         bounds.append((n, n + w.n_out))
         n += w.n_out
-    sp = Packed("+".join(w.name for w in ws), f0.fmt, n, f0.n_in, fields)
+    kind = type(f0)  # the layout's class (this module's Packed or qgemm_split.SplitPacked)
+    sp = kind("+".join(w.name for w in ws), f0.fmt, n, f0.n_in, fields)
     for w, (a, b) in zip(ws, bounds):
-        w.packed = Packed(w.name, f0.fmt, b - a, f0.n_in, {k: v[a:b] for k, v in fields.items()})
+        w.packed = kind(w.name, f0.fmt, b - a, f0.n_in, {k: v[a:b] for k, v in fields.items()})
     return Stack(sp, tuple(bounds))
 
 

@@ -1,0 +1,599 @@
+"""Split-activation integer GEMM: the exact lane's one kernel family for K-quant weights on CUDA,
+1..N activation rows (decode, verify, batched decode and prefill tiles), row-invariant by
+construction.
+
+Arithmetic (the contract; `matmul_ref` is its torch statement, the kernels are bitwise equal to it):
+1. `split_act`: per row and 256-element block (one K-quant super-block), amax = max |x| and
+   s = amax / A_MAX (IEEE division; A_MAX = 127 * 254^2), A = floor(x / s + 0.5) clamped to
+   +-A_MAX (|A| < 2^23, so x / s and A are exact in f32 where they need to be), and A written as
+   three balanced base-254 digits A = 254^2 a1 + 254 a2 + a3, each in [-127, 127] (integer
+   floor divisions of non-negative operands). x is then s * A to within s / 2 ~ amax * 2^-24:
+   the precision of an f32 value of amax, which is what keeps the lane inside Gate 2. The digit
+   sums per 16 elements (bsums, int32) serve the K-quants' offsets.
+2. Per weight unit (32 elements; Q6_K: 16) and digit p, D_p = sum code * a_p is an integer sum
+   (int8 x int8, |D| < 2^18): exact in any order, so tensor-core tiles (int8 `tl.dot`) and
+   CUDA-core dp4a give the same value. Within a super-block the K-quant sub-scales are integers
+   too: S_p = sum_u sc_u D_pu, M_p = sum_u m_u bsum32_pu (Q4_K/Q5_K; |.| < 2^25), and for Q6_K
+   Z_p = sum_h sc_h (D_ph - 32 bsum16_ph) (|Z| < 2^29), all in int32.
+3. The digits recombine exactly in f64 (integers < 2^53): Sx = (64516 S_1 + 254 S_2) + S_3, then
+   one f32 rounding each. The super-block's term is, in f32, each product rounded once:
+   Q4_K/Q5_K  f32(Sx) * (s * d) - f32(Mx) * (s * dmin);   Q6_K  f32(Zx) * (s * d).
+4. Terms are summed in f32 in one fixed order: chunks of CHUNK_SB = 4 super-blocks, each chunk
+   0.0 + t0 + t1 + t2 + t3 (a super-block past the row's end adds 0.0), and the row's value
+   0.0 + chunk0 + chunk1 + ... in chunk order. Kernels launch with enable_fp_fusion=False.
+Every output (t, n) depends only on activation row t and weight row n, through exact integers
+and then the same f32 steps in the same order, whatever the kernel, tile shape or row count:
+a row decoded alone, verified among 16, prefilled in any chunking or stepped beside other
+sequences gets the same bits.
+
+The layout (`pack`), per 32-element unit u of a weight row (bytes per weight as stored):
+* `q` int32 [N, K/8]: 4 words a unit; word w byte b: low nibble = element 8w + b, high nibble =
+  element 8w + 4 + b. So (q & 0x0F0F0F0F) holds the codes of elements 8w..8w+3 as four bytes,
+  ((q >> 4) & 0x0F0F0F0F) those of 8w+4..8w+7: one dp4a operand each against four activation
+  digits in natural order (group g = element // 4 pairs code group 2w / 2w + 1 with act word g).
+* Q5_K `h` int32 [N, K/32]: byte b bit g = the 5th bit of element 4g + b.
+* Q6_K `h` int32 [N, K/16]: 2 words a unit; word k byte b bits 2j, 2j+1 = the two high bits of
+  element 4(4k + j) + b (so a unit's 16-element halves are words 0-1 and 2-3 of `q`).
+* `s` int16 [N, K/32]: Q4_K/Q5_K sc | m << 8 (the unpacked 6-bit scale and min, book 6.2);
+  Q6_K the two int8 scales of the unit's halves, low byte first.
+* `dd` Q4_K/Q5_K int32 [N, K/256]: d's f16 bits | dmin's f16 bits << 16; Q6_K: d f16 [N, K/256].
+
+Kernels: `_rows_kernel` (CUDA cores, 1..ROWS_MAX rows: dp4a on the packed words, one weight read
+shared by the rows) and `_tile_kernel` (tensor cores: each unit's codes expanded to an int8
+[32, BN] operand, int8 x int8 -> int32 `tl.dot` per digit). Both end in `_sb_term` and the same
+chunked sum. Reference beside them: `matmul_ref` (torch, exact integer sums in f64, the same f32
+steps) and `split_act_ref`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ...gguf.types import GgmlType as G
+from ..weights import QK, QWeight, decode_fields, index_maps
+from .qmatvec_v3 import Packed, _values, _wrap16, _wrap32
+
+try:  # Triton is optional on the CPU; the CUDA backend requires it.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAVE_TRITON = False
+
+FORMATS = (G.Q4_K, G.Q5_K, G.Q6_K)
+_CODE = {G.Q4_K: 5, G.Q5_K: 6, G.Q6_K: 7}
+UNIT = 32
+PARTS = 3  # base-254 digits of an activation
+BASE = 254
+A_MAX = 127 * BASE * BASE  # 8,193,532 < 2^23
+CHUNK_SB = 4  # super-blocks per chunk of the fixed f32 order
+ROWS_MAX = 2  # rows served by the CUDA-core kernel; wider calls take tensor-core tiles
+# tile kernel (BM, BN, num_warps, num_stages) by rows: <= 16 one 16-row tile, wider calls 64-row tiles
+TILE_CONFIGS: dict[int, tuple[int, int, int, int]] = {16: (16, 64, 4, 2), 64: (64, 64, 4, 2)}
+ROWS_CONFIG = (16, 4)  # (BN, num_warps) of the CUDA-core kernel
+
+
+def supports(fmt: G) -> bool:
+    return fmt in FORMATS
+
+
+class SplitPacked(Packed):
+    """A weight in this module's layout (module doc); a `qmatvec_v3.Packed` in shape, so stacks
+    and row views work the same way."""
+
+
+@dataclass(frozen=True)
+class Act:
+    """Activations split into base-254 digits: a int8 [T, PARTS, K], s f32 [T, K/256],
+    bs int32 [T, PARTS, K/16] (digit sums per 16 elements)."""
+
+    a: torch.Tensor
+    s: torch.Tensor
+    bs: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.a.shape[0])
+
+    @property
+    def n_in(self) -> int:
+        return int(self.a.shape[2])
+
+
+# ---------------------------------------------------------------------------------------------
+# layout
+
+
+def _pack_rows(w: QWeight, f: dict[str, torch.Tensor], r: int) -> dict[str, torch.Tensor]:
+    nu = w.n_in // UNIT
+    lo, hi = _values(w, f, r)  # element order [r, nb, 256]
+    c = lo.view(r, nu, 4, 2, 4).to(torch.int64)  # [r, unit, w, half-byte h, byte b]: element 8w + 4h + b
+    dev = c.device
+    sh = (4 * torch.arange(2, device=dev).view(2, 1) + 8 * torch.arange(4, device=dev).view(1, 4)).to(torch.int64)
+    out = {"q": _wrap32((c << sh).sum((3, 4))).view(r, nu * 4)}
+    if w.fmt == G.Q5_K:
+        b = hi.view(r, nu, 8, 4).to(torch.int64)  # [r, unit, g, b]
+        bit = 8 * torch.arange(4, device=dev).view(1, 4) + torch.arange(8, device=dev).view(8, 1)
+        out["h"] = _wrap32((b << bit).sum((2, 3)))
+    if w.fmt == G.Q6_K:
+        b = hi.view(r, nu, 2, 4, 4).to(torch.int64)  # [r, unit, k, j, b]: element 4(4k + j) + b
+        bit = 8 * torch.arange(4, device=dev).view(1, 4) + 2 * torch.arange(4, device=dev).view(4, 1)
+        out["h"] = _wrap32((b << bit).sum((3, 4))).view(r, nu * 2)
+    if w.fmt in (G.Q4_K, G.Q5_K):
+        out["s"] = (f["sc"].to(torch.int32) | (f["m"].to(torch.int32) << 8)).to(torch.int16)
+        d = f["d"].view(torch.int16).to(torch.int64) & 0xFFFF
+        dm = f["dmin"].view(torch.int16).to(torch.int64) & 0xFFFF
+        out["dd"] = _wrap32(d | (dm << 16))
+    else:
+        sc = f["sc"].view(torch.uint8).view(r, nu, 2).to(torch.int64)
+        out["s"] = _wrap16(sc[:, :, 0] | (sc[:, :, 1] << 8))
+        out["dd"] = f["d"].clone()
+    return out
+
+
+def pack(w: QWeight, chunk_elems: int = 1 << 26) -> SplitPacked:
+    """QWeight (weights.repack layout) -> SplitPacked on the weight's device, in row chunks of at
+    most `chunk_elems` elements."""
+    if not supports(w.fmt):
+        raise ValueError(f"split GEMM: no layout for {w.fmt.name}")
+    rows = max(1, chunk_elems // w.n_in)
+    parts = []
+    for n0 in range(0, w.n_out, rows):
+        n1 = min(w.n_out, n0 + rows)
+        parts.append(_pack_rows(w, {k: v[n0:n1] for k, v in w.fields.items()}, n1 - n0))
+    f = {k: torch.cat([p[k] for p in parts], 0).contiguous() for k in parts[0]}
+    return SplitPacked(w.name, w.fmt, w.n_out, w.n_in, f)
+
+
+def codes(p: SplitPacked) -> torch.Tensor:
+    """The integer codes in element order, int64 [N, K] (Q5_K/Q6_K with their high bits)."""
+    r, nu = p.n_out, p.n_in // UNIT
+    dev = p.fields["q"].device
+    q = p.fields["q"].view(r, nu, 4, 1, 1).to(torch.int64) & 0xFFFFFFFF
+    sh = (4 * torch.arange(2, device=dev).view(2, 1) + 8 * torch.arange(4, device=dev).view(1, 4)).to(torch.int64)
+    c = ((q >> sh) & 0xF).view(r, nu, 32)
+    if p.fmt == G.Q5_K:
+        h = p.fields["h"].view(r, nu, 1, 1).to(torch.int64) & 0xFFFFFFFF
+        bit = 8 * torch.arange(4, device=dev).view(1, 4) + torch.arange(8, device=dev).view(8, 1)
+        c = c | (((h >> bit) & 1) << 4).view(r, nu, 32)
+    if p.fmt == G.Q6_K:
+        h = p.fields["h"].view(r, nu, 2, 1, 1).to(torch.int64) & 0xFFFFFFFF
+        bit = 8 * torch.arange(4, device=dev).view(1, 4) + 2 * torch.arange(4, device=dev).view(4, 1)
+        c = c | (((h >> bit) & 3) << 4).view(r, nu, 32)
+    return c.view(r, p.n_in)
+
+
+def unpack(p: SplitPacked) -> dict[str, torch.Tensor]:
+    """SplitPacked -> the weights.repack fields (the inverse of `pack`; tests hold it exact)."""
+    r, nb = p.n_out, p.n_in // QK
+    c = codes(p).view(r, nb, 256)
+    lo, hi = c & 0xF, c >> 4
+    dev = c.device
+    mp = {k: torch.from_numpy(v).to(dev) for k, v in index_maps(p.fmt).items()}
+    f = p.fields
+    if p.fmt in (G.Q4_K, G.Q5_K):
+        qs = torch.zeros(r, nb, 128, dtype=torch.int64, device=dev)
+        qs.scatter_add_(2, mp["qs_idx"].expand(r, nb, 256), lo << mp["qs_shift"])
+        out = {"qs": qs.to(torch.uint8).view(r, nb * 128)}
+        if p.fmt == G.Q5_K:
+            qh = torch.zeros(r, nb, 32, dtype=torch.int64, device=dev)
+            qh.scatter_add_(2, mp["qh_idx"].expand(r, nb, 256), hi << mp["qh_bit"])
+            out["qh"] = qh.to(torch.uint8).view(r, nb * 32)
+        s = f["s"].to(torch.int64) & 0xFFFF
+        out["sc"] = (s & 0xFF).to(torch.uint8)
+        out["m"] = (s >> 8).to(torch.uint8)
+        dd = f["dd"].to(torch.int64) & 0xFFFFFFFF
+        out["d"] = _wrap16(dd & 0xFFFF).view(torch.float16)
+        out["dmin"] = _wrap16(dd >> 16).view(torch.float16)
+        return out
+    ql = torch.zeros(r, nb, 128, dtype=torch.int64, device=dev)
+    ql.scatter_add_(2, mp["ql_idx"].expand(r, nb, 256), lo << mp["ql_shift"])
+    qh = torch.zeros(r, nb, 64, dtype=torch.int64, device=dev)
+    qh.scatter_add_(2, mp["qh_idx"].expand(r, nb, 256), hi << mp["qh_shift"])
+    s = f["s"].to(torch.int64) & 0xFFFF
+    sc = torch.stack([s & 0xFF, s >> 8], -1).view(r, p.n_in // 16)
+    return {"ql": ql.to(torch.uint8).view(r, nb * 128), "qh": qh.to(torch.uint8).view(r, nb * 64),
+            "sc": sc.to(torch.uint8).view(torch.int8), "d": f["dd"].clone()}
+
+
+def decode(p: SplitPacked, n0: int = 0, n1: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """f32 [r, n_in] of rows [n0, n1) (or the int64 `rows`), ggml's decoded values bit for bit
+    (the torch reference decoder over `unpack`)."""
+    n1 = p.n_out if n1 is None else n1
+    if rows is not None:
+        f = {k: v.index_select(0, rows) for k, v in p.fields.items()}
+    else:
+        f = {k: v[n0:n1] for k, v in p.fields.items()}
+    sub = SplitPacked(p.name, p.fmt, int(next(iter(f.values())).shape[0]), p.n_in, f)
+    return decode_fields(p.fmt, unpack(sub), p.n_in)
+
+
+# ---------------------------------------------------------------------------------------------
+# reference (torch; the contract)
+
+
+def split_act_ref(x: torch.Tensor) -> Act:
+    """x f32 [T, K] (K a multiple of 256) -> Act, by the module doc's step 1."""
+    T, K = x.shape
+    xb = x.view(T, K // QK, QK)
+    amax = xb.abs().amax(-1)  # [T, nb]
+    s = amax / A_MAX
+    safe = torch.where(amax > 0, s, torch.ones_like(s))
+    A = torch.floor(xb / safe[..., None] + 0.5)
+    A = torch.where((amax > 0)[..., None], A, torch.zeros_like(A)).clamp(-A_MAX, A_MAX).to(torch.int64)
+    u = A + (127 * BASE * BASE + BASE * BASE // 2)  # >= 0
+    a1 = torch.div(u, BASE * BASE, rounding_mode="floor") - 127
+    r = A - a1 * (BASE * BASE)
+    a2 = torch.div(r + (127 * BASE + 127), BASE, rounding_mode="floor") - 127
+    a3 = r - a2 * BASE
+    a = torch.stack([a1, a2, a3], 1).view(T, PARTS, K)  # [T, P, K]
+    bs = a.view(T, PARTS, K // 16, 16).sum(-1).to(torch.int32)
+    return Act(a.to(torch.int8).contiguous(), s.contiguous(), bs.contiguous())
+
+
+def matmul_ref(p: SplitPacked, act: Act) -> torch.Tensor:
+    """y f32 [T, N] by the module doc's steps 2-4 (torch; any device)."""
+    T, K, N = act.rows, p.n_in, p.n_out
+    nu, nb = K // UNIT, K // QK
+    dev = act.a.device
+    c = codes(p).to(dev).to(torch.float64)  # [N, K]
+    a = act.a.to(torch.float64)  # [T, P, K]
+    bs16 = act.bs.to(torch.int64)  # [T, P, K/16]
+    s_field = p.fields["s"].to(dev).to(torch.int64) & 0xFFFF  # [N, nu]
+    if p.fmt == G.Q6_K:
+        # per 16-element half: D [T, P, N, K/16]
+        D = torch.einsum("tphk,nhk->tpnh", a.view(T, PARTS, K // 16, 16), c.view(N, K // 16, 16)).to(torch.int64)
+        sc = torch.stack([s_field & 0xFF, s_field >> 8], -1).view(N, K // 16)
+        sc = torch.where(sc >= 128, sc - 256, sc)  # int8
+        z = (sc[None, None] * (D - 32 * bs16[:, :, None, :])).view(T, PARTS, N, nb, 16).sum(-1)
+        zx = (z[:, 0] * (BASE * BASE) + z[:, 1] * BASE) + z[:, 2]  # exact (int64)
+        d = p.fields["dd"].to(dev).to(torch.float32)  # [N, nb]
+        term = zx.to(torch.float64).to(torch.float32) * (act.s[:, None, :] * d[None])
+    else:
+        D = torch.einsum("tpuk,nuk->tpnu", a.view(T, PARTS, nu, UNIT), c.view(N, nu, UNIT)).to(torch.int64)
+        sc, mn = s_field & 0xFF, s_field >> 8  # [N, nu]
+        bs32 = bs16.view(T, PARTS, nu, 2).sum(-1)  # [T, P, nu]
+        S = (sc[None, None] * D).view(T, PARTS, N, nb, 8).sum(-1)
+        M = (mn[None, None] * bs32[:, :, None, :]).view(T, PARTS, N, nb, 8).sum(-1)
+        sx = (S[:, 0] * (BASE * BASE) + S[:, 1] * BASE) + S[:, 2]
+        mx = (M[:, 0] * (BASE * BASE) + M[:, 1] * BASE) + M[:, 2]
+        dd = p.fields["dd"].to(dev).to(torch.int64) & 0xFFFFFFFF
+        d = _wrap16(dd & 0xFFFF).view(torch.float16).to(torch.float32)
+        dmin = _wrap16(dd >> 16).view(torch.float16).to(torch.float32)
+        sd = act.s[:, None, :] * d[None]
+        sm = act.s[:, None, :] * dmin[None]
+        term = sx.to(torch.float64).to(torch.float32) * sd - mx.to(torch.float64).to(torch.float32) * sm
+    # [T, N, nb] -> the fixed order: chunks of CHUNK_SB super-blocks, then chunks in order
+    y = torch.zeros((T, N), dtype=torch.float32, device=dev)
+    for c0 in range(0, nb, CHUNK_SB):
+        ch = torch.zeros((T, N), dtype=torch.float32, device=dev)
+        for i in range(CHUNK_SB):
+            ch = ch + (term[:, :, c0 + i] if c0 + i < nb else 0.0)
+        y = y + ch
+    return y
+
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _dot4(a, b, c, ASM: tl.constexpr):
+        """c + the four signed byte products of a and b (int32): PTX dp4a where compiled, the
+        plain byte expression under the interpreter (the same integer)."""
+        if ASM:
+            r = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            r = c
+            for k in tl.static_range(4):
+                r += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)
+        return r
+
+    @triton.jit
+    def _split_act_kernel(x, a, s, bs, K, sx):
+        """One program per (row, super-block): step 1 of the module doc."""
+        t = tl.program_id(0)
+        b = tl.program_id(1)
+        k = b * 256 + tl.arange(0, 256)
+        v = tl.load(x + t * sx + k)  # [256] f32
+        amax = tl.max(tl.abs(v), 0)
+        sc = tl.div_rn(amax, tl.full((), 8193532.0, tl.float32))
+        safe = tl.where(amax > 0, sc, 1.0)
+        A = tl.floor(tl.div_rn(v, tl.full((256,), 1.0, tl.float32) * safe) + 0.5)
+        A = tl.where(amax > 0, A, 0.0)
+        A = tl.minimum(tl.maximum(A, -8193532.0), 8193532.0).to(tl.int32)
+        u = A + (127 * 64516 + 32258)
+        a1 = u // 64516 - 127
+        r = A - a1 * 64516
+        a2 = (r + (127 * 254 + 127)) // 254 - 127
+        a3 = r - a2 * 254
+        NB = K // 256
+        tl.store(s + t * NB + b, sc)
+        base = a + t * (3 * K) + k
+        tl.store(base, a1.to(tl.int8))
+        tl.store(base + K, a2.to(tl.int8))
+        tl.store(base + 2 * K, a3.to(tl.int8))
+        g = b * 16 + tl.arange(0, 16)
+        bb = bs + t * (3 * (K // 16)) + g
+        tl.store(bb, tl.sum(tl.reshape(a1, (16, 16)), 1))
+        tl.store(bb + K // 16, tl.sum(tl.reshape(a2, (16, 16)), 1))
+        tl.store(bb + 2 * (K // 16), tl.sum(tl.reshape(a3, (16, 16)), 1))
+
+    @triton.jit
+    def _sb_term(FMT: tl.constexpr, s0, s1, s2, m0, m1, m2, sa, dd):
+        """Step 3 of the module doc. s*, m* int32 (Q6_K: z in s*, m* unused), sa the activation
+        scale and dd the weight's per-256 field, broadcast to the result's shape."""
+        sx = (s0.to(tl.float64) * 64516.0 + s1.to(tl.float64) * 254.0) + s2.to(tl.float64)
+        if FMT == 7:
+            d = dd.to(tl.float32)
+            term = sx.to(tl.float32) * (sa * d)
+        else:
+            d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            dmin = ((dd >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            mx = (m0.to(tl.float64) * 64516.0 + m1.to(tl.float64) * 254.0) + m2.to(tl.float64)
+            term = sx.to(tl.float32) * (sa * d) - mx.to(tl.float32) * (sa * dmin)
+        return term
+
+    @triton.jit
+    def _rows_kernel(ap, sap, bsp, y, qp, hp, sp, dp, N, K, sy, FMT: tl.constexpr, ROWS: tl.constexpr,
+                     BN: tl.constexpr, ASM: tl.constexpr):
+        """ap: the digits as int32 words [T, 3, K/4]. CUDA-core GEMM for ROWS activation rows (1 or 2): each program BN weight rows, one
+        chunk (4 super-blocks, 32 units) an iteration; per digit the dp4a sums of each unit,
+        then the super-block's integer combine, `_sb_term` and the fixed chunk order."""
+        pid = tl.program_id(0)
+        n = pid * BN + tl.arange(0, BN)  # [BN]
+        nmask = n < N
+        NU = K // 32
+        NB = K // 256
+        KW = K // 4  # activation words a row and digit
+        w4 = tl.arange(0, 4)
+        r = tl.arange(0, ROWS)  # [R]
+        U: tl.constexpr = 32
+        total = tl.zeros((ROWS, BN), tl.float32)
+        for c in range(0, tl.cdiv(NB, 4)):
+            u = c * U + tl.arange(0, U)  # [U]
+            umask = u < NU
+            m3 = nmask[:, None, None] & umask[None, :, None]  # [BN, U, 1]
+            words = tl.load(qp + (n[:, None, None] * NU + u[None, :, None]) * 4 + w4[None, None, :],
+                            mask=m3, other=0)  # [BN, U, 4]
+            c0 = words & 0x0F0F0F0F
+            c1 = (words >> 4) & 0x0F0F0F0F
+            if FMT == 6:
+                h = tl.load(hp + n[:, None, None] * NU + u[None, :, None], mask=m3, other=0)  # [BN, U, 1]
+                c0 = c0 | (((h >> (2 * w4)[None, None, :]) & 0x01010101) << 4)
+                c1 = c1 | (((h >> (2 * w4 + 1)[None, None, :]) & 0x01010101) << 4)
+            if FMT == 7:
+                hk = tl.load(hp + (n[:, None, None] * NU + u[None, :, None]) * 2 + (w4 // 2)[None, None, :],
+                             mask=m3, other=0)  # [BN, U, 4]: word w // 2
+                c0 = c0 | (((hk >> (4 * (w4 % 2))[None, None, :]) & 0x03030303) << 4)
+                c1 = c1 | (((hk >> (4 * (w4 % 2) + 2)[None, None, :]) & 0x03030303) << 4)
+            sv = tl.load(sp + n[:, None] * NU + u[None, :], mask=nmask[:, None] & umask[None, :], other=0).to(tl.int32)
+            sb = c * 4 + tl.arange(0, 4)  # [4]
+            sbm = sb < NB
+            dd = tl.load(dp + n[:, None] * NB + sb[None, :], mask=nmask[:, None] & sbm[None, :], other=0)  # [BN, 4]
+            sa = tl.load(sap + r[:, None] * NB + sb[None, :], mask=sbm[None, :], other=0.0)  # [R, 4]
+            ssum0 = tl.zeros((ROWS, BN, 4), tl.int32)
+            ssum1 = ssum0
+            ssum2 = ssum0
+            msum0 = ssum0
+            msum1 = ssum0
+            msum2 = ssum0
+            for p in tl.static_range(3):
+                # activation words [R, U, 8] of digit p: word g = elements 4g..4g+3 of the unit
+                aw = tl.load(ap + (r[:, None, None] * 3 + p) * KW + u[None, :, None] * 8 + tl.arange(0, 8)[None, None, :],
+                             mask=umask[None, :, None], other=0)
+                a0, a1 = tl.split(tl.reshape(aw, (ROWS, U, 4, 2)))  # groups 2w, 2w + 1: [R, U, 4]
+                zero = tl.zeros((ROWS, BN, U, 4), tl.int32)
+                cc0 = tl.broadcast_to(c0[None], (ROWS, BN, U, 4))
+                cc1 = tl.broadcast_to(c1[None], (ROWS, BN, U, 4))
+                aa0 = tl.broadcast_to(a0[:, None], (ROWS, BN, U, 4))
+                aa1 = tl.broadcast_to(a1[:, None], (ROWS, BN, U, 4))
+                dw = _dot4(cc1, aa1, _dot4(cc0, aa0, zero, ASM), ASM)  # [R, BN, U, 4]
+                bsw = tl.load(bsp + (r[:, None, None] * 3 + p) * (K // 16) + u[None, :, None] * 2
+                              + tl.arange(0, 2)[None, None, :], mask=umask[None, :, None], other=0)  # [R, U, 2]
+                if FMT == 7:
+                    dh = tl.sum(tl.reshape(dw, (ROWS, BN, U, 2, 2)), 4)  # [R, BN, U, 2] per 16-element half
+                    sc = tl.reshape(tl.join(((sv << 24) >> 24), ((sv << 16) >> 24)), (1, BN, U, 2))  # int8 halves
+                    zz = sc * (dh - 32 * bsw[:, None])
+                    zs = tl.sum(tl.reshape(zz, (ROWS, BN, 4, 16)), 3)  # [R, BN, 4] per super-block
+                    ms = zs * 0
+                else:
+                    du = tl.sum(dw, 3)  # [R, BN, U]
+                    scv = (sv & 0xFF)[None]
+                    mv = ((sv >> 8) & 0xFF)[None]
+                    zs = tl.sum(tl.reshape(scv * du, (ROWS, BN, 4, 8)), 3)
+                    b32 = tl.sum(bsw, 2)  # [R, U]
+                    ms = tl.sum(tl.reshape(mv * b32[:, None, :], (ROWS, BN, 4, 8)), 3)
+                if p == 0:
+                    ssum0 = zs
+                    msum0 = ms
+                elif p == 1:
+                    ssum1 = zs
+                    msum1 = ms
+                else:
+                    ssum2 = zs
+                    msum2 = ms
+            term = _sb_term(FMT, ssum0, ssum1, ssum2, msum0, msum1, msum2, sa[:, None, :], dd[None])  # [R, BN, 4]
+            e, o = tl.split(tl.reshape(term, (ROWS, BN, 2, 2)))  # e: sb 0, 2; o: sb 1, 3
+            t0, t2 = tl.split(e)
+            t1, t3 = tl.split(o)
+            ch = tl.zeros((ROWS, BN), tl.float32)
+            ch = ch + t0
+            ch = ch + t1
+            ch = ch + t2
+            ch = ch + t3
+            total = total + ch
+        tl.store(y + r[:, None] * sy + n[None, :], total, mask=nmask[None, :])
+
+    @triton.jit
+    def _tile_kernel(ap, sap, bsp, y, qp, hp, sp, dp, T, N, K, sy, FMT: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr):
+        """Tensor-core GEMM: each program a [BM, BN] tile of outputs; per unit the codes become an
+        int8 [32, BN] operand and each digit one int8 `tl.dot` (Q6_K: one per 16-element half),
+        then the super-block's integer combine, `_sb_term` and the fixed chunk order."""
+        pm = tl.program_id(0)
+        pn = tl.program_id(1)
+        m = pm * BM + tl.arange(0, BM)
+        n = pn * BN + tl.arange(0, BN)
+        mmask = m < T
+        nmask = n < N
+        NU = K // 32
+        NB = K // 256
+        k32 = tl.arange(0, 32)
+        # element i of a unit: word i // 8, shift 4 ((i % 8) // 4) + 8 (i % 4)
+        shift = 4 * ((k32 % 8) // 4) + 8 * (k32 % 4)
+        total = tl.zeros((BM, BN), tl.float32)
+        for c in range(0, tl.cdiv(NB, 4)):
+            ch = tl.zeros((BM, BN), tl.float32)
+            for i in range(0, 4):
+                b = c * 4 + i
+                bvalid = b < NB
+                s0 = tl.zeros((BM, BN), tl.int32)
+                s1 = s0
+                s2 = s0
+                m0 = s0
+                m1 = s0
+                m2 = s0
+                for uu in range(0, 8):
+                    u = b * 8 + uu
+                    wm = nmask[None, :] & bvalid
+                    wv = tl.load(qp + (n[None, :] * NU + u) * 4 + (k32 // 8)[:, None], mask=wm, other=0)  # [32, BN]
+                    cd = (wv >> shift[:, None]) & 0xF
+                    if FMT == 6:
+                        h = tl.load(hp + n[None, :] * NU + u, mask=wm, other=0)  # [1, BN]
+                        cd = cd | (((h >> (8 * (k32 % 4) + k32 // 4)[:, None]) & 1) << 4)
+                    if FMT == 7:
+                        hk = tl.load(hp + (n[None, :] * NU + u) * 2 + (k32 // 16)[:, None], mask=wm, other=0)
+                        cd = cd | (((hk >> (8 * (k32 % 4) + 2 * ((k32 // 4) % 4))[:, None]) & 3) << 4)
+                    sv = tl.load(sp + n * NU + u, mask=nmask & bvalid, other=0).to(tl.int32)  # [BN]
+                    bm2 = mmask[:, None] & bvalid
+                    if FMT == 7:
+                        blo = tl.where(k32[:, None] < 16, cd, 0).to(tl.int8)
+                        bhi = tl.where(k32[:, None] >= 16, cd, 0).to(tl.int8)
+                        sclo = ((sv << 24) >> 24)[None, :]
+                        schi = ((sv << 16) >> 24)[None, :]
+                    else:
+                        bq = cd.to(tl.int8)
+                        scv = (sv & 0xFF)[None, :]
+                        mv = ((sv >> 8) & 0xFF)[None, :]
+                    for p in tl.static_range(3):
+                        av = tl.load(ap + (m[:, None] * 3 + p) * K + u * 32 + k32[None, :], mask=bm2, other=0)  # [BM, 32]
+                        bsv = tl.load(bsp + (m * 3 + p) * (K // 16) + u * 2, mask=mmask & bvalid, other=0)
+                        bsw = tl.load(bsp + (m * 3 + p) * (K // 16) + u * 2 + 1, mask=mmask & bvalid, other=0)
+                        if FMT == 7:
+                            dlo = tl.dot(av, blo, out_dtype=tl.int32)
+                            dhi = tl.dot(av, bhi, out_dtype=tl.int32)
+                            zz = sclo * (dlo - 32 * bsv[:, None]) + schi * (dhi - 32 * bsw[:, None])
+                            mm = zz * 0
+                        else:
+                            dq = tl.dot(av, bq, out_dtype=tl.int32)
+                            zz = scv * dq
+                            mm = mv * (bsv + bsw)[:, None]
+                        if p == 0:
+                            s0 += zz
+                            m0 += mm
+                        elif p == 1:
+                            s1 += zz
+                            m1 += mm
+                        else:
+                            s2 += zz
+                            m2 += mm
+                dd = tl.load(dp + n * NB + b, mask=nmask & bvalid, other=0)
+                sa = tl.load(sap + m * NB + b, mask=mmask & bvalid, other=0.0)
+                ch = ch + _sb_term(FMT, s0, s1, s2, m0, m1, m2, sa[:, None], dd[None, :])
+            total = total + ch
+        tl.store(y + m[:, None] * sy + n[None, :], total, mask=mmask[:, None] & nmask[None, :])
+
+
+def _asm() -> bool:
+    """Inline PTX where the kernels are compiled; the plain expression under the interpreter."""
+    return not os.environ.get("TRITON_INTERPRET")
+
+
+def split_act(x: torch.Tensor) -> Act:
+    """x f32 [T, K] -> Act: the Triton kernel on CUDA, the reference elsewhere (bitwise equal)."""
+    T, K = x.shape
+    if K % QK:
+        raise ValueError(f"split GEMM: {K} activation columns is not a multiple of {QK}")
+    if x.device.type != "cuda" or not HAVE_TRITON:
+        return split_act_ref(x)
+    return launch_split_act(x)
+
+
+def launch_split_act(x: torch.Tensor) -> Act:
+    """The Triton launch of `split_act` on x's device (tools/triton_aot_check.py drives it on CPU
+    tensors)."""
+    T, K = x.shape
+    x = x.contiguous()
+    a = torch.empty((T, PARTS, K), dtype=torch.int8, device=x.device)
+    s = torch.empty((T, K // QK), dtype=torch.float32, device=x.device)
+    bs = torch.empty((T, PARTS, K // 16), dtype=torch.int32, device=x.device)
+    _split_act_kernel[(T, K // QK)](x, a, s, bs, K, x.stride(0), num_warps=4, enable_fp_fusion=False)
+    return Act(a, s, bs)
+
+
+def check_tile_config(config) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages) or ValueError naming it (tl.dot tiles from 16)."""
+    try:
+        bm, bn, nw, ns = (int(v) for v in config)
+    except (TypeError, ValueError):
+        raise ValueError(f"config {config!r}: expected (BM, BN, num_warps, num_stages)") from None
+    p2 = all(v > 0 and v & (v - 1) == 0 for v in (bm, bn, nw))
+    if not (p2 and 16 <= bm <= 128 and 16 <= bn <= 256 and nw <= 16 and 1 <= ns <= 8):
+        raise ValueError(f"config {list(config)!r}: BM 16..128, BN 16..256 powers of two, num_warps <= 16, 1..8 stages")
+    return bm, bn, nw, ns
+
+
+def matmul(p: SplitPacked, x: "torch.Tensor | Act", out: torch.Tensor | None = None,
+           config: tuple | None = None, rows_kernel: bool | None = None) -> torch.Tensor:
+    """y = x @ W^T, f32 [T, n_out], for x f32 [T, n_in] or its Act. CUDA: `_rows_kernel` for
+    T <= ROWS_MAX, tiles above (`rows_kernel` forces either; `config` = (BM, BN, num_warps,
+    num_stages) of the tiles); elsewhere `matmul_ref`. The bits never depend on the choice."""
+    act = x if isinstance(x, Act) else split_act(x)
+    T, K = act.rows, act.n_in
+    if K != p.n_in:
+        raise ValueError(f"split GEMM: activations have {K} columns, weight {p.name!r} has n_in {p.n_in}")
+    dev = act.a.device
+    if out is None:
+        out = torch.empty((T, p.n_out), dtype=torch.float32, device=dev)
+    if dev.type != "cuda" or not HAVE_TRITON:
+        out.copy_(matmul_ref(p, act))
+        return out
+    return launch_matmul(p, act, out, config, rows_kernel)
+
+
+def launch_matmul(p: SplitPacked, act: Act, out: torch.Tensor, config: tuple | None = None,
+                  rows_kernel: bool | None = None) -> torch.Tensor:
+    """The Triton launches of `matmul` on the tensors' device (tools/triton_aot_check.py drives
+    them on CPU tensors)."""
+    T, K = act.rows, act.n_in
+    f = p.fields
+    ptrs = (f["q"], f.get("h", f["q"]), f["s"], f["dd"])
+    use_rows = T <= ROWS_MAX if rows_kernel is None else rows_kernel
+    if use_rows:
+        bn, nw = ROWS_CONFIG
+        for t0 in range(0, T, ROWS_MAX):
+            t1 = min(T, t0 + ROWS_MAX)
+            rows = 1 if t1 - t0 == 1 else 2
+            sub = Act(act.a[t0:t1], act.s[t0:t1], act.bs[t0:t1]) if (t0, t1) != (0, T) else act
+            o = out[t0:t1]
+            _rows_kernel[(triton.cdiv(p.n_out, bn),)](sub.a.view(torch.int32), sub.s, sub.bs, o, *ptrs, p.n_out, K, o.stride(0),
+                                                      FMT=_CODE[p.fmt], ROWS=rows, BN=bn, ASM=_asm(),
+                                                      num_warps=nw, enable_fp_fusion=False)
+        return out
+    bm, bn, nw, ns = check_tile_config(config) if config is not None else TILE_CONFIGS[16 if T <= 16 else 64]
+    grid = (triton.cdiv(T, bm), triton.cdiv(p.n_out, bn))
+    _tile_kernel[grid](act.a, act.s, act.bs, out, *ptrs, T, p.n_out, K, out.stride(0), FMT=_CODE[p.fmt],
+                       BM=bm, BN=bn, num_warps=nw, num_stages=ns, enable_fp_fusion=False)
+    return out
+
+
+__all__ = ["Act", "FORMATS", "HAVE_TRITON", "PARTS", "SplitPacked", "codes", "decode", "matmul", "matmul_ref",
+           "pack", "split_act", "split_act_ref", "supports", "unpack"]
