@@ -31,8 +31,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--kv", default="f32,f16")
-    ap.add_argument("--lane", default="exact", choices=["exact", "fast"],
-                    help="exact: vs the oracle's f32 arithmetic; fast: the integer lane vs its ggml-cpu arithmetic")
+    ap.add_argument("--lane", default="exact", choices=["exact", "fast", "split"],
+                    help="exact, split: vs the oracle's f32 arithmetic; fast: the integer lane vs its ggml-cpu arithmetic")
     ap.add_argument("--gate-tokens", type=int, default=32)
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--workdir", default="/tmp/muser-dev")

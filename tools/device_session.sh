@@ -6,8 +6,8 @@
 #                                [--kv-lengths 2048,8192,32768] [--nvfp4-mix nvfp4-ggml]
 #                                [--kind-box S (150)] [--kvpack-box S (420)]
 #                                [--llama-server PATH] [--reuse-gates] [--gates-only]
-#                                [--lane exact|fast] [--kinds decode,prefill,verify]
-#                                [--kernels-lane exact|fast] [--kernels-timings-only] [--install-tuning]
+#                                [--lane exact|fast|split] [--kinds decode,prefill,verify]
+#                                [--kernels-lane exact|fast|split] [--kernels-timings-only] [--install-tuning]
 #                                STAGE...
 #
 # --reuse-gates takes a wide Gate 2 receipt of this tree and lane from an earlier call on this
@@ -87,11 +87,11 @@ while [ $# -gt 0 ]; do
                echo "--kinds $KINDS: expected a comma-separated list of decode, prefill, verify" >&2; exit 2; } ;;
     --gates-only) GATES_ONLY=1 ;;
     --kernels-lane) KLANE=${2:?--kernels-lane exact|fast}; shift
-            [ "$KLANE" = exact ] || [ "$KLANE" = fast ] || { echo "--kernels-lane $KLANE: expected exact or fast" >&2; exit 2; } ;;
+            [[ "$KLANE" =~ ^(exact|fast|split)$ ]] || { echo "--kernels-lane $KLANE: expected exact, fast or split" >&2; exit 2; } ;;
     --kernels-timings-only) KARGS=(--no-invariance) ;;
     --install-tuning) INSTALL_TUNING=1 ;;
     --lane) LANE=${2:?--lane exact|fast}; shift
-            [ "$LANE" = exact ] || [ "$LANE" = fast ] || { echo "--lane $LANE: expected exact or fast" >&2; exit 2; } ;;
+            [[ "$LANE" =~ ^(exact|fast|split)$ ]] || { echo "--lane $LANE: expected exact, fast or split" >&2; exit 2; } ;;
     build|fixture|kernels|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
@@ -281,7 +281,7 @@ for st in "${STAGES[@]}"; do
         if [ $DRY = 1 ]; then run_stage kernels 150 20 $PY tools/device_kernels.py --out "$R/kernels" --device cpu --smoke --budget 130 --lane $LANE
         elif [ $KLANE = fast ]; then  # GEMM shapes with tilings and the attention check besides the invariance
           run_stage kernels 320 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 290 --lane fast "${KARGS[@]}"
-        else run_stage kernels 260 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 240 --lane exact "${KARGS[@]}"; fi
+        else run_stage kernels 260 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 240 --lane $KLANE "${KARGS[@]}"; fi
         if [ $INSTALL_TUNING = 1 ]; then  # the sweep's winners become this copy's table for the stages after it
           if [ -s "$R/kernels/v3_tuning.json" ] && $PY -c "import sys; sys.path.insert(0, 'src')
 from muser.engine.kernels import qmatvec_v3 as q; q.load_tuning(sys.argv[1])" "$R/kernels/v3_tuning.json"; then

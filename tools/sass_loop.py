@@ -28,7 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 from triton.tools.disasm import get_sass  # noqa: E402
 
-_TT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
+_TT = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
        torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
 _OPTS = ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")
 

@@ -140,9 +140,9 @@ def drive(rec: Recorder) -> None:
         n_out, n_in = 24, 1280
         p = sg.pack(repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy())))
         for T in (1, 2, 3, 16, 17, 512):
-            act = sg.launch_split_act(torch.zeros(T, n_in))
+            sg.launch_split_act(torch.zeros(T, n_in))
             act = sg.Act(torch.zeros(T, sg.PARTS, n_in, dtype=torch.int8), torch.zeros(T, n_in // 256),
-                         torch.zeros(T, sg.PARTS, n_in // 16, dtype=torch.int32))
+                         torch.zeros(T, n_in // 16, dtype=torch.float64), torch.zeros(T, n_in // 32, dtype=torch.float64))
             sg.launch_matmul(p, act, torch.empty(T, n_out))
     from muser.engine.kernels import fused
 

@@ -34,7 +34,7 @@ GATE_FLOOR = 1e-4  # absolute floor of every max check
 MEDIAN_FLOOR = 1e-5  # absolute floor of every median check
 NOISE_FACTOR = 2.0
 # The oracle arithmetic each lane's Gate 2 compares with (lanes.py: what the lane computes).
-GATE_ARITHMETIC = {"exact": "f32", "fast": "ggml-cpu"}
+GATE_ARITHMETIC = {"exact": "f32", "fast": "ggml-cpu", "split": "f32"}
 
 
 def max_dlsm(a: np.ndarray, b: np.ndarray) -> float:

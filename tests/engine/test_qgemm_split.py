@@ -53,14 +53,16 @@ def test_pack_is_a_reordering(sg, fmt):
 def test_digits_represent_the_activations(sg):
     x = _x(5, 1024, 1)
     act = sg.split_act_ref(x)
-    a = act.a.to(torch.int64)
+    a = sg.digits(act)
     assert int(a.abs().max()) <= 127
     A = (a[:, 0] * 254 + a[:, 1]) * 254 + a[:, 2]  # [T, K]
     xb = (A.to(torch.float64).view(5, 4, 256) * act.s.to(torch.float64)[..., None]).view(5, 1024)
     err = (xb - x.to(torch.float64)).abs().view(5, 4, 256).amax(-1)
     # within one unit of A: s / 2 from the rounding plus the f32 rounding of x / s (< 2^23)
     assert bool((err <= act.s.to(torch.float64) * 1.0000001).all())
-    assert torch.equal(act.bs.to(torch.int64), a.view(5, 3, 64, 16).sum(-1))
+    assert torch.equal(act.bx16.to(torch.int64), A.view(5, 64, 16).sum(-1))
+    assert torch.equal(act.bx32.to(torch.int64), A.view(5, 32, 32).sum(-1))
+    assert torch.equal(act.a.to(torch.int64).sort(-1).values, a.sort(-1).values)  # a permutation
     assert bool((act.s[:, 1] == 0).all()) and bool((act.a.view(5, 3, 4, 256)[:, :, 1] == 0).all())
 
 
@@ -79,10 +81,11 @@ def test_split_act_kernel_bitwise(sg):
     ref = sg.split_act_ref(x)
     a = torch.empty_like(ref.a)
     s = torch.empty_like(ref.s)
-    bs = torch.empty_like(ref.bs)
-    sg._split_act_kernel[(3, 3)](x, a, s, bs, 768, x.stride(0))
+    b16 = torch.empty_like(ref.bx16)
+    b32 = torch.empty_like(ref.bx32)
+    sg._split_act_kernel[(3, 3)](x, a, s, b16, b32, 768, x.stride(0))
     assert torch.equal(a, ref.a) and torch.equal(s.view(torch.int32), ref.s.view(torch.int32))
-    assert torch.equal(bs, ref.bs)
+    assert torch.equal(b16, ref.bx16) and torch.equal(b32, ref.bx32)
 
 
 def _launch(sg, kind, p, act, **kw):
@@ -90,11 +93,11 @@ def _launch(sg, kind, p, act, **kw):
     f = p.fields
     ptrs = (f["q"], f.get("h", f["q"]), f["s"], f["dd"])
     if kind == "rows":
-        sg._rows_kernel[(-(-p.n_out // kw["BN"]),)](act.a.view(torch.int32), act.s, act.bs, out, *ptrs, p.n_out, p.n_in,
+        sg._rows_kernel[(-(-p.n_out // kw["BN"]),)](act.a.view(torch.int32), act.s, act.bx16, act.bx32, out, *ptrs, p.n_out, p.n_in,
                                                     out.stride(0), FMT=sg._CODE[p.fmt], ASM=False, **kw)
     else:
         grid = (-(-act.rows // kw["BM"]), -(-p.n_out // kw["BN"]))
-        sg._tile_kernel[grid](act.a, act.s, act.bs, out, *ptrs, act.rows, p.n_out, p.n_in, out.stride(0),
+        sg._tile_kernel[grid](act.a, act.s, act.bx16, act.bx32, out, *ptrs, act.rows, p.n_out, p.n_in, out.stride(0),
                               FMT=sg._CODE[p.fmt], **kw)
     return out
 
@@ -107,9 +110,53 @@ def test_kernels_give_the_reference_bits(sg, fmt):
     x = _x(18, 1280, 5)
     act = sg.split_act_ref(x)
     ref = sg.matmul_ref(p, act).view(torch.int32)
-    one = sg.Act(act.a[:1], act.s[:1], act.bs[:1])
-    two = sg.Act(act.a[:2], act.s[:2], act.bs[:2])
+    one = act.rows_slice(0, 1)
+    two = act.rows_slice(0, 2)
     assert torch.equal(_launch(sg, "rows", p, one, ROWS=1, BN=8).view(torch.int32), ref[:1])
     assert torch.equal(_launch(sg, "rows", p, two, ROWS=2, BN=16).view(torch.int32), ref[:2])
+    assert torch.equal(_launch(sg, "rows", p, one, ROWS=1, BN=32).view(torch.int32), ref[:1])  # BN > n_out
     assert torch.equal(_launch(sg, "tile", p, act, BM=16, BN=16).view(torch.int32), ref)
     assert torch.equal(_launch(sg, "tile", p, one, BM=16, BN=32).view(torch.int32), ref[:1])
+
+
+def test_split_lane_refused_on_the_cpu(make_gguf):
+    from muser.engine import Engine
+    from muser.errors import LaneError
+    from muser.model.synth import SynthSpec
+
+    with pytest.raises(LaneError, match="lane 'split' runs on cuda only"):
+        Engine.open(make_gguf(SynthSpec(dtype="Q4_K")), device="cpu", lane="split")
+
+
+def test_split_forward_is_row_invariant(sg, make_gguf):
+    """The CUDA forward of lane split on the CPU (the GEMM's reference in place of its kernels):
+    K-quant matrices in the split layout (fields dropped), q|k|v|gate and gate|up stacked; a
+    token's logits are bitwise the same decoded alone, verified in a block, and prefilled in one
+    chunk of 20 rows or in chunks of 7, and they meet the CPU exact lane's within f32 reordering."""
+    import numpy as np
+
+    from muser.engine import Engine
+    from muser.engine.lanes import Lane
+    from muser.model.synth import SynthSpec
+
+    path = make_gguf(SynthSpec(dtype="q4_k_xl", source="blocks"))
+    ref = Engine.open(path, device="cpu", lane="exact", kv="f32")
+    eng = Engine.open(path, device="cpu", lane="exact", kv="f32")
+    eng.weights.pack_for_decode(drop_fields=True, split=True)
+    assert all(isinstance(w.packed, sg.SplitPacked) for w in eng.weights.matrices() if w is not eng.weights.embd)
+    assert all(L.ffn_in is not None and L.attn_in is not None for L in eng.weights.layers)
+    lin = eng.forward.linear
+    lin.cuda, lin.lane = True, Lane.SPLIT  # the CUDA lane's routing; the GEMM runs its reference here
+    prompt = [6 + (i * 37) % 300 for i in range(20)]
+    whole = eng.session(max_context=64, graphs=False).prefill(prompt, all_logits=True)
+    chunked = eng.session(max_context=64, chunk=7, graphs=False).prefill(prompt, all_logits=True)
+    s = eng.session(max_context=64, graphs=False)
+    one = np.stack([s.decode(t) for t in prompt])
+    s = eng.session(max_context=64, graphs=False)
+    s.prefill(prompt[:4])
+    block = s.verify(prompt[4:20])
+    assert np.array_equal(whole.view(np.int32), chunked.view(np.int32))
+    assert np.array_equal(whole.view(np.int32), one.view(np.int32))
+    assert np.array_equal(whole[4:].view(np.int32), block.view(np.int32))
+    base = ref.session(max_context=64, graphs=False).prefill(prompt, all_logits=True)
+    assert np.max(np.abs(base - whole)) <= 2e-4 * max(1.0, float(np.max(np.abs(base))))

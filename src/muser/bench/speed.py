@@ -94,7 +94,8 @@ def register_kind(sub: argparse._SubParsersAction, kind: str, help: str, doc: st
     p.add_argument("--lane", default="exact",
                    help="exact: f32 activations, exact weight decode (Gate 2 vs oracle f32); fast: ggml-cpu's "
                         "integer arithmetic on every call (activations to Q8_K/Q8_0, integer block sums; Gate 2 "
-                        "vs oracle ggml-cpu); w4a4 (default exact)")
+                        "vs oracle ggml-cpu); w4a4; split (cuda): the exact lane's contract through the split-activation "
+                        "integer GEMM, row-invariant at every row count (default exact)")
     p.add_argument("--kv", default="f16", help="KV element type on both sides: f16 | f32 (default f16, "
                                                "llama-bench's default)")
     p.add_argument("--depths", default="0", help="comma-separated KV depths before the measured tokens "
@@ -635,7 +636,7 @@ def gate_from_receipt(path, model, device: str, kv: str, lane: str = "exact") ->
     if not rows:
         raise MuserError(f"--gate-receipt {p.name!r} has no Gate 2 row for KV type {kv!r}")
     row = rows[0]
-    against = "oracle f32" if lane == "exact" else "oracle ggml-cpu"
+    against = "oracle ggml-cpu" if lane == "fast" else "oracle f32"
     return {"status": "n/a", "name": f"Gate 2 at full width, reduced depth (engine {lane} lane vs {against})",
             "gated_by": p.name, "gated_by_digest": body["digest"], "gated_by_status": row.get("status"),
             "gated_by_row": row, "gated_by_fixture": fx, "lane_gated": lane}

@@ -30,6 +30,9 @@ class Engine:
         self.lane = Lane.parse(lane)
         self.kv = parse_kv(kv)
         self.device = parse_device(device)
+        if self.lane is Lane.SPLIT and self.device.type != "cuda":
+            raise LaneError("lane 'split' runs on cuda only (the CPU's exact lane is row-invariant at every "
+                            "row count already); use lane 'exact' on the cpu")
         self.model_file = mf
         self.cfg = mf.config
         if self.lane is Lane.W4A4 and mf.gguf.tensors.keys().isdisjoint(

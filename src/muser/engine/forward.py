@@ -134,7 +134,7 @@ class ModelWeights:
         if lane is Lane.FAST:
             mw.stack_for_fast()  # fields stay resident: the integer lane reads them (no v3 layout)
         elif device.type == "cuda":
-            mw.pack_for_decode(drop_fields=True)  # the packed layout is the only resident copy
+            mw.pack_for_decode(drop_fields=True, split=lane is Lane.SPLIT)  # the only resident copy
             torch.cuda.empty_cache()
         elif device.type == "cpu":
             mw.stack_for_cpu()
@@ -167,16 +167,17 @@ class ModelWeights:
                 L.attn_in = stack([L.wq, L.wk, L.wgate])
             L.ffn_in = stack([L.ffn_gate, L.ffn_up])
 
-    def pack_for_decode(self, drop_fields: bool) -> None:
-        """The exact lane's device layouts: the split GEMM's (kernels/qgemm_split) for every K-quant
-        matrix, the v3 matvec's (kernels/qmatvec_v3) for NVFP4, and the stacks of projections that
-        read one input. The embedding is read a row at a time and keeps its repacked form."""
+    def pack_for_decode(self, drop_fields: bool, split: bool = False) -> None:
+        """The device layouts of the exact lanes: the v3 matvec's (kernels/qmatvec_v3) for every
+        K-quant and NVFP4 matrix, or with `split` (lane split) the split GEMM's
+        (kernels/qgemm_split) for the K-quants; and the stacks of projections that read one input.
+        The embedding is read a row at a time and keeps its repacked form."""
         from .kernels import qgemm_split
         from .kernels.qmatvec_v3 import pack_matrices, stack
 
         mats = [w for w in self.matrices() if w is not self.embd]
         for w in mats:
-            if qgemm_split.supports(w.fmt) and w.packed is None:
+            if split and qgemm_split.supports(w.fmt) and w.packed is None:
                 w.packed = qgemm_split.pack(w)
                 if drop_fields:
                     w.fields = {}

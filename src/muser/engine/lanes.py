@@ -4,6 +4,12 @@
   calls (<= 16 rows) on CUDA use the fused Triton dequant-matvec, which factors each K-quant
   unit's scale out of its dot (kernels/qmatvec_v3.py: d1 sum q x - m1 sum x in one order for
   every row count); wider calls decode row chunks bit-exactly and run an f32 GEMM with TF32 off.
+* split: the exact lane's contract (Gate 2 against the oracle's f32 arithmetic), with every K-quant
+  projection on CUDA through the split-activation integer GEMM (kernels/qgemm_split.py: the
+  activations as three base-254 digits per 256-block, exact integer sums, one fixed f32 order of
+  super-block terms), at every row count: a token's logits are bitwise the same decoded alone,
+  verified, prefilled in chunks of any size or batched. CUDA only (refused on the CPU, whose exact
+  lane is row-invariant already). Slower than `exact` today (bench/NOTES.md).
 * fast (the integer lane): every projection, at every row count, on both devices, computes
   `muser.quant.dot.matmul_ggml` bit for bit: the activations are converted to the weight type's
   vec_dot_type (Q8_K per 256 for the K-quants, Q8_0 per 32 for Q8_0/Q4_0/NVFP4), integer block
@@ -44,13 +50,15 @@ class Lane(str, Enum):
     EXACT = "exact"
     FAST = "fast"
     W4A4 = "w4a4"  # exact, except verify-shaped calls on W4A4 weights: FP4 activations (engine/w4a4.py)
+    SPLIT = "split"  # exact-lane contract (Gate 2 vs f32) through kernels/qgemm_split: K-quant projections
+    # row-invariant at every row count on CUDA (activations as base-254 digits, exact integer sums)
 
     @classmethod
     def parse(cls, value: str) -> "Lane":
         try:
             return cls(value)
         except ValueError:
-            raise LaneError(f"unknown lane {value!r} (expected 'exact', 'fast' or 'w4a4')") from None
+            raise LaneError(f"unknown lane {value!r} (expected 'exact', 'fast', 'w4a4' or 'split')") from None
 
 
 DEVICES = ("cpu", "cuda")

@@ -71,10 +71,12 @@ PARTS = 3  # base-254 digits of an activation
 BASE = 254
 A_MAX = 127 * BASE * BASE  # 8,193,532 < 2^23
 CHUNK_SB = 4  # super-blocks per chunk of the fixed f32 order
-ROWS_MAX = 2  # rows served by the CUDA-core kernel; wider calls take tensor-core tiles
+ROWS_MAX = 1  # rows served by the CUDA-core kernel (two spill on sm_90); wider calls take tensor-core tiles
 # tile kernel (BM, BN, num_warps, num_stages) by rows: <= 16 one 16-row tile, wider calls 64-row tiles
-TILE_CONFIGS: dict[int, tuple[int, int, int, int]] = {16: (16, 64, 4, 2), 64: (64, 64, 4, 2)}
-ROWS_CONFIG = (16, 4)  # (BN, num_warps) of the CUDA-core kernel
+# (register counts of sm_90 compiles, tools/triton_aot_check.py: one stage, 4 and 8 warps keep the
+# six int32 accumulators of a tile out of local memory)
+TILE_CONFIGS: dict[int, tuple[int, int, int, int]] = {16: (16, 32, 4, 1), 64: (64, 32, 8, 1)}
+ROWS_CONFIG = (32, 4)  # (BN, num_warps) of the CUDA-core kernel
 
 
 def supports(fmt: G) -> bool:
@@ -88,12 +90,18 @@ class SplitPacked(Packed):
 
 @dataclass(frozen=True)
 class Act:
-    """Activations split into base-254 digits: a int8 [T, PARTS, K], s f32 [T, K/256],
-    bs int32 [T, PARTS, K/16] (digit sums per 16 elements)."""
+    """Activations split into base-254 digits: a int8 [T, PARTS, K] (each unit's 32 digits in the
+    slot order of POS), s f32 [T, K/256], and the sums of the integers A = 254^2 a1 + 254 a2 + a3
+    per 16 elements (bx16) and per unit (bx32), f64 [T, K/16] and [T, K/32] (exact: |sum| < 2^28),
+    which the K-quants' offsets read."""
 
     a: torch.Tensor
     s: torch.Tensor
-    bs: torch.Tensor
+    bx16: torch.Tensor
+    bx32: torch.Tensor
+
+    def rows_slice(self, t0: int, t1: int) -> "Act":
+        return Act(self.a[t0:t1], self.s[t0:t1], self.bx16[t0:t1], self.bx32[t0:t1])
 
     @property
     def rows(self) -> int:
@@ -216,6 +224,19 @@ def decode(p: SplitPacked, n0: int = 0, n1: int | None = None, rows: torch.Tenso
 # reference (torch; the contract)
 
 
+def _positions() -> torch.Tensor:
+    """POS[e]: where element e (0..31) of a unit sits in the digit layout (Act.a): group g = e // 4
+    goes to slot g // 2 (even g) or 4 + g // 2 (odd g), so the four words a dp4a pairs with code
+    word w's low nibbles (groups 2w) are slots 0..3 and its high nibbles' (groups 2w + 1) slots
+    4..7: each a 16-byte vector."""
+    e = torch.arange(32)
+    g, b = e // 4, e % 4
+    return 4 * (g // 2 + 4 * (g % 2)) + b
+
+
+POS = _positions()
+
+
 def split_act_ref(x: torch.Tensor) -> Act:
     """x f32 [T, K] (K a multiple of 256) -> Act, by the module doc's step 1."""
     T, K = x.shape
@@ -230,9 +251,18 @@ def split_act_ref(x: torch.Tensor) -> Act:
     r = A - a1 * (BASE * BASE)
     a2 = torch.div(r + (127 * BASE + 127), BASE, rounding_mode="floor") - 127
     a3 = r - a2 * BASE
-    a = torch.stack([a1, a2, a3], 1).view(T, PARTS, K)  # [T, P, K]
-    bs = a.view(T, PARTS, K // 16, 16).sum(-1).to(torch.int32)
-    return Act(a.to(torch.int8).contiguous(), s.contiguous(), bs.contiguous())
+    a = torch.stack([a1, a2, a3], 1).view(T, PARTS, K)  # [T, P, K] element order
+    bx16 = A.view(T, K // 16, 16).sum(-1).to(torch.float64)
+    bx32 = A.view(T, K // 32, 32).sum(-1).to(torch.float64)
+    ap = torch.empty_like(a).view(T, PARTS, K // 32, 32)
+    ap[..., POS.to(a.device)] = a.view(T, PARTS, K // 32, 32)
+    return Act(ap.view(T, PARTS, K).to(torch.int8).contiguous(), s.contiguous(), bx16.contiguous(), bx32.contiguous())
+
+
+def digits(act: Act) -> torch.Tensor:
+    """The digits in element order, int64 [T, P, K] (the inverse of the layout's permutation)."""
+    T, K = act.rows, act.n_in
+    return act.a.view(T, PARTS, K // 32, 32).to(torch.int64)[..., POS.to(act.a.device)].view(T, PARTS, K)
 
 
 def matmul_ref(p: SplitPacked, act: Act) -> torch.Tensor:
@@ -241,8 +271,9 @@ def matmul_ref(p: SplitPacked, act: Act) -> torch.Tensor:
     nu, nb = K // UNIT, K // QK
     dev = act.a.device
     c = codes(p).to(dev).to(torch.float64)  # [N, K]
-    a = act.a.to(torch.float64)  # [T, P, K]
-    bs16 = act.bs.to(torch.int64)  # [T, P, K/16]
+    ai = digits(act)  # [T, P, K]
+    a = ai.to(torch.float64)
+    bs16 = ai.view(T, PARTS, K // 16, 16).sum(-1)  # [T, P, K/16] digit sums
     s_field = p.fields["s"].to(dev).to(torch.int64) & 0xFFFF  # [N, nu]
     if p.fmt == G.Q6_K:
         # per 16-element half: D [T, P, N, K/16]
@@ -256,7 +287,7 @@ def matmul_ref(p: SplitPacked, act: Act) -> torch.Tensor:
     else:
         D = torch.einsum("tpuk,nuk->tpnu", a.view(T, PARTS, nu, UNIT), c.view(N, nu, UNIT)).to(torch.int64)
         sc, mn = s_field & 0xFF, s_field >> 8  # [N, nu]
-        bs32 = bs16.view(T, PARTS, nu, 2).sum(-1)  # [T, P, nu]
+        bs32 = ai.view(T, PARTS, nu, 32).sum(-1)  # [T, P, nu]
         S = (sc[None, None] * D).view(T, PARTS, N, nb, 8).sum(-1)
         M = (mn[None, None] * bs32[:, :, None, :]).view(T, PARTS, N, nb, 8).sum(-1)
         sx = (S[:, 0] * (BASE * BASE) + S[:, 1] * BASE) + S[:, 2]
@@ -275,7 +306,6 @@ def matmul_ref(p: SplitPacked, act: Act) -> torch.Tensor:
             ch = ch + (term[:, :, c0 + i] if c0 + i < nb else 0.0)
         y = y + ch
     return y
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,11 +327,24 @@ if HAVE_TRITON:
         return r
 
     @triton.jit
-    def _split_act_kernel(x, a, s, bs, K, sx):
-        """One program per (row, super-block): step 1 of the module doc."""
+    def _dot4z(a, b, ASM: tl.constexpr):
+        """_dot4 with c = 0 (an immediate: no register to clear)."""
+        if ASM:
+            r = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            r = ((a << 24) >> 24) * ((b << 24) >> 24)
+            for k in tl.static_range(1, 4):
+                r += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)
+        return r
+
+    @triton.jit
+    def _split_act_kernel(x, a, s, bx16, bx32, K, sx):
+        """One program per (row, super-block): step 1 of the module doc; digits stored at POS."""
         t = tl.program_id(0)
         b = tl.program_id(1)
-        k = b * 256 + tl.arange(0, 256)
+        e = tl.arange(0, 256)
+        k = b * 256 + e
         v = tl.load(x + t * sx + k)  # [256] f32
         amax = tl.max(tl.abs(v), 0)
         sc = tl.div_rn(amax, tl.full((), 8193532.0, tl.float32))
@@ -316,198 +359,194 @@ if HAVE_TRITON:
         a3 = r - a2 * 254
         NB = K // 256
         tl.store(s + t * NB + b, sc)
-        base = a + t * (3 * K) + k
+        g = (e % 32) // 4
+        pos = b * 256 + (e // 32) * 32 + 4 * (g // 2 + 4 * (g % 2)) + e % 4
+        base = a + t * (3 * K) + pos
         tl.store(base, a1.to(tl.int8))
         tl.store(base + K, a2.to(tl.int8))
         tl.store(base + 2 * K, a3.to(tl.int8))
-        g = b * 16 + tl.arange(0, 16)
-        bb = bs + t * (3 * (K // 16)) + g
-        tl.store(bb, tl.sum(tl.reshape(a1, (16, 16)), 1))
-        tl.store(bb + K // 16, tl.sum(tl.reshape(a2, (16, 16)), 1))
-        tl.store(bb + 2 * (K // 16), tl.sum(tl.reshape(a3, (16, 16)), 1))
+        tl.store(bx16 + t * (K // 16) + b * 16 + tl.arange(0, 16), tl.sum(tl.reshape(A, (16, 16)), 1).to(tl.float64))
+        tl.store(bx32 + t * (K // 32) + b * 8 + tl.arange(0, 8), tl.sum(tl.reshape(A, (8, 32)), 1).to(tl.float64))
 
     @triton.jit
-    def _sb_term(FMT: tl.constexpr, s0, s1, s2, m0, m1, m2, sa, dd):
-        """Step 3 of the module doc. s*, m* int32 (Q6_K: z in s*, m* unused), sa the activation
-        scale and dd the weight's per-256 field, broadcast to the result's shape."""
+    def _sb_term(FMT: tl.constexpr, s0, s1, s2, mx, sa, dd):
+        """Step 3 of the module doc. s* int32 per digit (sum of sc x D), mx f64 the offsets' sum
+        (Q4_K/Q5_K sum_u m_u bx32_u, Q6_K sum_h sc_h bx16_h: the same integers as the digit-wise
+        M, Z), sa the activation scale and dd the weight's per-256 field, all broadcast to the
+        result's shape. Every f64 step is exact (integers < 2^53)."""
         sx = (s0.to(tl.float64) * 64516.0 + s1.to(tl.float64) * 254.0) + s2.to(tl.float64)
         if FMT == 7:
             d = dd.to(tl.float32)
-            term = sx.to(tl.float32) * (sa * d)
+            term = (sx - 32.0 * mx).to(tl.float32) * (sa * d)
         else:
             d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             dmin = ((dd >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            mx = (m0.to(tl.float64) * 64516.0 + m1.to(tl.float64) * 254.0) + m2.to(tl.float64)
             term = sx.to(tl.float32) * (sa * d) - mx.to(tl.float32) * (sa * dmin)
         return term
 
     @triton.jit
-    def _rows_kernel(ap, sap, bsp, y, qp, hp, sp, dp, N, K, sy, FMT: tl.constexpr, ROWS: tl.constexpr,
+    def _chunk_sum(term, R: tl.constexpr, BN: tl.constexpr):
+        """[R, BN, 4] super-block terms -> 0.0 + t0 + t1 + t2 + t3 (step 4's chunk order)."""
+        e, o = tl.split(tl.reshape(term, (R, BN, 2, 2)))  # e: super-blocks 0, 2; o: 1, 3
+        t0, t2 = tl.split(e)
+        t1, t3 = tl.split(o)
+        ch = tl.zeros((R, BN), tl.float32)
+        ch = ch + t0
+        ch = ch + t1
+        ch = ch + t2
+        ch = ch + t3
+        return ch
+
+    @triton.jit
+    def _rows_kernel(ap, sap, b16p, b32p, y, qp, hp, sp, dp, N, K, sy, FMT: tl.constexpr, ROWS: tl.constexpr,
                      BN: tl.constexpr, ASM: tl.constexpr):
-        """ap: the digits as int32 words [T, 3, K/4]. CUDA-core GEMM for ROWS activation rows (1 or 2): each program BN weight rows, one
-        chunk (4 super-blocks, 32 units) an iteration; per digit the dp4a sums of each unit,
-        then the super-block's integer combine, `_sb_term` and the fixed chunk order."""
+        """CUDA-core GEMM for ROWS activation rows; ap: the digits as int32 words [T, 3, K/4]. Each
+        program BN weight rows, one chunk (4 super-blocks) an iteration; a thread holds whole units
+        ([ROWS, BN, 4 super-blocks, 4 words], the 8 units of a super-block one after another), so a
+        super-block's sums stay in its registers: per unit and digit 8 dp4a (low nibbles against
+        slots 0..3, high against 4..7) and the scale product; the offsets' f64 sum; then `_sb_term`
+        and the fixed chunk order. Loads past the last row or super-block read the last one
+        (clamped, no predicates); those super-blocks' terms are zeros (their sa and dd are)."""
         pid = tl.program_id(0)
         n = pid * BN + tl.arange(0, BN)  # [BN]
         nmask = n < N
+        nc = tl.minimum(n, N - 1)
         NU = K // 32
         NB = K // 256
         KW = K // 4  # activation words a row and digit
         w4 = tl.arange(0, 4)
+        sbi = tl.arange(0, 4)
         r = tl.arange(0, ROWS)  # [R]
-        U: tl.constexpr = 32
+        nn = nc[None, :, None, None]
+        rr = r[:, None, None, None]
+        ww = w4[None, None, None, :]
         total = tl.zeros((ROWS, BN), tl.float32)
         for c in range(0, tl.cdiv(NB, 4)):
-            u = c * U + tl.arange(0, U)  # [U]
-            umask = u < NU
-            m3 = nmask[:, None, None] & umask[None, :, None]  # [BN, U, 1]
-            words = tl.load(qp + (n[:, None, None] * NU + u[None, :, None]) * 4 + w4[None, None, :],
-                            mask=m3, other=0)  # [BN, U, 4]
-            c0 = words & 0x0F0F0F0F
-            c1 = (words >> 4) & 0x0F0F0F0F
-            if FMT == 6:
-                h = tl.load(hp + n[:, None, None] * NU + u[None, :, None], mask=m3, other=0)  # [BN, U, 1]
-                c0 = c0 | (((h >> (2 * w4)[None, None, :]) & 0x01010101) << 4)
-                c1 = c1 | (((h >> (2 * w4 + 1)[None, None, :]) & 0x01010101) << 4)
-            if FMT == 7:
-                hk = tl.load(hp + (n[:, None, None] * NU + u[None, :, None]) * 2 + (w4 // 2)[None, None, :],
-                             mask=m3, other=0)  # [BN, U, 4]: word w // 2
-                c0 = c0 | (((hk >> (4 * (w4 % 2))[None, None, :]) & 0x03030303) << 4)
-                c1 = c1 | (((hk >> (4 * (w4 % 2) + 2)[None, None, :]) & 0x03030303) << 4)
-            sv = tl.load(sp + n[:, None] * NU + u[None, :], mask=nmask[:, None] & umask[None, :], other=0).to(tl.int32)
-            sb = c * 4 + tl.arange(0, 4)  # [4]
+            sb = c * 4 + sbi  # [4]
             sbm = sb < NB
+            sbc = tl.minimum(sb, NB - 1)
+            s0 = tl.zeros((ROWS, BN, 4), tl.int32)
+            s1 = s0
+            s2 = s0
+            mx = tl.zeros((ROWS, BN, 4), tl.float64)
+            for uu in tl.static_range(8):
+                u3 = sbc * 8 + uu  # [4]
+                u = u3[None, None, :, None]  # [1, 1, 4, 1]
+                words = tl.load(qp + (nn * NU + u) * 4 + ww)  # [1, BN, 4, 4]
+                c0 = words & 0x0F0F0F0F
+                c1 = (words >> 4) & 0x0F0F0F0F
+                if FMT == 6:
+                    h = tl.load(hp + nn * NU + u)  # [1, BN, 4, 1]
+                    c0 = c0 | (((h >> (2 * ww)) & 0x01010101) << 4)
+                    c1 = c1 | (((h >> (2 * ww + 1)) & 0x01010101) << 4)
+                if FMT == 7:
+                    hk = tl.load(hp + (nn * NU + u) * 2 + ww // 2)  # word w // 2
+                    c0 = c0 | (((hk >> (4 * (ww % 2))) & 0x03030303) << 4)
+                    c1 = c1 | (((hk >> (4 * (ww % 2) + 2)) & 0x03030303) << 4)
+                cc0 = tl.broadcast_to(c0, (ROWS, BN, 4, 4))
+                cc1 = tl.broadcast_to(c1, (ROWS, BN, 4, 4))
+                scs = tl.reshape(tl.load(sp + nn * NU + u).to(tl.int32), (1, BN, 4))  # [1, BN, 4]
+                roff = r[:, None, None] + nc[None, :, None] * 0  # [R, BN, 1]: a row's per-unit sums
+                if FMT == 7:
+                    sclo = (scs << 24) >> 24
+                    schi = (scs << 16) >> 24
+                    b16 = b16p + roff * (K // 16) + (u3 * 2)[None, None, :]
+                    mx += sclo.to(tl.float64) * tl.load(b16) + schi.to(tl.float64) * tl.load(b16 + 1)
+                else:
+                    mx += ((scs >> 8) & 0xFF).to(tl.float64) * tl.load(b32p + roff * NU + u3[None, None, :])
+                for p in tl.static_range(3):
+                    abase = ap + (rr * 3 + p) * KW + u * 8 + ww + nn * 0  # [R, BN, 4, 4]
+                    dw = _dot4(cc1, tl.load(abase + 4), _dot4z(cc0, tl.load(abase), ASM), ASM)
+                    if FMT == 7:
+                        d_lo, d_hi = tl.split(tl.sum(tl.reshape(dw, (ROWS, BN, 4, 2, 2)), 4))  # words 0-1, 2-3
+                        z = sclo * d_lo + schi * d_hi
+                    else:
+                        z = (scs & 0xFF) * tl.sum(dw, 3)
+                    if p == 0:
+                        s0 += z
+                    elif p == 1:
+                        s1 += z
+                    else:
+                        s2 += z
             dd = tl.load(dp + n[:, None] * NB + sb[None, :], mask=nmask[:, None] & sbm[None, :], other=0)  # [BN, 4]
             sa = tl.load(sap + r[:, None] * NB + sb[None, :], mask=sbm[None, :], other=0.0)  # [R, 4]
-            ssum0 = tl.zeros((ROWS, BN, 4), tl.int32)
-            ssum1 = ssum0
-            ssum2 = ssum0
-            msum0 = ssum0
-            msum1 = ssum0
-            msum2 = ssum0
-            for p in tl.static_range(3):
-                # activation words [R, U, 8] of digit p: word g = elements 4g..4g+3 of the unit
-                aw = tl.load(ap + (r[:, None, None] * 3 + p) * KW + u[None, :, None] * 8 + tl.arange(0, 8)[None, None, :],
-                             mask=umask[None, :, None], other=0)
-                a0, a1 = tl.split(tl.reshape(aw, (ROWS, U, 4, 2)))  # groups 2w, 2w + 1: [R, U, 4]
-                zero = tl.zeros((ROWS, BN, U, 4), tl.int32)
-                cc0 = tl.broadcast_to(c0[None], (ROWS, BN, U, 4))
-                cc1 = tl.broadcast_to(c1[None], (ROWS, BN, U, 4))
-                aa0 = tl.broadcast_to(a0[:, None], (ROWS, BN, U, 4))
-                aa1 = tl.broadcast_to(a1[:, None], (ROWS, BN, U, 4))
-                dw = _dot4(cc1, aa1, _dot4(cc0, aa0, zero, ASM), ASM)  # [R, BN, U, 4]
-                bsw = tl.load(bsp + (r[:, None, None] * 3 + p) * (K // 16) + u[None, :, None] * 2
-                              + tl.arange(0, 2)[None, None, :], mask=umask[None, :, None], other=0)  # [R, U, 2]
-                if FMT == 7:
-                    dh = tl.sum(tl.reshape(dw, (ROWS, BN, U, 2, 2)), 4)  # [R, BN, U, 2] per 16-element half
-                    sc = tl.reshape(tl.join(((sv << 24) >> 24), ((sv << 16) >> 24)), (1, BN, U, 2))  # int8 halves
-                    zz = sc * (dh - 32 * bsw[:, None])
-                    zs = tl.sum(tl.reshape(zz, (ROWS, BN, 4, 16)), 3)  # [R, BN, 4] per super-block
-                    ms = zs * 0
-                else:
-                    du = tl.sum(dw, 3)  # [R, BN, U]
-                    scv = (sv & 0xFF)[None]
-                    mv = ((sv >> 8) & 0xFF)[None]
-                    zs = tl.sum(tl.reshape(scv * du, (ROWS, BN, 4, 8)), 3)
-                    b32 = tl.sum(bsw, 2)  # [R, U]
-                    ms = tl.sum(tl.reshape(mv * b32[:, None, :], (ROWS, BN, 4, 8)), 3)
-                if p == 0:
-                    ssum0 = zs
-                    msum0 = ms
-                elif p == 1:
-                    ssum1 = zs
-                    msum1 = ms
-                else:
-                    ssum2 = zs
-                    msum2 = ms
-            term = _sb_term(FMT, ssum0, ssum1, ssum2, msum0, msum1, msum2, sa[:, None, :], dd[None])  # [R, BN, 4]
-            e, o = tl.split(tl.reshape(term, (ROWS, BN, 2, 2)))  # e: sb 0, 2; o: sb 1, 3
-            t0, t2 = tl.split(e)
-            t1, t3 = tl.split(o)
-            ch = tl.zeros((ROWS, BN), tl.float32)
-            ch = ch + t0
-            ch = ch + t1
-            ch = ch + t2
-            ch = ch + t3
-            total = total + ch
+            term = _sb_term(FMT, s0, s1, s2, mx, sa[:, None, :], dd[None])  # [R, BN, 4]
+            total = total + _chunk_sum(term, ROWS, BN)
         tl.store(y + r[:, None] * sy + n[None, :], total, mask=nmask[None, :])
 
     @triton.jit
-    def _tile_kernel(ap, sap, bsp, y, qp, hp, sp, dp, T, N, K, sy, FMT: tl.constexpr, BM: tl.constexpr,
+    def _tile_kernel(ap, sap, b16p, b32p, y, qp, hp, sp, dp, T, N, K, sy, FMT: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr):
         """Tensor-core GEMM: each program a [BM, BN] tile of outputs; per unit the codes become an
-        int8 [32, BN] operand and each digit one int8 `tl.dot` (Q6_K: one per 16-element half),
-        then the super-block's integer combine, `_sb_term` and the fixed chunk order."""
+        int8 [32, BN] operand in the digits' slot order and each digit one int8 `tl.dot` (Q6_K: one
+        per 16-element half) times the unit's scale; the offsets' f64 sum; then `_sb_term` and the
+        fixed chunk order. Loads are clamped to the last row / super-block (no predicates)."""
         pm = tl.program_id(0)
         pn = tl.program_id(1)
         m = pm * BM + tl.arange(0, BM)
         n = pn * BN + tl.arange(0, BN)
         mmask = m < T
         nmask = n < N
+        mc = tl.minimum(m, T - 1)
+        nc = tl.minimum(n, N - 1)
         NU = K // 32
         NB = K // 256
         k32 = tl.arange(0, 32)
-        # element i of a unit: word i // 8, shift 4 ((i % 8) // 4) + 8 (i % 4)
-        shift = 4 * ((k32 % 8) // 4) + 8 * (k32 % 4)
+        # slot j = 16 h + 4 w + b of a unit: word w, nibble half h, byte b -> shift 4 h + 8 b
+        hh = tl.arange(0, 2)[None, :, None, None]
+        ww = tl.arange(0, 4)[None, None, :, None]
+        bb = tl.arange(0, 4)[None, None, None, :]
+        nn = nc[:, None, None, None]
+        first = ((k32 // 4) % 4) < 2  # Q6_K: slots of words 0, 1 (the unit's first 16 elements)
         total = tl.zeros((BM, BN), tl.float32)
         for c in range(0, tl.cdiv(NB, 4)):
             ch = tl.zeros((BM, BN), tl.float32)
             for i in range(0, 4):
                 b = c * 4 + i
                 bvalid = b < NB
+                bc = tl.minimum(b, NB - 1)
                 s0 = tl.zeros((BM, BN), tl.int32)
                 s1 = s0
                 s2 = s0
-                m0 = s0
-                m1 = s0
-                m2 = s0
+                mx = tl.zeros((BM, BN), tl.float64)
                 for uu in range(0, 8):
-                    u = b * 8 + uu
-                    wm = nmask[None, :] & bvalid
-                    wv = tl.load(qp + (n[None, :] * NU + u) * 4 + (k32 // 8)[:, None], mask=wm, other=0)  # [32, BN]
-                    cd = (wv >> shift[:, None]) & 0xF
+                    u = bc * 8 + uu
+                    wv = tl.load(qp + (nn * NU + u) * 4 + ww)  # [BN, 1, 4, 1]
+                    cd = (wv >> (4 * hh + 8 * bb)) & 0xF  # [BN, 2, 4, 4]
                     if FMT == 6:
-                        h = tl.load(hp + n[None, :] * NU + u, mask=wm, other=0)  # [1, BN]
-                        cd = cd | (((h >> (8 * (k32 % 4) + k32 // 4)[:, None]) & 1) << 4)
+                        h = tl.load(hp + nn * NU + u)
+                        cd = cd | (((h >> (8 * bb + 2 * ww + hh)) & 1) << 4)
                     if FMT == 7:
-                        hk = tl.load(hp + (n[None, :] * NU + u) * 2 + (k32 // 16)[:, None], mask=wm, other=0)
-                        cd = cd | (((hk >> (8 * (k32 % 4) + 2 * ((k32 // 4) % 4))[:, None]) & 3) << 4)
-                    sv = tl.load(sp + n * NU + u, mask=nmask & bvalid, other=0).to(tl.int32)  # [BN]
-                    bm2 = mmask[:, None] & bvalid
+                        hk = tl.load(hp + (nn * NU + u) * 2 + ww // 2)
+                        cd = cd | (((hk >> (8 * bb + 4 * (ww % 2) + 2 * hh)) & 3) << 4)
+                    cdt = tl.trans(tl.reshape(cd, (BN, 32)))  # [32, BN]
+                    sv = tl.load(sp + nc * NU + u).to(tl.int32)  # [BN]
                     if FMT == 7:
-                        blo = tl.where(k32[:, None] < 16, cd, 0).to(tl.int8)
-                        bhi = tl.where(k32[:, None] >= 16, cd, 0).to(tl.int8)
+                        blo = tl.where(first[:, None], cdt, 0).to(tl.int8)
+                        bhi = tl.where(first[:, None], 0, cdt).to(tl.int8)
                         sclo = ((sv << 24) >> 24)[None, :]
                         schi = ((sv << 16) >> 24)[None, :]
+                        mx += sclo.to(tl.float64) * tl.load(b16p + mc * (K // 16) + u * 2)[:, None] \
+                            + schi.to(tl.float64) * tl.load(b16p + mc * (K // 16) + u * 2 + 1)[:, None]
                     else:
-                        bq = cd.to(tl.int8)
+                        bq = cdt.to(tl.int8)
                         scv = (sv & 0xFF)[None, :]
-                        mv = ((sv >> 8) & 0xFF)[None, :]
+                        mx += ((sv >> 8) & 0xFF).to(tl.float64)[None, :] * tl.load(b32p + mc * NU + u)[:, None]
                     for p in tl.static_range(3):
-                        av = tl.load(ap + (m[:, None] * 3 + p) * K + u * 32 + k32[None, :], mask=bm2, other=0)  # [BM, 32]
-                        bsv = tl.load(bsp + (m * 3 + p) * (K // 16) + u * 2, mask=mmask & bvalid, other=0)
-                        bsw = tl.load(bsp + (m * 3 + p) * (K // 16) + u * 2 + 1, mask=mmask & bvalid, other=0)
+                        av = tl.load(ap + (mc[:, None] * 3 + p) * K + u * 32 + k32[None, :])  # [BM, 32]
                         if FMT == 7:
-                            dlo = tl.dot(av, blo, out_dtype=tl.int32)
-                            dhi = tl.dot(av, bhi, out_dtype=tl.int32)
-                            zz = sclo * (dlo - 32 * bsv[:, None]) + schi * (dhi - 32 * bsw[:, None])
-                            mm = zz * 0
+                            zz = sclo * tl.dot(av, blo, out_dtype=tl.int32) + schi * tl.dot(av, bhi, out_dtype=tl.int32)
                         else:
-                            dq = tl.dot(av, bq, out_dtype=tl.int32)
-                            zz = scv * dq
-                            mm = mv * (bsv + bsw)[:, None]
+                            zz = scv * tl.dot(av, bq, out_dtype=tl.int32)
                         if p == 0:
                             s0 += zz
-                            m0 += mm
                         elif p == 1:
                             s1 += zz
-                            m1 += mm
                         else:
                             s2 += zz
-                            m2 += mm
                 dd = tl.load(dp + n * NB + b, mask=nmask & bvalid, other=0)
                 sa = tl.load(sap + m * NB + b, mask=mmask & bvalid, other=0.0)
-                ch = ch + _sb_term(FMT, s0, s1, s2, m0, m1, m2, sa[:, None], dd[None, :])
+                ch = ch + _sb_term(FMT, s0, s1, s2, mx, sa[:, None], dd[None, :])
             total = total + ch
         tl.store(y + m[:, None] * sy + n[None, :], total, mask=mmask[:, None] & nmask[None, :])
 
@@ -534,9 +573,21 @@ def launch_split_act(x: torch.Tensor) -> Act:
     x = x.contiguous()
     a = torch.empty((T, PARTS, K), dtype=torch.int8, device=x.device)
     s = torch.empty((T, K // QK), dtype=torch.float32, device=x.device)
-    bs = torch.empty((T, PARTS, K // 16), dtype=torch.int32, device=x.device)
-    _split_act_kernel[(T, K // QK)](x, a, s, bs, K, x.stride(0), num_warps=4, enable_fp_fusion=False)
-    return Act(a, s, bs)
+    bx16 = torch.empty((T, K // 16), dtype=torch.float64, device=x.device)
+    bx32 = torch.empty((T, K // 32), dtype=torch.float64, device=x.device)
+    _split_act_kernel[(T, K // QK)](x, a, s, bx16, bx32, K, x.stride(0), num_warps=4, enable_fp_fusion=False)
+    return Act(a, s, bx16, bx32)
+
+
+def check_rows_config(config) -> tuple[int, int]:
+    """(BN, num_warps) of the CUDA-core kernel or ValueError naming it."""
+    try:
+        bn, nw = (int(v) for v in config)
+    except (TypeError, ValueError):
+        raise ValueError(f"config {config!r}: expected (BN, num_warps)") from None
+    if not all(v > 0 and v & (v - 1) == 0 for v in (bn, nw)) or bn > 256 or nw > 16:
+        raise ValueError(f"config {list(config)!r}: BN and num_warps powers of two (BN <= 256, num_warps <= 16)")
+    return bn, nw
 
 
 def check_tile_config(config) -> tuple[int, int, int, int]:
@@ -553,6 +604,8 @@ def check_tile_config(config) -> tuple[int, int, int, int]:
 
 def matmul(p: SplitPacked, x: "torch.Tensor | Act", out: torch.Tensor | None = None,
            config: tuple | None = None, rows_kernel: bool | None = None) -> torch.Tensor:
+    """(config: the tiles' (BM, BN, num_warps, num_stages), or with the CUDA-core kernel its
+    (BN, num_warps).)"""
     """y = x @ W^T, f32 [T, n_out], for x f32 [T, n_in] or its Act. CUDA: `_rows_kernel` for
     T <= ROWS_MAX, tiles above (`rows_kernel` forces either; `config` = (BM, BN, num_warps,
     num_stages) of the tiles); elsewhere `matmul_ref`. The bits never depend on the choice."""
@@ -578,19 +631,20 @@ def launch_matmul(p: SplitPacked, act: Act, out: torch.Tensor, config: tuple | N
     ptrs = (f["q"], f.get("h", f["q"]), f["s"], f["dd"])
     use_rows = T <= ROWS_MAX if rows_kernel is None else rows_kernel
     if use_rows:
-        bn, nw = ROWS_CONFIG
+        bn, nw = ROWS_CONFIG if config is None else check_rows_config(config)
         for t0 in range(0, T, ROWS_MAX):
             t1 = min(T, t0 + ROWS_MAX)
             rows = 1 if t1 - t0 == 1 else 2
-            sub = Act(act.a[t0:t1], act.s[t0:t1], act.bs[t0:t1]) if (t0, t1) != (0, T) else act
+            sub = act.rows_slice(t0, t1) if (t0, t1) != (0, T) else act
             o = out[t0:t1]
-            _rows_kernel[(triton.cdiv(p.n_out, bn),)](sub.a.view(torch.int32), sub.s, sub.bs, o, *ptrs, p.n_out, K, o.stride(0),
+            _rows_kernel[(triton.cdiv(p.n_out, bn),)](sub.a.view(torch.int32), sub.s, sub.bx16, sub.bx32, o, *ptrs, p.n_out,
+                                                      K, o.stride(0),
                                                       FMT=_CODE[p.fmt], ROWS=rows, BN=bn, ASM=_asm(),
                                                       num_warps=nw, enable_fp_fusion=False)
         return out
     bm, bn, nw, ns = check_tile_config(config) if config is not None else TILE_CONFIGS[16 if T <= 16 else 64]
     grid = (triton.cdiv(T, bm), triton.cdiv(p.n_out, bn))
-    _tile_kernel[grid](act.a, act.s, act.bs, out, *ptrs, T, p.n_out, K, out.stride(0), FMT=_CODE[p.fmt],
+    _tile_kernel[grid](act.a, act.s, act.bx16, act.bx32, out, *ptrs, T, p.n_out, K, out.stride(0), FMT=_CODE[p.fmt],
                        BM=bm, BN=bn, num_warps=nw, num_stages=ns, enable_fp_fusion=False)
     return out
 
