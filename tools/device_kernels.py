@@ -222,9 +222,9 @@ def tuning_table(speed: list[dict]) -> list[dict]:
 
 # (BM, BN, num_warps, num_stages) of the split GEMM's tiles timed per row count (qgemm_split.check_tile_config)
 # (the one-row CUDA-core kernel: (BN, num_warps)); sm_90 compiles without local memory
-SPLIT_SWEEP = {1: ((32, 4), (16, 4), (64, 8), (32, 8), (16, 2)),
-               16: ((16, 32, 4, 1), (16, 32, 2, 1), (16, 64, 4, 1), (32, 32, 4, 1), (16, 32, 4, 2)),
-               512: ((64, 32, 8, 1), (64, 32, 4, 1), (64, 64, 8, 1), (32, 64, 4, 1), (64, 32, 8, 2))}
+SPLIT_SWEEP = {1: ((16, 2), (32, 4), (16, 4), (8, 2), (32, 2)),
+               16: ((16, 32, 4, 1), (16, 32, 4, 2), (16, 64, 4, 1), (16, 32, 2, 1)),
+               512: ((32, 64, 8, 1), (64, 32, 8, 1), (64, 32, 8, 2), (32, 64, 4, 1), (32, 64, 8, 2))}
 
 
 def split_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool, sweep: bool) -> dict:

@@ -73,10 +73,13 @@ A_MAX = 127 * BASE * BASE  # 8,193,532 < 2^23
 CHUNK_SB = 4  # super-blocks per chunk of the fixed f32 order
 ROWS_MAX = 1  # rows served by the CUDA-core kernel (two spill on sm_90); wider calls take tensor-core tiles
 # tile kernel (BM, BN, num_warps, num_stages) by rows: <= 16 one 16-row tile, wider calls 64-row tiles
-# (register counts of sm_90 compiles, tools/triton_aot_check.py: one stage, 4 and 8 warps keep the
-# six int32 accumulators of a tile out of local memory)
-TILE_CONFIGS: dict[int, tuple[int, int, int, int]] = {16: (16, 32, 4, 1), 64: (64, 32, 8, 1)}
-ROWS_CONFIG = (32, 4)  # (BN, num_warps) of the CUDA-core kernel
+# From the H200 sweep of the split GEMM (20261203T224209Z-kernels-cuda.json, Q4_K 6656 x 4096, every
+# tiling bitwise equal) and sm_90 register counts of the unrolled unit loop (tools/sass_loop.py:
+# these compile without local memory): one row (16, 2) 16.5 us against (32, 4) 18.5; wide calls
+# (32, 64, 4 warps) 1.24 ms against 2.43 for (64, 32, 8 warps) at 512 rows, here with 8 warps (146
+# registers, no spill, once the unit loop is unrolled).
+TILE_CONFIGS: dict[int, tuple[int, int, int, int]] = {16: (16, 32, 4, 1), 64: (32, 64, 8, 1)}
+ROWS_CONFIG = (16, 2)  # (BN, num_warps) of the CUDA-core kernel
 
 
 def supports(fmt: G) -> bool:
@@ -509,7 +512,7 @@ if HAVE_TRITON:
                 s1 = s0
                 s2 = s0
                 mx = tl.zeros((BM, BN), tl.float64)
-                for uu in range(0, 8):
+                for uu in tl.static_range(8):  # unrolled: the 8 units' loads are issued together
                     u = bc * 8 + uu
                     wv = tl.load(qp + (nn * NU + u) * 4 + ww)  # [BN, 1, 4, 1]
                     cd = (wv >> (4 * hh + 8 * bb)) & 0xF  # [BN, 2, 4, 4]
