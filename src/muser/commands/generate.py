@@ -43,7 +43,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="exact: f32 activations against the exact weight values (Gate 2 vs oracle f32); fast: ggml-cpu's "
                         "integer arithmetic on every call (activations to Q8_K/Q8_0, integer block sums, row-invariant; Gate 2 vs oracle ggml-cpu); w4a4: exact, FP4 activations in verify forwards (W4A4 files only); split (cuda): the exact lane's contract with "
                         "the K-quant projections through the split-activation integer GEMM, row-invariant at every "
-                        "row count (prefill chunks of any size), slower today (H200: decode 43.88 tok/s); "
+                        "row count (prefill chunks of any size), slower today (H200 decode 55.94 against 91.96 tok/s); "
                         "default exact: the integer lane decodes no faster on either device (H200, full geometry: "
                         "50.52 against 91.96 tok/s; on the CPU, micro model: decode 0.97x, prefill 1.14x; "
                         "bench/NOTES.md)")
