@@ -128,6 +128,15 @@ def test_split_lane_refused_on_the_cpu(make_gguf):
         Engine.open(make_gguf(SynthSpec(dtype="Q4_K")), device="cpu", lane="split")
 
 
+def test_split_lane_refuses_other_formats(make_gguf):
+    from muser.engine import Engine
+    from muser.errors import LaneError
+    from muser.model.synth import SynthSpec
+
+    with pytest.raises(LaneError, match=r"lane 'split': tensor '.*' is Q8_0"):
+        Engine.open(make_gguf(SynthSpec(dtype="Q8_0")), device="cpu", lane="split")
+
+
 def test_split_forward_is_row_invariant(sg, make_gguf):
     """The CUDA forward of lane split on the CPU (the GEMM's reference in place of its kernels):
     K-quant matrices in the split layout (fields dropped), q|k|v|gate and gate|up stacked; a

@@ -30,6 +30,18 @@ class Engine:
         self.lane = Lane.parse(lane)
         self.kv = parse_kv(kv)
         self.device = parse_device(device)
+        if self.lane is Lane.SPLIT:  # every projection through the split GEMM, or refuse before any upload
+            from ..gguf.types import GgmlType
+            from .kernels.qgemm_split import FORMATS as SPLIT_FORMATS
+
+            off = {n: GgmlType(mf.gguf.tensors[n].type.ggml_type) for n in mf.contract.dtypes
+                   if len(mf.gguf.tensors[n].shape) == 2 and n != "token_embd.weight"
+                   and GgmlType(mf.gguf.tensors[n].type.ggml_type) not in SPLIT_FORMATS}
+            if off:
+                n, f = next(iter(off.items()))
+                raise LaneError(f"lane 'split': tensor {n!r} is {f.name}; the split GEMM serves "
+                                f"{', '.join(x.name for x in SPLIT_FORMATS)} only ({len(off)} such tensors); "
+                                f"use lane 'exact'")
         if self.lane is Lane.SPLIT and self.device.type != "cuda":
             raise LaneError("lane 'split' runs on cuda only (the CPU's exact lane is row-invariant at every "
                             "row count already); use lane 'exact' on the cpu")

@@ -9,7 +9,7 @@
   activations as three base-254 digits per 256-block, exact integer sums, one fixed f32 order of
   super-block terms), at every row count: a token's logits are bitwise the same decoded alone,
   verified, prefilled in chunks of any size or batched. CUDA only (refused on the CPU, whose exact
-  lane is row-invariant already). Slower than `exact` today (bench/NOTES.md).
+  lane is row-invariant already); files with a projection in another format are refused at open. Slower than `exact` today (bench/NOTES.md).
 * fast (the integer lane): every projection, at every row count, on both devices, computes
   `muser.quant.dot.matmul_ggml` bit for bit: the activations are converted to the weight type's
   vec_dot_type (Q8_K per 256 for the K-quants, Q8_0 per 32 for Q8_0/Q4_0/NVFP4), integer block

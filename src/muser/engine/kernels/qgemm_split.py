@@ -53,8 +53,8 @@ from dataclasses import dataclass
 import torch
 
 from ...gguf.types import GgmlType as G
-from ..weights import QK, QWeight, decode_fields, index_maps
-from .qmatvec_v3 import Packed, _values, _wrap16, _wrap32
+from ..weights import QK, QWeight, decode_fields
+from .qmatvec_v3 import Packed, _values, _wrap16, _wrap32, repacked_fields
 
 try:  # Triton is optional on the CPU; the CUDA backend requires it.
     import triton
@@ -182,33 +182,8 @@ def unpack(p: SplitPacked) -> dict[str, torch.Tensor]:
     """SplitPacked -> the weights.repack fields (the inverse of `pack`; tests hold it exact)."""
     r, nb = p.n_out, p.n_in // QK
     c = codes(p).view(r, nb, 256)
-    lo, hi = c & 0xF, c >> 4
-    dev = c.device
-    mp = {k: torch.from_numpy(v).to(dev) for k, v in index_maps(p.fmt).items()}
-    f = p.fields
-    if p.fmt in (G.Q4_K, G.Q5_K):
-        qs = torch.zeros(r, nb, 128, dtype=torch.int64, device=dev)
-        qs.scatter_add_(2, mp["qs_idx"].expand(r, nb, 256), lo << mp["qs_shift"])
-        out = {"qs": qs.to(torch.uint8).view(r, nb * 128)}
-        if p.fmt == G.Q5_K:
-            qh = torch.zeros(r, nb, 32, dtype=torch.int64, device=dev)
-            qh.scatter_add_(2, mp["qh_idx"].expand(r, nb, 256), hi << mp["qh_bit"])
-            out["qh"] = qh.to(torch.uint8).view(r, nb * 32)
-        s = f["s"].to(torch.int64) & 0xFFFF
-        out["sc"] = (s & 0xFF).to(torch.uint8)
-        out["m"] = (s >> 8).to(torch.uint8)
-        dd = f["dd"].to(torch.int64) & 0xFFFFFFFF
-        out["d"] = _wrap16(dd & 0xFFFF).view(torch.float16)
-        out["dmin"] = _wrap16(dd >> 16).view(torch.float16)
-        return out
-    ql = torch.zeros(r, nb, 128, dtype=torch.int64, device=dev)
-    ql.scatter_add_(2, mp["ql_idx"].expand(r, nb, 256), lo << mp["ql_shift"])
-    qh = torch.zeros(r, nb, 64, dtype=torch.int64, device=dev)
-    qh.scatter_add_(2, mp["qh_idx"].expand(r, nb, 256), hi << mp["qh_shift"])
-    s = f["s"].to(torch.int64) & 0xFFFF
-    sc = torch.stack([s & 0xFF, s >> 8], -1).view(r, p.n_in // 16)
-    return {"ql": ql.to(torch.uint8).view(r, nb * 128), "qh": qh.to(torch.uint8).view(r, nb * 64),
-            "sc": sc.to(torch.uint8).view(torch.int8), "d": f["dd"].clone()}
+    hi = c >> 4 if p.fmt != G.Q4_K else None
+    return repacked_fields(p.fmt, c & 0xF, hi, p.fields["s"], p.fields["dd"], p.n_in)
 
 
 def decode(p: SplitPacked, n0: int = 0, n1: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:

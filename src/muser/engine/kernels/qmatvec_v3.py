@@ -242,33 +242,47 @@ def unpack(p: Packed) -> dict[str, torch.Tensor]:
         c = codes.view(r, p.n_in // 16, 2, 8)
         return {"qs": (c[:, :, 0] | (c[:, :, 1] << 4)).view(r, p.n_in // 2), "d": sb}
     lo = ((q.unsqueeze(2) >> sh) & 0xF).view(r, nb, 256)  # element order
-    mp = {k: torch.from_numpy(v).to(q.device) for k, v in index_maps(p.fmt).items()}
-    if p.fmt in (G.Q4_K, G.Q5_K):
-        qs = torch.zeros(r, nb, 128, dtype=torch.int64, device=q.device)
+    hi = None
+    if p.fmt == G.Q5_K:
+        hi = (((f["h"].to(torch.int64).unsqueeze(2) & 0xFFFFFFFF) >> torch.arange(32, device=q.device)) & 1).view(r, nb, 256)
+    if p.fmt == G.Q6_K:
+        hw = f["h"].view(r, nu, 2).to(torch.int64) & 0xFFFFFFFF
+        hi = ((hw.unsqueeze(3) >> (2 * torch.arange(16, device=q.device))) & 3).view(r, nb, 256)
+    return repacked_fields(p.fmt, lo, hi, f["s"], f["dd"], p.n_in)
+
+
+def repacked_fields(fmt: G, lo: torch.Tensor, hi: torch.Tensor | None, s: torch.Tensor, dd: torch.Tensor,
+                    n_in: int) -> dict[str, torch.Tensor]:
+    """K-quant codes in element order (lo: the 4 low bits, hi: Q5_K's 5th bit / Q6_K's 2 high bits;
+    int64 [r, nb, 256]) and the packed `s` / `dd` fields (this module's, shared by
+    qgemm_split) -> the weights.repack fields."""
+    r, nb = lo.shape[0], n_in // QK
+    dev = lo.device
+    mp = {k: torch.from_numpy(v).to(dev) for k, v in index_maps(fmt).items()}
+    sv = s.to(torch.int64) & 0xFFFF
+    if fmt in (G.Q4_K, G.Q5_K):
+        qs = torch.zeros(r, nb, 128, dtype=torch.int64, device=dev)
         qs.scatter_add_(2, mp["qs_idx"].expand(r, nb, 256), lo << mp["qs_shift"])
         out = {"qs": qs.to(torch.uint8).view(r, nb * 128)}
-        if p.fmt == G.Q5_K:
-            hb = ((f["h"].to(torch.int64).unsqueeze(2) & 0xFFFFFFFF) >> torch.arange(32, device=q.device)) & 1
-            qh = torch.zeros(r, nb, 32, dtype=torch.int64, device=q.device)
-            qh.scatter_add_(2, mp["qh_idx"].expand(r, nb, 256), hb.view(r, nb, 256) << mp["qh_bit"])
+        if fmt == G.Q5_K:
+            assert hi is not None
+            qh = torch.zeros(r, nb, 32, dtype=torch.int64, device=dev)
+            qh.scatter_add_(2, mp["qh_idx"].expand(r, nb, 256), hi << mp["qh_bit"])
             out["qh"] = qh.to(torch.uint8).view(r, nb * 32)
-        s = f["s"].to(torch.int64) & 0xFFFF
-        out["sc"] = (s & 0xFF).to(torch.uint8)
-        out["m"] = (s >> 8).to(torch.uint8)
-        dd = f["dd"].to(torch.int64) & 0xFFFFFFFF
-        out["d"] = _wrap16(dd & 0xFFFF).view(torch.float16)
-        out["dmin"] = _wrap16(dd >> 16).view(torch.float16)
+        out["sc"] = (sv & 0xFF).to(torch.uint8)
+        out["m"] = (sv >> 8).to(torch.uint8)
+        d2 = dd.to(torch.int64) & 0xFFFFFFFF
+        out["d"] = _wrap16(d2 & 0xFFFF).view(torch.float16)
+        out["dmin"] = _wrap16(d2 >> 16).view(torch.float16)
         return out
-    hw = f["h"].view(r, nu, 2).to(torch.int64) & 0xFFFFFFFF
-    hi = ((hw.unsqueeze(3) >> (2 * torch.arange(16, device=q.device))) & 3).view(r, nb, 256)
-    ql = torch.zeros(r, nb, 128, dtype=torch.int64, device=q.device)
+    assert hi is not None
+    ql = torch.zeros(r, nb, 128, dtype=torch.int64, device=dev)
     ql.scatter_add_(2, mp["ql_idx"].expand(r, nb, 256), lo << mp["ql_shift"])
-    qh = torch.zeros(r, nb, 64, dtype=torch.int64, device=q.device)
+    qh = torch.zeros(r, nb, 64, dtype=torch.int64, device=dev)
     qh.scatter_add_(2, mp["qh_idx"].expand(r, nb, 256), hi << mp["qh_shift"])
-    s = f["s"].to(torch.int64) & 0xFFFF
-    sc = torch.stack([s & 0xFF, s >> 8], -1).view(r, nu * 2)
+    sc = torch.stack([sv & 0xFF, sv >> 8], -1).view(r, n_in // 16)
     return {"ql": ql.to(torch.uint8).view(r, nb * 128), "qh": qh.to(torch.uint8).view(r, nb * 64),
-            "sc": sc.to(torch.uint8).view(torch.int8), "d": f["dd"].clone()}
+            "sc": sc.to(torch.uint8).view(torch.int8), "d": dd.clone()}
 
 
 def _wrap16(v: torch.Tensor) -> torch.Tensor:
