@@ -221,10 +221,12 @@ def tuning_table(speed: list[dict]) -> list[dict]:
 
 
 # (BM, BN, num_warps, num_stages) of the split GEMM's tiles timed per row count (qgemm_split.check_tile_config)
-# (the one-row CUDA-core kernel: (BN, num_warps)); sm_90 compiles without local memory
-SPLIT_SWEEP = {1: ((16, 2), (32, 4), (16, 4), (8, 2), (32, 2)),
-               16: ((16, 32, 4, 1), (16, 32, 4, 2), (16, 64, 4, 1), (16, 32, 2, 1)),
-               512: ((32, 64, 8, 1), (64, 32, 8, 1), (64, 32, 8, 2), (32, 64, 4, 1), (32, 64, 8, 2))}
+# (a pair: the one-row CUDA-core kernel's (BN, num_warps)); sm_90 compiles them without local memory
+SPLIT_SWEEP = {1: ((16, 2), (8, 64, 4, 1), (8, 64, 4, 2), (8, 32, 2, 1), (8, 32, 4, 1), (8, 128, 8, 1), (16, 64, 4, 1)),
+               16: ((16, 32, 4, 1), (16, 32, 4, 2), (16, 64, 4, 1), (16, 64, 8, 1), (16, 32, 2, 1), (8, 64, 4, 1)),
+               512: ((16, 32, 4, 1), (16, 64, 4, 1), (16, 32, 4, 2), (16, 64, 8, 1), (16, 64, 4, 2))}
+# the shapes swept: each format's largest traffic (FFN gate/up, FFN down, the LM head)
+SPLIT_SWEEP_SHAPES = (("Q4_K", 39936, 6656), ("Q6_K", 6656, 19968), ("Q5_K", 202048, 6656))
 
 
 def split_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool, sweep: bool) -> dict:
@@ -275,7 +277,7 @@ def split_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool, s
     exact = x[:16].double() @ dec.T
     mag = x[:16].double().abs() @ dec.abs().T
     r["max_err_over_sum_abs"] = float(((got.double() - exact).abs() / mag.clamp_min(1e-30)).max())
-    for T in sorted({1, 2, 16, min(64, big), big}):
+    for T in sorted({1, 2, 8, 16, min(64, big), big}):
         xt = x[:T].contiguous()
         out = torch.empty(T, n_out, device=device)
         samples = call_seconds(lambda: sg.matmul(p, xt, out), device, 20 if T <= 64 else 5)
@@ -420,20 +422,20 @@ def main(argv=None) -> int:
     shapes += sorted({("NVFP4", n_out, n_in) for (_, n_out, n_in) in shapes if n_out >= 4096})
     if a.lane in ("fast", "split"):
         shapes = sorted({(f, n_out, n_in) for (f, _, n_out, n_in) in qmatvec_v3.TUNED if f != "NVFP4"})
+    if a.lane == "split":  # the swept shapes first (the stage's budget may skip the last)
+        shapes = [s for s in SPLIT_SWEEP_SHAPES if s in shapes] + [s for s in shapes if s not in SPLIT_SWEEP_SHAPES]
     if a.smoke:
         shapes = shapes[:2] + [("Q8_0", 64, 512)]
-    swept = False
     for fmt, n_out, n_in in shapes:
         if a.lane == "split":
             if time.time() - t0 > a.budget:
                 rec["skipped"].append(f"split {fmt} {n_out}x{n_in}: budget")
                 continue
             try:
-                r = split_case(fmt, n_out, n_in, a.device, a.smoke, sweep=not swept and fmt == "Q4_K")
-                swept = swept or "sweep" in r
+                r = split_case(fmt, n_out, n_in, a.device, a.smoke, sweep=(fmt, n_out, n_in) in SPLIT_SWEEP_SHAPES)
                 big = max(int(k[1:]) for k in r if k.startswith("T") and k[1:].isdigit())
                 print(f"split {fmt} {n_out}x{n_in}: T1 {r['T1']['us']:.1f} us {r['T1']['GBps']:.0f} GB/s "
-                      f"(v3 {r['v3_T1_us']:.1f}), T2 {r['T2']['us']:.1f}, T16 {r['T16']['us']:.1f} us "
+                      f"(v3 {r['v3_T1_us']:.1f}), T2 {r['T2']['us']:.1f}, T8 {r['T8']['us']:.1f}, T16 {r['T16']['us']:.1f} us "
                       f"({r['T16_over_T1']:.2f}x; v3 {r['v3_T16_us']:.1f}), T{big} {r[f'T{big}']['TOPS']:.1f} TOPS, "
                       f"bitwise vs ref {r['bitwise_vs_matmul_ref']}, act {r['split_act_bitwise_vs_ref']}, "
                       f"alone==in2==in16==in{big} {r['row_alone_equals_row_in_2_16_and_big']}, "

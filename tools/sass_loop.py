@@ -5,6 +5,7 @@ cubin with the bundled cuobjdump, find the innermost loop (the backward branch) 
 instructions by class, then divide by the weights one thread decodes per iteration.
 
     python3 tools/sass_loop.py v3 FMT T [--config BN,NUM_WARPS,PIPE] [--dump]
+    python3 tools/sass_loop.py split FMT T [--config ...] [--rows-kernel 0|1] [--dump]
 
 Used to predict a kernel's issue-bound ceiling before spending GPU time (bench/NOTES.md).
 """
@@ -117,12 +118,14 @@ def loop_body(sass: str) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kernel", choices=["v3"])
+    ap.add_argument("kernel", choices=["v3", "split"])
     ap.add_argument("fmt")
     ap.add_argument("T", type=int)
     ap.add_argument("--n-out", type=int, default=4096)
     ap.add_argument("--n-in", type=int, default=6656)
     ap.add_argument("--config", default=None, help="comma list passed as the launcher's config")
+    ap.add_argument("--rows-kernel", type=int, choices=[0, 1], default=None,
+                    help="split: force the CUDA-core kernel (1) or the tiles (0)")
     ap.add_argument("--dump", action="store_true")
     a = ap.parse_args(argv)
     from muser.engine.weights import repack, random_bytes
@@ -139,15 +142,23 @@ def main(argv=None) -> int:
         w = repack("t", fmt, a.n_out, a.n_in, torch.from_numpy(random_bytes(fmt, a.n_out, a.n_in, 1)))
     x = torch.zeros(a.T, a.n_in)
     cfg = tuple(int(v) for v in a.config.split(",")) if a.config else None
-    from muser.engine.kernels import qmatvec_v3 as mod
-    w3 = mod.pack(w)
-    fn, args, kw, grid = capture(lambda: mod.matvec_v3(w3, x, torch.empty(a.T, a.n_out), config=cfg))
+    if a.kernel == "split":
+        from muser.engine.kernels import qgemm_split as mod
+        ws, act = mod.pack(w), mod.split_act_ref(x)
+        rk = None if a.rows_kernel is None else bool(a.rows_kernel)
+        fn, args, kw, grid = capture(lambda: mod.launch_matmul(ws, act, torch.empty(a.T, a.n_out), cfg, rk))
+    else:
+        from muser.engine.kernels import qmatvec_v3 as mod
+        w3 = mod.pack(w)
+        fn, args, kw, grid = capture(lambda: mod.matvec_v3(w3, x, torch.empty(a.T, a.n_out), config=cfg))
     k, opts = compile_like_jit(fn, args, kw)
     sass = get_sass(k.asm["cubin"])
     body = loop_body(sass)
     ops = Counter(re.search(r"\t(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", ln).group(1).split(".")[0] for ln in body)
     print(f"{a.kernel} {a.fmt} T={a.T} regs={_regs(k.asm['cubin'])} "
-          f"shared={k.metadata.shared} opts={opts} loop={len(body)} instr")
+          f"shared={k.metadata.shared} opts={opts} grid={grid} loop={len(body)} instr, "
+          f"kernel={sum(1 for ln in sass.splitlines() if ';' in ln)} instr, "
+          f"local={'STL' in sass}")
     print("  " + ", ".join(f"{o}:{c}" for o, c in ops.most_common()))
     if a.dump:
         print("\n".join(body))

@@ -117,6 +117,8 @@ def test_kernels_give_the_reference_bits(sg, fmt):
     assert torch.equal(_launch(sg, "rows", p, one, ROWS=1, BN=32).view(torch.int32), ref[:1])  # BN > n_out
     assert torch.equal(_launch(sg, "tile", p, act, BM=16, BN=16).view(torch.int32), ref)
     assert torch.equal(_launch(sg, "tile", p, one, BM=16, BN=32).view(torch.int32), ref[:1])
+    assert torch.equal(_launch(sg, "tile", p, act, BM=8, BN=16).view(torch.int32), ref)  # three row tiles
+    assert torch.equal(_launch(sg, "tile", p, one, BM=8, BN=64).view(torch.int32), ref[:1])
 
 
 def test_split_lane_refused_on_the_cpu(make_gguf):

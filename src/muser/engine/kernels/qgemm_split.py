@@ -71,14 +71,11 @@ PARTS = 3  # base-254 digits of an activation
 BASE = 254
 A_MAX = 127 * BASE * BASE  # 8,193,532 < 2^23
 CHUNK_SB = 4  # super-blocks per chunk of the fixed f32 order
-ROWS_MAX = 1  # rows served by the CUDA-core kernel (two spill on sm_90); wider calls take tensor-core tiles
-# tile kernel (BM, BN, num_warps, num_stages) by rows: <= 16 one 16-row tile, wider calls 64-row tiles
-# From the H200 sweep of the split GEMM (20261203T224209Z-kernels-cuda.json, Q4_K 6656 x 4096, every
-# tiling bitwise equal) and sm_90 register counts of the unrolled unit loop (tools/sass_loop.py:
-# these compile without local memory): one row (16, 2) 16.5 us against (32, 4) 18.5; wide calls
-# (32, 64, 4 warps) 1.24 ms against 2.43 for (64, 32, 8 warps) at 512 rows, here with 8 warps (146
-# registers, no spill, once the unit loop is unrolled).
-TILE_CONFIGS: dict[int, tuple[int, int, int, int]] = {16: (16, 32, 4, 1), 64: (32, 64, 8, 1)}
+ROWS_MAX = 0  # rows served by the CUDA-core kernel by default (none: the tiles serve every row count)
+# tile kernel (BM, BN, num_warps, num_stages) by rows: <= 8 (an 8-column mma: decode and short
+# verify), <= 16, wider calls (16-row tiles along M). sm_90 register counts of the super-block loop
+# (tools/sass_loop.py split): these compile without local memory for Q4_K, Q5_K and Q6_K.
+TILE_CONFIGS: dict[int, tuple[int, int, int, int]] = {8: (8, 64, 4, 1), 16: (16, 32, 4, 1), 64: (16, 32, 4, 1)}
 ROWS_CONFIG = (16, 2)  # (BN, num_warps) of the CUDA-core kernel
 
 
@@ -202,19 +199,6 @@ def decode(p: SplitPacked, n0: int = 0, n1: int | None = None, rows: torch.Tenso
 # reference (torch; the contract)
 
 
-def _positions() -> torch.Tensor:
-    """POS[e]: where element e (0..31) of a unit sits in the digit layout (Act.a): group g = e // 4
-    goes to slot g // 2 (even g) or 4 + g // 2 (odd g), so the four words a dp4a pairs with code
-    word w's low nibbles (groups 2w) are slots 0..3 and its high nibbles' (groups 2w + 1) slots
-    4..7: each a 16-byte vector."""
-    e = torch.arange(32)
-    g, b = e // 4, e % 4
-    return 4 * (g // 2 + 4 * (g % 2)) + b
-
-
-POS = _positions()
-
-
 def split_act_ref(x: torch.Tensor) -> Act:
     """x f32 [T, K] (K a multiple of 256) -> Act, by the module doc's step 1."""
     T, K = x.shape
@@ -232,15 +216,12 @@ def split_act_ref(x: torch.Tensor) -> Act:
     a = torch.stack([a1, a2, a3], 1).view(T, PARTS, K)  # [T, P, K] element order
     bx16 = A.view(T, K // 16, 16).sum(-1).to(torch.float64)
     bx32 = A.view(T, K // 32, 32).sum(-1).to(torch.float64)
-    ap = torch.empty_like(a).view(T, PARTS, K // 32, 32)
-    ap[..., POS.to(a.device)] = a.view(T, PARTS, K // 32, 32)
-    return Act(ap.view(T, PARTS, K).to(torch.int8).contiguous(), s.contiguous(), bx16.contiguous(), bx32.contiguous())
+    return Act(a.to(torch.int8).contiguous(), s.contiguous(), bx16.contiguous(), bx32.contiguous())
 
 
 def digits(act: Act) -> torch.Tensor:
-    """The digits in element order, int64 [T, P, K] (the inverse of the layout's permutation)."""
-    T, K = act.rows, act.n_in
-    return act.a.view(T, PARTS, K // 32, 32).to(torch.int64)[..., POS.to(act.a.device)].view(T, PARTS, K)
+    """The digits, int64 [T, P, K]."""
+    return act.a.to(torch.int64)
 
 
 def matmul_ref(p: SplitPacked, act: Act) -> torch.Tensor:
@@ -318,7 +299,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _split_act_kernel(x, a, s, bx16, bx32, K, sx):
-        """One program per (row, super-block): step 1 of the module doc; digits stored at POS."""
+        """One program per (row, super-block): step 1 of the module doc."""
         t = tl.program_id(0)
         b = tl.program_id(1)
         e = tl.arange(0, 256)
@@ -337,9 +318,7 @@ if HAVE_TRITON:
         a3 = r - a2 * 254
         NB = K // 256
         tl.store(s + t * NB + b, sc)
-        g = (e % 32) // 4
-        pos = b * 256 + (e // 32) * 32 + 4 * (g // 2 + 4 * (g % 2)) + e % 4
-        base = a + t * (3 * K) + pos
+        base = a + t * (3 * K) + k
         tl.store(base, a1.to(tl.int8))
         tl.store(base + K, a2.to(tl.int8))
         tl.store(base + 2 * K, a3.to(tl.int8))
@@ -398,6 +377,7 @@ if HAVE_TRITON:
         nn = nc[None, :, None, None]
         rr = r[:, None, None, None]
         ww = w4[None, None, None, :]
+        hh = tl.arange(0, 2)[None, None, None, None, :]
         total = tl.zeros((ROWS, BN), tl.float32)
         for c in range(0, tl.cdiv(NB, 4)):
             sb = c * 4 + sbi  # [4]
@@ -433,8 +413,9 @@ if HAVE_TRITON:
                 else:
                     mx += ((scs >> 8) & 0xFF).to(tl.float64) * tl.load(b32p + roff * NU + u3[None, None, :])
                 for p in tl.static_range(3):
-                    abase = ap + (rr * 3 + p) * KW + u * 8 + ww + nn * 0  # [R, BN, 4, 4]
-                    dw = _dot4(cc1, tl.load(abase + 4), _dot4z(cc0, tl.load(abase), ASM), ASM)
+                    abase = ap + (rr * 3 + p) * KW + u * 8 + 2 * ww + nn * 0  # [R, BN, 4, 4]
+                    alo, ahi = tl.split(tl.load(tl.expand_dims(abase, 4) + hh))  # act words 2w, 2w + 1
+                    dw = _dot4(cc1, ahi, _dot4z(cc0, alo, ASM), ASM)
                     if FMT == 7:
                         d_lo, d_hi = tl.split(tl.sum(tl.reshape(dw, (ROWS, BN, 4, 2, 2)), 4))  # words 0-1, 2-3
                         z = sclo * d_lo + schi * d_hi
@@ -453,12 +434,27 @@ if HAVE_TRITON:
         tl.store(y + r[:, None] * sy + n[None, :], total, mask=nmask[None, :])
 
     @triton.jit
+    def _bytes(wd):
+        """int32 words [A, B, C, D] -> int8 [A, B, C, D, 4]: byte i of each word at index i (joined in
+        one thread, so where compiled the truncations fold into the words' registers)."""
+        e0 = wd.to(tl.int8)
+        e1 = (wd >> 8).to(tl.int8)
+        e2 = (wd >> 16).to(tl.int8)
+        e3 = (wd >> 24).to(tl.int8)
+        return tl.join(tl.join(e0, e2), tl.join(e1, e3)).reshape(wd.shape[0], wd.shape[1], wd.shape[2], wd.shape[3], 4)
+
+    @triton.jit
     def _tile_kernel(ap, sap, b16p, b32p, y, qp, hp, sp, dp, T, N, K, sy, FMT: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr):
-        """Tensor-core GEMM: each program a [BM, BN] tile of outputs; per unit the codes become an
-        int8 [32, BN] operand in the digits' slot order and each digit one int8 `tl.dot` (Q6_K: one
-        per 16-element half) times the unit's scale; the offsets' f64 sum; then `_sb_term` and the
-        fixed chunk order. Loads are clamped to the last row / super-block (no predicates)."""
+        """Tensor-core GEMM: each program a [BN, BM] tile of outputs (weight rows x activation
+        rows), one super-block an iteration. The unit scale folds into the weight operand, so one
+        int8 `tl.dot` per digit and operand covers the super-block's 256 slots:
+        Q4_K  sc = 8 sh + sl (3-bit parts; code * part <= 105 stays in a byte): S = 8 D(code sh)
+              + D(code sl), the same integer as sum_u sc_u D_u (step 2);
+        Q5_K  the same over the low 4 bits, + 16 D(high bit * sc);
+        Q6_K  v = sc_half * (code - 32) = 128 vh + vl (vl = v & 127, vh = v >> 7).
+        The offsets' f64 sum (Q4_K/Q5_K), then `_sb_term` and the fixed chunk order. Loads are
+        clamped to the last row / super-block (no predicates)."""
         pm = tl.program_id(0)
         pn = tl.program_id(1)
         m = pm * BM + tl.arange(0, BM)
@@ -469,64 +465,80 @@ if HAVE_TRITON:
         nc = tl.minimum(n, N - 1)
         NU = K // 32
         NB = K // 256
-        k32 = tl.arange(0, 32)
-        # slot j = 16 h + 4 w + b of a unit: word w, nibble half h, byte b -> shift 4 h + 8 b
-        hh = tl.arange(0, 2)[None, :, None, None]
-        ww = tl.arange(0, 4)[None, None, :, None]
-        bb = tl.arange(0, 4)[None, None, None, :]
-        nn = nc[:, None, None, None]
-        first = ((k32 // 4) % 4) < 2  # Q6_K: slots of words 0, 1 (the unit's first 16 elements)
-        total = tl.zeros((BM, BN), tl.float32)
+        # the operands' element of slot (u, w, h, b) is 32 u + 8 w + 4 h + b (unit u, code word w,
+        # nibble half h, byte b): the natural order, in which the digits are stored
+        kk = tl.arange(0, 256)
+        u3 = tl.arange(0, 8)[None, :, None]  # [1, 8, 1]
+        w3 = tl.arange(0, 4)[None, None, :]  # [1, 1, 4]
+        h4 = tl.arange(0, 2)[None, None, None, :]  # [1, 1, 1, 2]
+        w4 = tl.expand_dims(w3, 3)  # [1, 1, 4, 1]
+        nn = nc[:, None, None]
+        total = tl.zeros((BN, BM), tl.float32)
         for c in range(0, tl.cdiv(NB, 4)):
-            ch = tl.zeros((BM, BN), tl.float32)
+            ch = tl.zeros((BN, BM), tl.float32)
             for i in range(0, 4):
                 b = c * 4 + i
                 bvalid = b < NB
                 bc = tl.minimum(b, NB - 1)
-                s0 = tl.zeros((BM, BN), tl.int32)
-                s1 = s0
-                s2 = s0
-                mx = tl.zeros((BM, BN), tl.float64)
-                for uu in tl.static_range(8):  # unrolled: the 8 units' loads are issued together
-                    u = bc * 8 + uu
-                    wv = tl.load(qp + (nn * NU + u) * 4 + ww)  # [BN, 1, 4, 1]
-                    cd = (wv >> (4 * hh + 8 * bb)) & 0xF  # [BN, 2, 4, 4]
+                u = bc * 8 + u3
+                wv = tl.load(qp + (nn * NU + u) * 4 + w3)  # [BN, 8, 4]
+                cw = tl.join(wv & 0x0F0F0F0F, (wv >> 4) & 0x0F0F0F0F)  # [BN, 8, 4, 2]: bytes b of (w, h)
+                sv = tl.expand_dims(tl.load(sp + nn * NU + u).to(tl.int32), 3)  # [BN, 8, 1, 1]
+                arow = ap + mc[None, :] * (3 * K) + bc * 256 + kk[:, None]  # [256, BM]: digit 0
+                a0 = tl.load(arow)
+                a1 = tl.load(arow + K)
+                a2 = tl.load(arow + 2 * K)
+                # one operand at a time against the three digits (fewer live registers)
+                if FMT == 7:
+                    hk = tl.load(hp + (nn * NU + u) * 2 + tl.arange(0, 2)[None, None, :])  # [BN, 8, 2]: words k
+                    hw = tl.reshape(tl.join(hk, hk >> 4), (BN, 8, 4))  # code word w = 2k + j: its bits at 0
+                    q = tl.join((wv & 0x0F0F0F0F) | ((hw & 0x03030303) << 4),
+                                ((wv >> 4) & 0x0F0F0F0F) | (((hw >> 2) & 0x03030303) << 4))  # [BN, 8, 4, 2]: 6-bit codes
+                    s16 = tl.load(sp + nc[:, None] * NU + bc * 8 + tl.arange(0, 8)[None, :]).to(tl.int32)  # [BN, 8]
+                    sc2 = tl.join((s16 << 24) >> 24, (s16 << 16) >> 24)  # [BN, 8, 2]: the halves' int8 scales
+                    sc = tl.expand_dims(tl.reshape(tl.join(sc2, sc2), (BN, 8, 4)), 3)  # [BN, 8, 4, 1] by word
+                    bias = (4096 - 32 * sc) * 0x00010001
+                    wa = (q & 0x00FF00FF) * sc + bias
+                    wb = ((q >> 8) & 0x00FF00FF) * sc + bias
+                    # v + 4096 = 128 H + L: L = v & 127, H = (v >> 7) + 32 in [0, 64], back in byte order
+                    op = tl.reshape(_bytes(((wa >> 7) & 0x007F007F) | (((wb >> 7) & 0x007F007F) << 8)), (BN, 256))
+                    s0 = tl.dot(op, a0, out_dtype=tl.int32) * 128
+                    s1 = tl.dot(op, a1, out_dtype=tl.int32) * 128
+                    s2 = tl.dot(op, a2, out_dtype=tl.int32) * 128
+                    op = tl.reshape(_bytes((wa & 0x007F007F) | ((wb & 0x007F007F) << 8)), (BN, 256))
+                    s0 = tl.dot(op, a0, s0, out_dtype=tl.int32)
+                    s1 = tl.dot(op, a1, s1, out_dtype=tl.int32)
+                    s2 = tl.dot(op, a2, s2, out_dtype=tl.int32)
+                    # the H offset, 128 * 32 * (the super-block's sum of A), taken off by _sb_term's
+                    # sx - 32 mx (exact f64 integers)
+                    sa_sum = tl.sum(tl.load(b32p + mc[None, :] * NU + bc * 8 + tl.arange(0, 8)[:, None]), 0)  # [BM]
+                    mx = tl.broadcast_to(128.0 * sa_sum[None, :], (BN, BM))
+                else:
+                    sc = sv & 0xFF
+                    op = tl.reshape(_bytes(cw * (sc >> 3)), (BN, 256))
+                    s0 = tl.dot(op, a0, out_dtype=tl.int32) * 8
+                    s1 = tl.dot(op, a1, out_dtype=tl.int32) * 8
+                    s2 = tl.dot(op, a2, out_dtype=tl.int32) * 8
+                    op = tl.reshape(_bytes(cw * (sc & 7)), (BN, 256))
+                    s0 = tl.dot(op, a0, s0, out_dtype=tl.int32)
+                    s1 = tl.dot(op, a1, s1, out_dtype=tl.int32)
+                    s2 = tl.dot(op, a2, s2, out_dtype=tl.int32)
                     if FMT == 6:
-                        h = tl.load(hp + nn * NU + u)
-                        cd = cd | (((h >> (8 * bb + 2 * ww + hh)) & 1) << 4)
-                    if FMT == 7:
-                        hk = tl.load(hp + (nn * NU + u) * 2 + ww // 2)
-                        cd = cd | (((hk >> (8 * bb + 4 * (ww % 2) + 2 * hh)) & 3) << 4)
-                    cdt = tl.trans(tl.reshape(cd, (BN, 32)))  # [32, BN]
-                    sv = tl.load(sp + nc * NU + u).to(tl.int32)  # [BN]
-                    if FMT == 7:
-                        blo = tl.where(first[:, None], cdt, 0).to(tl.int8)
-                        bhi = tl.where(first[:, None], 0, cdt).to(tl.int8)
-                        sclo = ((sv << 24) >> 24)[None, :]
-                        schi = ((sv << 16) >> 24)[None, :]
-                        mx += sclo.to(tl.float64) * tl.load(b16p + mc * (K // 16) + u * 2)[:, None] \
-                            + schi.to(tl.float64) * tl.load(b16p + mc * (K // 16) + u * 2 + 1)[:, None]
-                    else:
-                        bq = cdt.to(tl.int8)
-                        scv = (sv & 0xFF)[None, :]
-                        mx += ((sv >> 8) & 0xFF).to(tl.float64)[None, :] * tl.load(b32p + mc * NU + u)[:, None]
-                    for p in tl.static_range(3):
-                        av = tl.load(ap + (mc[:, None] * 3 + p) * K + u * 32 + k32[None, :])  # [BM, 32]
-                        if FMT == 7:
-                            zz = sclo * tl.dot(av, blo, out_dtype=tl.int32) + schi * tl.dot(av, bhi, out_dtype=tl.int32)
-                        else:
-                            zz = scv * tl.dot(av, bq, out_dtype=tl.int32)
-                        if p == 0:
-                            s0 += zz
-                        elif p == 1:
-                            s1 += zz
-                        else:
-                            s2 += zz
+                        hv = tl.expand_dims(tl.load(hp + nn * NU + u), 3)  # [BN, 8, 1, 1]
+                        op = tl.reshape(_bytes(((hv >> (2 * w4 + h4)) & 0x01010101) * sc), (BN, 256))
+                        s0 += tl.dot(op, a0, out_dtype=tl.int32) * 16
+                        s1 += tl.dot(op, a1, out_dtype=tl.int32) * 16
+                        s2 += tl.dot(op, a2, out_dtype=tl.int32) * 16
+                    # the offsets' digit sums M_p = sum_u m_u bsum32_pu recombine exactly like S (f64)
+                    op = tl.reshape(_bytes(((sv >> 8) & 0xFF) * 0x01010101 + cw * 0), (BN, 256))
+                    mx = tl.dot(op, a0, out_dtype=tl.int32).to(tl.float64) * 64516.0
+                    mx = mx + tl.dot(op, a1, out_dtype=tl.int32).to(tl.float64) * 254.0
+                    mx = mx + tl.dot(op, a2, out_dtype=tl.int32).to(tl.float64)
                 dd = tl.load(dp + n * NB + b, mask=nmask & bvalid, other=0)
                 sa = tl.load(sap + m * NB + b, mask=mmask & bvalid, other=0.0)
-                ch = ch + _sb_term(FMT, s0, s1, s2, mx, sa[:, None], dd[None, :])
+                ch = ch + _sb_term(FMT, s0, s1, s2, mx, sa[None, :], dd[:, None])
             total = total + ch
-        tl.store(y + m[:, None] * sy + n[None, :], total, mask=mmask[:, None] & nmask[None, :])
+        tl.store(y + m[None, :] * sy + n[:, None], total, mask=mmask[None, :] & nmask[:, None])
 
 
 def _asm() -> bool:
@@ -575,7 +587,7 @@ def check_tile_config(config) -> tuple[int, int, int, int]:
     except (TypeError, ValueError):
         raise ValueError(f"config {config!r}: expected (BM, BN, num_warps, num_stages)") from None
     p2 = all(v > 0 and v & (v - 1) == 0 for v in (bm, bn, nw))
-    if not (p2 and 16 <= bm <= 128 and 16 <= bn <= 256 and nw <= 16 and 1 <= ns <= 8):
+    if not (p2 and 8 <= bm <= 128 and 16 <= bn <= 256 and nw <= 16 and 1 <= ns <= 8):
         raise ValueError(f"config {list(config)!r}: BM 16..128, BN 16..256 powers of two, num_warps <= 16, 1..8 stages")
     return bm, bn, nw, ns
 
@@ -607,11 +619,13 @@ def launch_matmul(p: SplitPacked, act: Act, out: torch.Tensor, config: tuple | N
     T, K = act.rows, act.n_in
     f = p.fields
     ptrs = (f["q"], f.get("h", f["q"]), f["s"], f["dd"])
+    if config is not None and rows_kernel is None:
+        rows_kernel = len(config) == 2
     use_rows = T <= ROWS_MAX if rows_kernel is None else rows_kernel
     if use_rows:
         bn, nw = ROWS_CONFIG if config is None else check_rows_config(config)
-        for t0 in range(0, T, ROWS_MAX):
-            t1 = min(T, t0 + ROWS_MAX)
+        for t0 in range(0, T, max(1, ROWS_MAX)):
+            t1 = min(T, t0 + max(1, ROWS_MAX))
             rows = 1 if t1 - t0 == 1 else 2
             sub = act.rows_slice(t0, t1) if (t0, t1) != (0, T) else act
             o = out[t0:t1]
@@ -620,8 +634,9 @@ def launch_matmul(p: SplitPacked, act: Act, out: torch.Tensor, config: tuple | N
                                                       FMT=_CODE[p.fmt], ROWS=rows, BN=bn, ASM=_asm(),
                                                       num_warps=nw, enable_fp_fusion=False)
         return out
-    bm, bn, nw, ns = check_tile_config(config) if config is not None else TILE_CONFIGS[16 if T <= 16 else 64]
-    grid = (triton.cdiv(T, bm), triton.cdiv(p.n_out, bn))
+    bucket = 8 if T <= 8 else 16 if T <= 16 else 64
+    bm, bn, nw, ns = check_tile_config(config) if config is not None else TILE_CONFIGS[bucket]
+    grid = (triton.cdiv(T, bm), triton.cdiv(p.n_out, bn))  # [M tiles, N tiles]
     _tile_kernel[grid](act.a, act.s, act.bx16, act.bx32, out, *ptrs, T, p.n_out, K, out.stride(0), FMT=_CODE[p.fmt],
                        BM=bm, BN=bn, num_warps=nw, num_stages=ns, enable_fp_fusion=False)
     return out
