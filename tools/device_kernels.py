@@ -222,9 +222,10 @@ def tuning_table(speed: list[dict]) -> list[dict]:
 
 # (BM, BN, num_warps, num_stages) of the split GEMM's tiles timed per row count (qgemm_split.check_tile_config)
 # (a pair: the one-row CUDA-core kernel's (BN, num_warps)); sm_90 compiles them without local memory
-SPLIT_SWEEP = {1: ((16, 2), (8, 64, 4, 1), (8, 64, 4, 2), (8, 32, 2, 1), (8, 32, 4, 1), (8, 128, 8, 1), (16, 64, 4, 1)),
-               16: ((16, 32, 4, 1), (16, 32, 4, 2), (16, 64, 4, 1), (16, 64, 8, 1), (16, 32, 2, 1), (8, 64, 4, 1)),
-               512: ((16, 32, 4, 1), (16, 64, 4, 1), (16, 32, 4, 2), (16, 64, 8, 1), (16, 64, 4, 2))}
+SPLIT_SWEEP = {1: ((16, 2), (2, 64, 4, 1), (2, 32, 2, 1), (2, 64, 4, 2), (2, 32, 4, 1), (2, 128, 8, 1)),
+               8: ((8, 32, 2, 1), (8, 64, 4, 1), (2, 64, 4, 1), (16, 32, 2, 1), (8, 32, 2, 2)),
+               16: ((16, 32, 2, 1), (16, 64, 4, 1), (8, 32, 2, 1), (16, 32, 4, 1), (16, 32, 2, 2)),
+               512: ((16, 64, 4, 1), (16, 64, 4, 2), (16, 32, 2, 1), (16, 128, 8, 1), (32, 64, 8, 1))}
 # the shapes swept: each format's largest traffic (FFN gate/up, FFN down, the LM head)
 SPLIT_SWEEP_SHAPES = (("Q4_K", 39936, 6656), ("Q6_K", 6656, 19968), ("Q5_K", 202048, 6656))
 
@@ -294,7 +295,7 @@ def split_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool, s
         for T, cfgs in SPLIT_SWEEP.items():
             xt = x[:T].contiguous()
             at = sg.split_act(xt)
-            ref_y = y1[:1] if T == 1 else (y16 if T == 16 else yb)
+            ref_y = {1: y1[:1], 16: y16}.get(T, yb[:T])
             for cfg in cfgs:
                 try:
                     out = torch.empty(T, n_out, device=device)

@@ -97,6 +97,7 @@ def _launch(sg, kind, p, act, **kw):
                                                     out.stride(0), FMT=sg._CODE[p.fmt], ASM=False, **kw)
     else:
         grid = (-(-act.rows // kw["BM"]), -(-p.n_out // kw["BN"]))
+        kw.setdefault("DN", kw["BM"] <= sg.DIGITS_ON_N_MAX)
         sg._tile_kernel[grid](act.a, act.s, act.bx16, act.bx32, out, *ptrs, act.rows, p.n_out, p.n_in, out.stride(0),
                               FMT=sg._CODE[p.fmt], **kw)
     return out
@@ -117,8 +118,10 @@ def test_kernels_give_the_reference_bits(sg, fmt):
     assert torch.equal(_launch(sg, "rows", p, one, ROWS=1, BN=32).view(torch.int32), ref[:1])  # BN > n_out
     assert torch.equal(_launch(sg, "tile", p, act, BM=16, BN=16).view(torch.int32), ref)
     assert torch.equal(_launch(sg, "tile", p, one, BM=16, BN=32).view(torch.int32), ref[:1])
-    assert torch.equal(_launch(sg, "tile", p, act, BM=8, BN=16).view(torch.int32), ref)  # three row tiles
-    assert torch.equal(_launch(sg, "tile", p, one, BM=8, BN=64).view(torch.int32), ref[:1])
+    assert torch.equal(_launch(sg, "tile", p, act, BM=4, BN=16).view(torch.int32), ref)  # five row tiles
+    assert torch.equal(_launch(sg, "tile", p, one, BM=2, BN=64).view(torch.int32), ref[:1])
+    assert torch.equal(_launch(sg, "tile", p, act, BM=8, BN=32, DN=False).view(torch.int32), ref)  # digits apart
+    assert torch.equal(_launch(sg, "tile", p, act, BM=16, BN=16, DN=True).view(torch.int32), ref)  # side by side
 
 
 def test_split_lane_refused_on_the_cpu(make_gguf):

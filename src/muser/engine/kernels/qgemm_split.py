@@ -72,10 +72,13 @@ BASE = 254
 A_MAX = 127 * BASE * BASE  # 8,193,532 < 2^23
 CHUNK_SB = 4  # super-blocks per chunk of the fixed f32 order
 ROWS_MAX = 0  # rows served by the CUDA-core kernel by default (none: the tiles serve every row count)
-# tile kernel (BM, BN, num_warps, num_stages) by rows: <= 8 (an 8-column mma: decode and short
-# verify), <= 16, wider calls (16-row tiles along M). sm_90 register counts of the super-block loop
-# (tools/sass_loop.py split): these compile without local memory for Q4_K, Q5_K and Q6_K.
-TILE_CONFIGS: dict[int, tuple[int, int, int, int]] = {8: (8, 64, 4, 1), 16: (16, 32, 4, 1), 64: (16, 32, 4, 1)}
+# tile kernel (BM, BN, num_warps, num_stages) by rows: <= 2, <= 8, <= 16, wider calls (16-row tiles
+# along M); BM <= DIGITS_ON_N_MAX puts the three digits side by side in one dot's columns (one dot
+# per operand instead of three: the narrow calls' mma columns are otherwise idle). sm_90 register
+# counts of the super-block loop (tools/sass_loop.py split): these compile without local memory.
+TILE_CONFIGS: dict[int, tuple[int, int, int, int]] = {2: (2, 64, 4, 1), 8: (8, 64, 4, 1), 16: (16, 32, 2, 1),
+                                                      64: (16, 64, 4, 1)}
+DIGITS_ON_N_MAX = 8
 ROWS_CONFIG = (16, 2)  # (BN, num_warps) of the CUDA-core kernel
 
 
@@ -444,8 +447,27 @@ if HAVE_TRITON:
         return tl.join(tl.join(e0, e2), tl.join(e1, e3)).reshape(wd.shape[0], wd.shape[1], wd.shape[2], wd.shape[3], 4)
 
     @triton.jit
+    def _digits(acc, BN: tl.constexpr, BM: tl.constexpr):
+        """[BN, 4 BM] int32, column 4 m + p -> the three digits' [BN, BM] (column p = 3 dropped)."""
+        ev, od = tl.split(tl.reshape(acc, (BN, BM, 2, 2)))  # ev: p = 0, 2; od: p = 1, 3
+        d0, d2 = tl.split(ev)
+        d1, d3 = tl.split(od)
+        return d0, d1, d2
+
+    @triton.jit
+    def _dot3(op, a, a1, a2, acc, acc1, acc2, DN: tl.constexpr):
+        """acc + op @ a (DN: the digits side by side in a's columns) or, per digit, acc_p + op @ a_p."""
+        if DN:
+            acc = tl.dot(op, a, acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(op, a, acc, out_dtype=tl.int32)
+            acc1 = tl.dot(op, a1, acc1, out_dtype=tl.int32)
+            acc2 = tl.dot(op, a2, acc2, out_dtype=tl.int32)
+        return acc, acc1, acc2
+
+    @triton.jit
     def _tile_kernel(ap, sap, b16p, b32p, y, qp, hp, sp, dp, T, N, K, sy, FMT: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr):
+                     BN: tl.constexpr, DN: tl.constexpr):
         """Tensor-core GEMM: each program a [BN, BM] tile of outputs (weight rows x activation
         rows), one super-block an iteration. The unit scale folds into the weight operand, so one
         int8 `tl.dot` per digit and operand covers the super-block's 256 slots:
@@ -473,6 +495,9 @@ if HAVE_TRITON:
         h4 = tl.arange(0, 2)[None, None, None, :]  # [1, 1, 1, 2]
         w4 = tl.expand_dims(w3, 3)  # [1, 1, 4, 1]
         nn = nc[:, None, None]
+        j4 = tl.arange(0, 4 * BM)
+        pj = j4 % 4  # the activation operand's column 4 m + p
+        mcj = tl.minimum(pm * BM + j4 // 4, T - 1)
         total = tl.zeros((BN, BM), tl.float32)
         for c in range(0, tl.cdiv(NB, 4)):
             ch = tl.zeros((BN, BM), tl.float32)
@@ -484,11 +509,19 @@ if HAVE_TRITON:
                 wv = tl.load(qp + (nn * NU + u) * 4 + w3)  # [BN, 8, 4]
                 cw = tl.join(wv & 0x0F0F0F0F, (wv >> 4) & 0x0F0F0F0F)  # [BN, 8, 4, 2]: bytes b of (w, h)
                 sv = tl.expand_dims(tl.load(sp + nn * NU + u).to(tl.int32), 3)  # [BN, 8, 1, 1]
-                arow = ap + mc[None, :] * (3 * K) + bc * 256 + kk[:, None]  # [256, BM]: digit 0
-                a0 = tl.load(arow)
-                a1 = tl.load(arow + K)
-                a2 = tl.load(arow + 2 * K)
-                # one operand at a time against the three digits (fewer live registers)
+                if DN:  # the activation operand [256, 4 BM]: column 4 m + p holds digit p of row m (p = 3: zeros)
+                    a0 = tl.load(ap + mcj[None, :] * (3 * K) + pj[None, :] * K + bc * 256 + kk[:, None],
+                                 mask=(pj < 3)[None, :], other=0)
+                    a1 = a0
+                    a2 = a0
+                    z = tl.zeros((BN, 4 * BM), tl.int32)
+                else:  # one [256, BM] operand per digit
+                    arow = ap + mc[None, :] * (3 * K) + bc * 256 + kk[:, None]
+                    a0 = tl.load(arow)
+                    a1 = tl.load(arow + K)
+                    a2 = tl.load(arow + 2 * K)
+                    z = tl.zeros((BN, BM), tl.int32)
+                # one operand at a time against the digits (fewer live registers)
                 if FMT == 7:
                     hk = tl.load(hp + (nn * NU + u) * 2 + tl.arange(0, 2)[None, None, :])  # [BN, 8, 2]: words k
                     hw = tl.reshape(tl.join(hk, hk >> 4), (BN, 8, 4))  # code word w = 2k + j: its bits at 0
@@ -502,13 +535,9 @@ if HAVE_TRITON:
                     wb = ((q >> 8) & 0x00FF00FF) * sc + bias
                     # v + 4096 = 128 H + L: L = v & 127, H = (v >> 7) + 32 in [0, 64], back in byte order
                     op = tl.reshape(_bytes(((wa >> 7) & 0x007F007F) | (((wb >> 7) & 0x007F007F) << 8)), (BN, 256))
-                    s0 = tl.dot(op, a0, out_dtype=tl.int32) * 128
-                    s1 = tl.dot(op, a1, out_dtype=tl.int32) * 128
-                    s2 = tl.dot(op, a2, out_dtype=tl.int32) * 128
+                    s0, s1, s2 = _dot3(op, a0, a1, a2, z, z, z, DN)
                     op = tl.reshape(_bytes((wa & 0x007F007F) | ((wb & 0x007F007F) << 8)), (BN, 256))
-                    s0 = tl.dot(op, a0, s0, out_dtype=tl.int32)
-                    s1 = tl.dot(op, a1, s1, out_dtype=tl.int32)
-                    s2 = tl.dot(op, a2, s2, out_dtype=tl.int32)
+                    s0, s1, s2 = _dot3(op, a0, a1, a2, s0 * 128, s1 * 128, s2 * 128, DN)
                     # the H offset, 128 * 32 * (the super-block's sum of A), taken off by _sb_term's
                     # sx - 32 mx (exact f64 integers)
                     sa_sum = tl.sum(tl.load(b32p + mc[None, :] * NU + bc * 8 + tl.arange(0, 8)[:, None]), 0)  # [BM]
@@ -516,24 +545,24 @@ if HAVE_TRITON:
                 else:
                     sc = sv & 0xFF
                     op = tl.reshape(_bytes(cw * (sc >> 3)), (BN, 256))
-                    s0 = tl.dot(op, a0, out_dtype=tl.int32) * 8
-                    s1 = tl.dot(op, a1, out_dtype=tl.int32) * 8
-                    s2 = tl.dot(op, a2, out_dtype=tl.int32) * 8
+                    s0, s1, s2 = _dot3(op, a0, a1, a2, z, z, z, DN)
                     op = tl.reshape(_bytes(cw * (sc & 7)), (BN, 256))
-                    s0 = tl.dot(op, a0, s0, out_dtype=tl.int32)
-                    s1 = tl.dot(op, a1, s1, out_dtype=tl.int32)
-                    s2 = tl.dot(op, a2, s2, out_dtype=tl.int32)
+                    s0, s1, s2 = _dot3(op, a0, a1, a2, s0 * 8, s1 * 8, s2 * 8, DN)
                     if FMT == 6:
                         hv = tl.expand_dims(tl.load(hp + nn * NU + u), 3)  # [BN, 8, 1, 1]
                         op = tl.reshape(_bytes(((hv >> (2 * w4 + h4)) & 0x01010101) * sc), (BN, 256))
-                        s0 += tl.dot(op, a0, out_dtype=tl.int32) * 16
-                        s1 += tl.dot(op, a1, out_dtype=tl.int32) * 16
-                        s2 += tl.dot(op, a2, out_dtype=tl.int32) * 16
+                        h0, h1, h2 = _dot3(op, a0, a1, a2, z, z, z, DN)
+                        s0 += h0 * 16
+                        s1 += h1 * 16
+                        s2 += h2 * 16
                     # the offsets' digit sums M_p = sum_u m_u bsum32_pu recombine exactly like S (f64)
                     op = tl.reshape(_bytes(((sv >> 8) & 0xFF) * 0x01010101 + cw * 0), (BN, 256))
-                    mx = tl.dot(op, a0, out_dtype=tl.int32).to(tl.float64) * 64516.0
-                    mx = mx + tl.dot(op, a1, out_dtype=tl.int32).to(tl.float64) * 254.0
-                    mx = mx + tl.dot(op, a2, out_dtype=tl.int32).to(tl.float64)
+                    m0, m1, m2 = _dot3(op, a0, a1, a2, z, z, z, DN)
+                    if DN:
+                        m0, m1, m2 = _digits(m0, BN, BM)
+                    mx = (m0.to(tl.float64) * 64516.0 + m1.to(tl.float64) * 254.0) + m2.to(tl.float64)
+                if DN:
+                    s0, s1, s2 = _digits(s0, BN, BM)
                 dd = tl.load(dp + n * NB + b, mask=nmask & bvalid, other=0)
                 sa = tl.load(sap + m * NB + b, mask=mmask & bvalid, other=0.0)
                 ch = ch + _sb_term(FMT, s0, s1, s2, mx, sa[None, :], dd[:, None])
@@ -587,8 +616,8 @@ def check_tile_config(config) -> tuple[int, int, int, int]:
     except (TypeError, ValueError):
         raise ValueError(f"config {config!r}: expected (BM, BN, num_warps, num_stages)") from None
     p2 = all(v > 0 and v & (v - 1) == 0 for v in (bm, bn, nw))
-    if not (p2 and 8 <= bm <= 128 and 16 <= bn <= 256 and nw <= 16 and 1 <= ns <= 8):
-        raise ValueError(f"config {list(config)!r}: BM 16..128, BN 16..256 powers of two, num_warps <= 16, 1..8 stages")
+    if not (p2 and 2 <= bm <= 64 and 16 <= bn <= 256 and nw <= 16 and 1 <= ns <= 8):
+        raise ValueError(f"config {list(config)!r}: BM 2..64, BN 16..256 powers of two, num_warps <= 16, 1..8 stages")
     return bm, bn, nw, ns
 
 
@@ -634,11 +663,12 @@ def launch_matmul(p: SplitPacked, act: Act, out: torch.Tensor, config: tuple | N
                                                       FMT=_CODE[p.fmt], ROWS=rows, BN=bn, ASM=_asm(),
                                                       num_warps=nw, enable_fp_fusion=False)
         return out
-    bucket = 8 if T <= 8 else 16 if T <= 16 else 64
+    bucket = next((r for r in sorted(TILE_CONFIGS) if T <= r), max(TILE_CONFIGS))
     bm, bn, nw, ns = check_tile_config(config) if config is not None else TILE_CONFIGS[bucket]
     grid = (triton.cdiv(T, bm), triton.cdiv(p.n_out, bn))  # [M tiles, N tiles]
+    dn = bm <= DIGITS_ON_N_MAX
     _tile_kernel[grid](act.a, act.s, act.bx16, act.bx32, out, *ptrs, T, p.n_out, K, out.stride(0), FMT=_CODE[p.fmt],
-                       BM=bm, BN=bn, num_warps=nw, num_stages=ns, enable_fp_fusion=False)
+                       BM=bm, BN=bn, DN=dn, num_warps=nw, num_stages=ns, enable_fp_fusion=False)
     return out
 
 
