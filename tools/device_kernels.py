@@ -222,10 +222,10 @@ def tuning_table(speed: list[dict]) -> list[dict]:
 
 # (BM, BN, num_warps, num_stages) of the split GEMM's tiles timed per row count (qgemm_split.check_tile_config)
 # (a pair: the one-row CUDA-core kernel's (BN, num_warps)); sm_90 compiles them without local memory
-SPLIT_SWEEP = {1: ((16, 2), (32, 2), (16, 4), (32, 4), (8, 2), (2, 32, 2, 1)),
-               8: ((8, 32, 2, 2), (8, 32, 2, 1), (16, 32, 2, 2)),
-               16: ((16, 32, 2, 2), (16, 32, 2, 1), (16, 64, 4, 2)),
-               512: ((16, 32, 2, 2), (16, 32, 2, 1), (16, 64, 4, 1), (32, 32, 4, 2))}
+SPLIT_SWEEP = {1: ((16, 2), (32, 2), (32, 4), (16, 1), (2, 32, 2, 1)),
+               8: ((8, 32, 2, 1), (8, 32, 2, 2)),
+               16: ((16, 32, 2, 2), (16, 32, 2, 1), (16, 64, 4, 1)),
+               512: ((16, 32, 2, 2), (16, 32, 2, 1), (16, 64, 4, 1))}
 # the shapes swept: each format's largest traffic (FFN gate/up, FFN down, the LM head)
 SPLIT_SWEEP_SHAPES = (("Q4_K", 39936, 6656), ("Q6_K", 6656, 19968), ("Q5_K", 202048, 6656))
 

@@ -72,15 +72,16 @@ BASE = 254
 A_MAX = 127 * BASE * BASE  # 8,193,532 < 2^23
 CHUNK_SB = 4  # super-blocks per chunk of the fixed f32 order
 ROWS_MAX = 1  # rows served by the CUDA-core kernel (one: 108 us against the tiles' 155 on Q4_K 39936 x 6656)
-# tile kernel (BM, BN, num_warps, num_stages) by rows: <= 2, <= 8, <= 16, wider calls (16-row tiles
-# along M); BM <= DIGITS_ON_N_MAX puts the three digits side by side in one dot's columns (one dot
-# per operand instead of three: the narrow calls' mma columns are otherwise idle). From the H200
-# sweep (20261204T130509Z-kernels-cuda.json: Q4_K 39936 x 6656, Q6_K 6656 x 19968, Q5_K LM head,
-# every tiling bitwise equal); sm_90 compiles them without local memory (tools/sass_loop.py split).
-_TILES = {2: (2, 32, 2, 1), 8: (8, 32, 2, 2), 16: (16, 32, 2, 2), 64: (16, 32, 2, 1)}
+# tile kernel (BM, BN, num_warps, num_stages) per format by rows: <= 2, <= 8, <= 16, wider calls
+# (16-row tiles along M); BM <= DIGITS_ON_N_MAX puts the three digits side by side in one dot's
+# columns (one dot per operand instead of three: the narrow calls' mma columns are otherwise idle).
+# The H200 sweeps' fastest (20261204T130509Z- and 20261204T132055Z-kernels-cuda.json: Q4_K 39936 x
+# 6656, Q6_K 6656 x 19968, Q5_K 202048 x 6656; every tiling bitwise equal). In sm_90 SASS
+# (tools/sass_loop.py split) only Q6_K's 16-row tile uses local memory; it is still its fastest.
 TILE_CONFIGS: dict[G, dict[int, tuple[int, int, int, int]]] = {
-    G.Q4_K: _TILES, G.Q6_K: _TILES,
-    G.Q5_K: {**_TILES, 64: (16, 32, 2, 2)},  # (16, 32, 2, 1) spills its wide loop
+    G.Q4_K: {2: (2, 32, 2, 1), 8: (8, 32, 2, 1), 16: (16, 32, 2, 2), 64: (16, 32, 2, 2)},
+    G.Q5_K: {2: (2, 32, 2, 1), 8: (8, 32, 2, 1), 16: (16, 32, 2, 2), 64: (16, 32, 2, 2)},
+    G.Q6_K: {2: (2, 32, 2, 1), 8: (8, 32, 2, 2), 16: (16, 32, 2, 1), 64: (16, 64, 4, 1)},
 }
 DIGITS_ON_N_MAX = 8
 ROWS_CONFIG = (16, 2)  # (BN, num_warps) of the CUDA-core kernel
@@ -362,68 +363,6 @@ if HAVE_TRITON:
         return ch
 
     @triton.jit
-    def _rows_loads(qp, hp, sp, nn, u3, ww, NU, FMT: tl.constexpr):
-        """`_rows_kernel`'s loads of unit u3 ([4]: one a super-block of the chunk): code words
-        [1, BN, 4, 4], the high-bit word(s) (Q4_K: the words again) and the scale field [1, BN, 4, 1]."""
-        u = u3[None, None, :, None]  # [1, 1, 4, 1]
-        words = tl.load(qp + (nn * NU + u) * 4 + ww)
-        if FMT == 6:
-            h = tl.load(hp + nn * NU + u)  # [1, BN, 4, 1]
-        elif FMT == 7:
-            h = tl.load(hp + (nn * NU + u) * 2 + ww // 2)  # word w // 2
-        else:
-            h = words
-        return words, h, tl.load(sp + nn * NU + u).to(tl.int32)
-
-    @triton.jit
-    def _rows_unit(words, h, scs, u3, ap, b16p, b32p, r, nc, ww, K, s0, s1, s2, mx, FMT: tl.constexpr,
-                   ROWS: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr):
-        """`_rows_kernel`'s arithmetic of one unit: per digit 8 dp4a (code word w's low nibbles
-        against activation word 2w, high against 2w + 1) and the scale product into s0..s2, the
-        offsets' f64 term into mx."""
-        NU = K // 32
-        KW = K // 4  # activation words a row and digit
-        u = u3[None, None, :, None]  # [1, 1, 4, 1]
-        nn = nc[None, :, None, None]
-        rr = r[:, None, None, None]
-        c0 = words & 0x0F0F0F0F
-        c1 = (words >> 4) & 0x0F0F0F0F
-        if FMT == 6:
-            c0 = c0 | (((h >> (2 * ww)) & 0x01010101) << 4)
-            c1 = c1 | (((h >> (2 * ww + 1)) & 0x01010101) << 4)
-        if FMT == 7:
-            c0 = c0 | (((h >> (4 * (ww % 2))) & 0x03030303) << 4)
-            c1 = c1 | (((h >> (4 * (ww % 2) + 2)) & 0x03030303) << 4)
-        cc0 = tl.broadcast_to(c0, (ROWS, BN, 4, 4))
-        cc1 = tl.broadcast_to(c1, (ROWS, BN, 4, 4))
-        sc = tl.reshape(scs, (1, BN, 4))  # [1, BN, 4]
-        roff = r[:, None, None] + nc[None, :, None] * 0  # [R, BN, 1]: a row's per-unit sums
-        if FMT == 7:
-            sclo = (sc << 24) >> 24
-            schi = (sc << 16) >> 24
-            b16 = b16p + roff * (K // 16) + (u3 * 2)[None, None, :]
-            mx += sclo.to(tl.float64) * tl.load(b16) + schi.to(tl.float64) * tl.load(b16 + 1)
-        else:
-            mx += ((sc >> 8) & 0xFF).to(tl.float64) * tl.load(b32p + roff * NU + u3[None, None, :])
-        hh = tl.arange(0, 2)[None, None, None, None, :]
-        for p in tl.static_range(3):
-            abase = ap + (rr * 3 + p) * KW + u * 8 + 2 * ww + nn * 0  # [R, BN, 4, 4]
-            alo, ahi = tl.split(tl.load(tl.expand_dims(abase, 4) + hh))  # act words 2w, 2w + 1
-            dw = _dot4(cc1, ahi, _dot4z(cc0, alo, ASM), ASM)
-            if FMT == 7:
-                d_lo, d_hi = tl.split(tl.sum(tl.reshape(dw, (ROWS, BN, 4, 2, 2)), 4))  # words 0-1, 2-3
-                z = sclo * d_lo + schi * d_hi
-            else:
-                z = (sc & 0xFF) * tl.sum(dw, 3)
-            if p == 0:
-                s0 += z
-            elif p == 1:
-                s1 += z
-            else:
-                s2 += z
-        return s0, s1, s2, mx
-
-    @triton.jit
     def _rows_kernel(ap, sap, b16p, b32p, y, qp, hp, sp, dp, N, K, sy, FMT: tl.constexpr, ROWS: tl.constexpr,
                      BN: tl.constexpr, ASM: tl.constexpr):
         """CUDA-core GEMM for ROWS activation rows; ap: the digits as int32 words [T, 3, K/4]. Each
@@ -439,21 +378,15 @@ if HAVE_TRITON:
         nc = tl.minimum(n, N - 1)
         NU = K // 32
         NB = K // 256
+        KW = K // 4  # activation words a row and digit
         w4 = tl.arange(0, 4)
         sbi = tl.arange(0, 4)
         r = tl.arange(0, ROWS)  # [R]
         nn = nc[None, :, None, None]
+        rr = r[:, None, None, None]
         ww = w4[None, None, None, :]
+        hh = tl.arange(0, 2)[None, None, None, None, :]
         total = tl.zeros((ROWS, BN), tl.float32)
-        sb0 = tl.minimum(sbi, NB - 1)
-        n0, m0, k0 = _rows_loads(qp, hp, sp, nn, sb0 * 8 + 0, ww, NU, FMT)
-        n1, m1, k1 = _rows_loads(qp, hp, sp, nn, sb0 * 8 + 1, ww, NU, FMT)
-        n2, m2, k2 = _rows_loads(qp, hp, sp, nn, sb0 * 8 + 2, ww, NU, FMT)
-        n3, m3, k3 = _rows_loads(qp, hp, sp, nn, sb0 * 8 + 3, ww, NU, FMT)
-        n4, m4, k4 = _rows_loads(qp, hp, sp, nn, sb0 * 8 + 4, ww, NU, FMT)
-        n5, m5, k5 = _rows_loads(qp, hp, sp, nn, sb0 * 8 + 5, ww, NU, FMT)
-        n6, m6, k6 = _rows_loads(qp, hp, sp, nn, sb0 * 8 + 6, ww, NU, FMT)
-        n7, m7, k7 = _rows_loads(qp, hp, sp, nn, sb0 * 8 + 7, ww, NU, FMT)
         for c in range(0, tl.cdiv(NB, 4)):
             sb = c * 4 + sbi  # [4]
             sbm = sb < NB
@@ -462,28 +395,46 @@ if HAVE_TRITON:
             s1 = s0
             s2 = s0
             mx = tl.zeros((ROWS, BN, 4), tl.float64)
-            # this chunk's 8 units were loaded during the last iteration; the next chunk's loads are
-            # issued now, before this one's arithmetic (clamped past the end: the last chunk again)
-            w0, h0, c0, w1, h1, c1, w2, h2, c2, w3, h3, c3 = n0, m0, k0, n1, m1, k1, n2, m2, k2, n3, m3, k3
-            w4_, h4_, c4, w5, h5, c5, w6, h6, c6, w7, h7, c7 = n4, m4, k4, n5, m5, k5, n6, m6, k6, n7, m7, k7
-            sbn = tl.minimum(sb + 4, NB - 1)
-            n0, m0, k0 = _rows_loads(qp, hp, sp, nn, sbn * 8 + 0, ww, NU, FMT)
-            n1, m1, k1 = _rows_loads(qp, hp, sp, nn, sbn * 8 + 1, ww, NU, FMT)
-            n2, m2, k2 = _rows_loads(qp, hp, sp, nn, sbn * 8 + 2, ww, NU, FMT)
-            n3, m3, k3 = _rows_loads(qp, hp, sp, nn, sbn * 8 + 3, ww, NU, FMT)
-            n4, m4, k4 = _rows_loads(qp, hp, sp, nn, sbn * 8 + 4, ww, NU, FMT)
-            n5, m5, k5 = _rows_loads(qp, hp, sp, nn, sbn * 8 + 5, ww, NU, FMT)
-            n6, m6, k6 = _rows_loads(qp, hp, sp, nn, sbn * 8 + 6, ww, NU, FMT)
-            n7, m7, k7 = _rows_loads(qp, hp, sp, nn, sbn * 8 + 7, ww, NU, FMT)
-            s0, s1, s2, mx = _rows_unit(w0, h0, c0, sbc * 8 + 0, ap, b16p, b32p, r, nc, ww, K, s0, s1, s2, mx, FMT, ROWS, BN, ASM)
-            s0, s1, s2, mx = _rows_unit(w1, h1, c1, sbc * 8 + 1, ap, b16p, b32p, r, nc, ww, K, s0, s1, s2, mx, FMT, ROWS, BN, ASM)
-            s0, s1, s2, mx = _rows_unit(w2, h2, c2, sbc * 8 + 2, ap, b16p, b32p, r, nc, ww, K, s0, s1, s2, mx, FMT, ROWS, BN, ASM)
-            s0, s1, s2, mx = _rows_unit(w3, h3, c3, sbc * 8 + 3, ap, b16p, b32p, r, nc, ww, K, s0, s1, s2, mx, FMT, ROWS, BN, ASM)
-            s0, s1, s2, mx = _rows_unit(w4_, h4_, c4, sbc * 8 + 4, ap, b16p, b32p, r, nc, ww, K, s0, s1, s2, mx, FMT, ROWS, BN,
-                                        ASM)
-            s0, s1, s2, mx = _rows_unit(w5, h5, c5, sbc * 8 + 5, ap, b16p, b32p, r, nc, ww, K, s0, s1, s2, mx, FMT, ROWS, BN, ASM)
-            s0, s1, s2, mx = _rows_unit(w6, h6, c6, sbc * 8 + 6, ap, b16p, b32p, r, nc, ww, K, s0, s1, s2, mx, FMT, ROWS, BN, ASM)
-            s0, s1, s2, mx = _rows_unit(w7, h7, c7, sbc * 8 + 7, ap, b16p, b32p, r, nc, ww, K, s0, s1, s2, mx, FMT, ROWS, BN, ASM)
+            for uu in tl.static_range(8):
+                u3 = sbc * 8 + uu  # [4]
+                u = u3[None, None, :, None]  # [1, 1, 4, 1]
+                words = tl.load(qp + (nn * NU + u) * 4 + ww)  # [1, BN, 4, 4]
+                c0 = words & 0x0F0F0F0F
+                c1 = (words >> 4) & 0x0F0F0F0F
+                if FMT == 6:
+                    h = tl.load(hp + nn * NU + u)  # [1, BN, 4, 1]
+                    c0 = c0 | (((h >> (2 * ww)) & 0x01010101) << 4)
+                    c1 = c1 | (((h >> (2 * ww + 1)) & 0x01010101) << 4)
+                if FMT == 7:
+                    hk = tl.load(hp + (nn * NU + u) * 2 + ww // 2)  # word w // 2
+                    c0 = c0 | (((hk >> (4 * (ww % 2))) & 0x03030303) << 4)
+                    c1 = c1 | (((hk >> (4 * (ww % 2) + 2)) & 0x03030303) << 4)
+                cc0 = tl.broadcast_to(c0, (ROWS, BN, 4, 4))
+                cc1 = tl.broadcast_to(c1, (ROWS, BN, 4, 4))
+                scs = tl.reshape(tl.load(sp + nn * NU + u).to(tl.int32), (1, BN, 4))  # [1, BN, 4]
+                roff = r[:, None, None] + nc[None, :, None] * 0  # [R, BN, 1]: a row's per-unit sums
+                if FMT == 7:
+                    sclo = (scs << 24) >> 24
+                    schi = (scs << 16) >> 24
+                    b16 = b16p + roff * (K // 16) + (u3 * 2)[None, None, :]
+                    mx += sclo.to(tl.float64) * tl.load(b16) + schi.to(tl.float64) * tl.load(b16 + 1)
+                else:
+                    mx += ((scs >> 8) & 0xFF).to(tl.float64) * tl.load(b32p + roff * NU + u3[None, None, :])
+                for p in tl.static_range(3):
+                    abase = ap + (rr * 3 + p) * KW + u * 8 + 2 * ww + nn * 0  # [R, BN, 4, 4]
+                    alo, ahi = tl.split(tl.load(tl.expand_dims(abase, 4) + hh))  # act words 2w, 2w + 1
+                    dw = _dot4(cc1, ahi, _dot4z(cc0, alo, ASM), ASM)
+                    if FMT == 7:
+                        d_lo, d_hi = tl.split(tl.sum(tl.reshape(dw, (ROWS, BN, 4, 2, 2)), 4))  # words 0-1, 2-3
+                        z = sclo * d_lo + schi * d_hi
+                    else:
+                        z = (scs & 0xFF) * tl.sum(dw, 3)
+                    if p == 0:
+                        s0 += z
+                    elif p == 1:
+                        s1 += z
+                    else:
+                        s2 += z
             dd = tl.load(dp + n[:, None] * NB + sb[None, :], mask=nmask[:, None] & sbm[None, :], other=0)  # [BN, 4]
             sa = tl.load(sap + r[:, None] * NB + sb[None, :], mask=sbm[None, :], other=0.0)  # [R, 4]
             term = _sb_term(FMT, s0, s1, s2, mx, sa[:, None, :], dd[None])  # [R, BN, 4]
