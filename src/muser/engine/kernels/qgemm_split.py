@@ -38,11 +38,16 @@ The layout (`pack`), per 32-element unit u of a weight row (bytes per weight as 
   Q6_K the two int8 scales of the unit's halves, low byte first.
 * `dd` Q4_K/Q5_K int32 [N, K/256]: d's f16 bits | dmin's f16 bits << 16; Q6_K: d f16 [N, K/256].
 
-Kernels: `_rows_kernel` (CUDA cores, 1..ROWS_MAX rows: dp4a on the packed words, one weight read
-shared by the rows) and `_tile_kernel` (tensor cores: each unit's codes expanded to an int8
-[32, BN] operand, int8 x int8 -> int32 `tl.dot` per digit). Both end in `_sb_term` and the same
-chunked sum. Reference beside them: `matmul_ref` (torch, exact integer sums in f64, the same f32
-steps) and `split_act_ref`.
+Kernels: `_rows_kernel` (CUDA cores, ROWS_MAX rows: dp4a on the packed words, code word w's low
+nibbles against activation word 2w and its high nibbles against word 2w + 1) and `_tile_kernel`
+(tensor cores, more rows: one super-block an iteration, weights as the dot's M side; the unit
+scale folds into the weight operand as two int8 parts whose products stay exact (Q4_K/Q5_K
+sc = 8 sh + sl, code * part <= 105; Q5_K's fifth bit a third operand; Q6_K sc (code - 32) + 4096
+in 16-bit lanes, 128 H + L), so one int8 `tl.dot` per operand covers the super-block's 256 slots
+and gives the same integer S as the unit sums times their scales; narrow calls put the three
+digits side by side in the dot's columns). Both end in `_sb_term` and the same chunked sum.
+Reference beside them: `matmul_ref` (torch, exact integer sums in f64, the same f32 steps) and
+`split_act_ref`.
 """
 
 from __future__ import annotations
@@ -98,10 +103,10 @@ class SplitPacked(Packed):
 
 @dataclass(frozen=True)
 class Act:
-    """Activations split into base-254 digits: a int8 [T, PARTS, K] (each unit's 32 digits in the
-    slot order of POS), s f32 [T, K/256], and the sums of the integers A = 254^2 a1 + 254 a2 + a3
-    per 16 elements (bx16) and per unit (bx32), f64 [T, K/16] and [T, K/32] (exact: |sum| < 2^28),
-    which the K-quants' offsets read."""
+    """Activations split into base-254 digits: a int8 [T, PARTS, K] (element order), s f32
+    [T, K/256], and the sums of the integers A = 254^2 a1 + 254 a2 + a3 per 16 elements (bx16) and
+    per unit (bx32), f64 [T, K/16] and [T, K/32] (exact: |sum| < 2^28), which the K-quants'
+    offsets read."""
 
     a: torch.Tensor
     s: torch.Tensor
