@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -174,3 +175,43 @@ def test_split_forward_is_row_invariant(sg, make_gguf):
     assert np.array_equal(whole[4:].view(np.int32), block.view(np.int32))
     base = ref.session(max_context=64, graphs=False).prefill(prompt, all_logits=True)
     assert np.max(np.abs(base - whole)) <= 2e-4 * max(1.0, float(np.max(np.abs(base))))
+
+
+def _extreme(fmt, n_out, n_in, negative):
+    """Blocks at the bounds the tiles' folded operands rely on: every K-quant scale and min at its
+    largest (Q4_K/Q5_K sc = m = 63 with codes 15 / 31), Q6_K scales -128 or 127 with codes 0 and 63
+    (its 16-bit lanes at 32 and 8192); d, dmin 1.0."""
+    from muser.gguf.types import type_info
+
+    ti = type_info(fmt)
+    b = np.frombuffer(random_bytes(fmt, n_out, n_in, 9).tobytes(), dtype=np.uint8).copy().reshape(-1, ti.block_bytes)
+    one = np.array([1.0], dtype="<f2").view(np.uint8)
+    if fmt in (G.Q4_K, G.Q5_K):
+        b[:, 0:2] = one
+        b[:, 2:4] = one
+        b[:, 4:16] = 0xFF  # every 6-bit scale and min 63
+        b[:, 16:] = 0x00 if negative else 0xFF  # codes 0 (Q5_K high bits 0) or 15 / 31
+    else:
+        b[:, 0:192] = 0x00 if negative else 0xFF  # codes 0 or 63
+        b[:, 192:208] = np.where(np.arange(16) % 2, 0x7F, 0x80).astype(np.uint8)  # scales 127, -128 alternating
+        b[:, 208:210] = one
+    return repack("t", fmt, n_out, n_in, torch.from_numpy(b.reshape(n_out, -1).copy()))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_kernels_exact_at_the_folding_bounds(sg, fmt):
+    # every digit at +-126 / +-127: A = 126 * 254^2 + 127 * 254 + 127 beside one element at amax
+    big = 7.5 * (126 * 64516 + 127 * 254 + 127) / (127 * 64516)
+    x = torch.full((3, 512), big)
+    x[:, ::256] = 7.5
+    x[1] = -x[1]
+    x[2, 1::2] = -big
+    for negative in (False, True):
+        p = sg.pack(_extreme(fmt, 32, 512, negative))
+        act = sg.split_act_ref(x)
+        assert int((act.a[:, 1:].abs() == 127).sum()) > 1000  # digits 2 and 3 at their bound
+        ref = sg.matmul_ref(p, act).view(torch.int32)
+        assert torch.equal(_launch(sg, "tile", p, act, BM=16, BN=32).view(torch.int32), ref)  # digits apart
+        assert torch.equal(_launch(sg, "tile", p, act, BM=2, BN=16).view(torch.int32), ref)  # side by side
+        one = act.rows_slice(0, 1)
+        assert torch.equal(_launch(sg, "rows", p, one, ROWS=1, BN=16).view(torch.int32), ref[:1])
