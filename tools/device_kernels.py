@@ -221,7 +221,7 @@ def tuning_table(speed: list[dict]) -> list[dict]:
 
 
 # (BM, BN, num_warps, num_stages) of the split GEMM's tiles timed per row count (qgemm_split.check_tile_config)
-# (a pair: the one-row CUDA-core kernel's (BN, num_warps)); sm_90 compiles them without local memory
+# (a pair: the one-row CUDA-core kernel's (BN, num_warps)); tools/sass_loop.py split shows each one's registers
 SPLIT_SWEEP = {1: ((16, 2), (32, 2), (32, 4), (16, 1), (2, 32, 2, 1)),
                8: ((8, 32, 2, 1), (8, 32, 2, 2)),
                16: ((16, 32, 2, 2), (16, 32, 2, 1), (16, 64, 4, 1)),

@@ -76,11 +76,11 @@ PARTS = 3  # base-254 digits of an activation
 BASE = 254
 A_MAX = 127 * BASE * BASE  # 8,193,532 < 2^23
 CHUNK_SB = 4  # super-blocks per chunk of the fixed f32 order
-ROWS_MAX = 1  # rows served by the CUDA-core kernel (one: 108 us against the tiles' 155 on Q4_K 39936 x 6656)
+ROWS_MAX = 1  # rows served by the CUDA-core kernel (one: 109.2 us against the tiles' 157.0 on Q4_K 39936 x 6656)
 # tile kernel (BM, BN, num_warps, num_stages) per format by rows: <= 2, <= 8, <= 16, wider calls
 # (16-row tiles along M); BM <= DIGITS_ON_N_MAX puts the three digits side by side in one dot's
 # columns (one dot per operand instead of three: the narrow calls' mma columns are otherwise idle).
-# The H200 sweeps' fastest (20261204T130509Z- and 20261204T132055Z-kernels-cuda.json: Q4_K 39936 x
+# The H200 sweeps' fastest (20261204T132055Z- and 20261204T133441Z-kernels-cuda.json: Q4_K 39936 x
 # 6656, Q6_K 6656 x 19968, Q5_K 202048 x 6656; every tiling bitwise equal). In sm_90 SASS
 # (tools/sass_loop.py split) only Q6_K's 16-row tile uses local memory; it is still its fastest.
 TILE_CONFIGS: dict[G, dict[int, tuple[int, int, int, int]]] = {
@@ -480,13 +480,15 @@ if HAVE_TRITON:
                      BN: tl.constexpr, DN: tl.constexpr):
         """Tensor-core GEMM: each program a [BN, BM] tile of outputs (weight rows x activation
         rows), one super-block an iteration. The unit scale folds into the weight operand, so one
-        int8 `tl.dot` per digit and operand covers the super-block's 256 slots:
+        int8 `tl.dot` per operand (DN: the three digits side by side in its columns; else one per
+        digit) covers the super-block's 256 slots:
         Q4_K  sc = 8 sh + sl (3-bit parts; code * part <= 105 stays in a byte): S = 8 D(code sh)
               + D(code sl), the same integer as sum_u sc_u D_u (step 2);
         Q5_K  the same over the low 4 bits, + 16 D(high bit * sc);
-        Q6_K  v = sc_half * (code - 32) = 128 vh + vl (vl = v & 127, vh = v >> 7).
-        The offsets' f64 sum (Q4_K/Q5_K), then `_sb_term` and the fixed chunk order. Loads are
-        clamped to the last row / super-block (no predicates)."""
+        Q6_K  v + 4096 = sc_half (code - 32) + 4096 = 128 H + L in 16-bit lanes (each in [32, 8192]);
+              S = 128 D(H) + D(L), the 4096 taken off through _sb_term's sx - 32 mx.
+        Q4_K/Q5_K offsets: Mx = sum_u m_u bx32_u in f64. Then `_sb_term` and the fixed chunk order.
+        Loads are clamped to the last row / super-block (no predicates)."""
         pm = tl.program_id(0)
         pn = tl.program_id(1)
         m = pm * BM + tl.arange(0, BM)
@@ -662,8 +664,8 @@ def launch_matmul(p: SplitPacked, act: Act, out: torch.Tensor, config: tuple | N
     use_rows = T <= ROWS_MAX if rows_kernel is None else rows_kernel
     if use_rows:
         bn, nw = ROWS_CONFIG if config is None else check_rows_config(config)
-        for t0 in range(0, T, max(1, ROWS_MAX)):
-            t1 = min(T, t0 + max(1, ROWS_MAX))
+        for t0 in range(0, T, ROWS_MAX):
+            t1 = min(T, t0 + ROWS_MAX)
             rows = 1 if t1 - t0 == 1 else 2
             sub = act.rows_slice(t0, t1) if (t0, t1) != (0, T) else act
             o = out[t0:t1]
