@@ -486,17 +486,17 @@ def main(argv=None) -> int:
         if table:  # the sweep's winners so far, in v3_tuning.json's form
             (out_dir / "v3_tuning.json").write_text(json.dumps(table, indent=1) + "\n")
         save()
-    if a.lane == "fast" and a.device == "cuda":  # the lane's attention: f16 operands on tensor cores
+    if a.device == "cuda":  # attention, both operand kinds: against the reference, invariance, time
         import subprocess
 
-        aj = out_dir / "attn-f16.json"
+        aj = out_dir / "attn.json"
         try:
-            p = subprocess.run([sys.executable, str(REPO / "tools" / "device_attn_f16.py"), "--json", str(aj)],
+            p = subprocess.run([sys.executable, str(REPO / "tools" / "device_attn.py"), "--json", str(aj)],
                                capture_output=True, text=True, timeout=max(30.0, a.budget + 60 - (time.time() - t0)))
             print(p.stdout[-3000:], p.stderr[-2000:], flush=True)
-            rec["attention_f16_operands"] = json.loads(aj.read_text()) if aj.is_file() else {"rc": p.returncode}
+            rec["attention"] = json.loads(aj.read_text()) if aj.is_file() else {"rc": p.returncode}
         except subprocess.TimeoutExpired:
-            rec["skipped"].append("attention f16 operands: budget")
+            rec["skipped"].append("attention: budget")
         save()
     if a.lane == "fast":
         rec["ok"] = all(r.get("ok") for r in rec["invariance"]) and all(

@@ -84,7 +84,28 @@ def timeline(ev: list, steps: int) -> dict:
             "host_gaps_ms_per_step": round(long_ / steps / 1e3, 4)}
 
 
-def profile_cell(eng, depth: int, rows: int, steps: int, rng) -> dict:
+def host_profile(step, steps: int, top: int = 30) -> list[dict]:
+    """The host side of `steps` steps under cProfile: the functions with the most own time (C
+    calls included: the graph launch, the copies, the waits), ms per step."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for i in range(steps):
+        step(i)
+    torch.cuda.synchronize()
+    pr.disable()
+    st = pstats.Stats(pr)
+    rows = []
+    for (fn, line, name), (_, ncalls, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
+        rows.append({"fn": f"{Path(fn).name}:{line}({name})", "calls_per_step": round(ncalls / steps, 2),
+                     "own_ms_per_step": round(tt / steps * 1e3, 4), "cum_ms_per_step": round(ct / steps * 1e3, 4)})
+    rows.sort(key=lambda r: -r["own_ms_per_step"])
+    return rows[:top]
+
+
+def profile_cell(eng, depth: int, rows: int, steps: int, rng, modes: tuple[bool, ...] = (False, True)) -> dict:
     """One (depth, rows) cell, eager and then graph-replayed: `steps` steps timed, then `steps`
     more under the profiler (kernels, launches, the timeline's busy time and gaps)."""
     from muser.engine import MAX_VERIFY
@@ -92,7 +113,7 @@ def profile_cell(eng, depth: int, rows: int, steps: int, rng) -> dict:
     if rows > MAX_VERIFY:
         raise ValueError(f"rows {rows} > MAX_VERIFY {MAX_VERIFY}: prefill is not a graph step")
     vocab = eng.cfg.vocab
-    n_steps = 3 + 3 * steps  # warm-up, timed, profiled
+    n_steps = 3 + 4 * steps  # warm-up, timed, profiled, host-profiled
     n_ctx = max(depth, 1) + rows * n_steps + 8
     ids = rng.integers(6, min(vocab, 8000), size=n_ctx).astype(np.int64)
     cell: dict = {"depth": depth, "rows": rows, "steps": steps}
@@ -104,7 +125,7 @@ def profile_cell(eng, depth: int, rows: int, steps: int, rng) -> dict:
         else:
             s.verify(ids[p0 + i * rows: p0 + (i + 1) * rows])
 
-    for graphs in (False, True):
+    for graphs in modes:
         tag = "graph" if graphs else "eager"
         s = eng.session(max_context=n_ctx, graphs=graphs)
         s.prefill(ids[:p0])
@@ -129,6 +150,8 @@ def profile_cell(eng, depth: int, rows: int, steps: int, rng) -> dict:
         cell[f"{tag}_kernel_ms_per_step"] = round(gpu_ms, 4)
         cell[f"{tag}_launches_per_step"] = round(launches, 1)
         cell[f"{tag}_timeline"] = timeline(ev, steps)
+        if graphs:
+            cell["graph_host"] = host_profile(lambda i: advance(s, 3 + 2 * steps + i), steps)
         del s
         torch.cuda.empty_cache()
     return cell
@@ -142,6 +165,7 @@ def main() -> int:
     ap.add_argument("--depths", default="0")
     ap.add_argument("--rows", default="1,16", help="rows per step: 1 = decode, 2..16 = a verify block")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--modes", default="eager,graph", help="eager and/or graph steps (each prefills its own session)")
     ap.add_argument("--gate-receipt", default=None, help="the wide Gate 2 receipt of this tree and lane")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -171,7 +195,8 @@ def main() -> int:
         for depth in [int(d) for d in a.depths.split(",")]:
             for rows in [int(r) for r in a.rows.split(",")]:
                 try:
-                    cell = profile_cell(eng, depth, rows, a.steps, rng)
+                    cell = profile_cell(eng, depth, rows, a.steps, rng,
+                                        tuple(m == "graph" for m in a.modes.split(",")))
                 except Exception as e:  # recorded; the other cells go on
                     cell = {"depth": depth, "rows": rows, "error": repr(e)[:300],
                             "traceback": traceback.format_exc()[-2000:]}
@@ -182,6 +207,9 @@ def main() -> int:
                       f"wall {cell.get('eager_wall_ms_per_step', 0)} ms", flush=True)
                 for k in cell.get("graph_kernels", [])[:18]:
                     print(f"   {k['ms_per_step']:8.3f} ms  x{k['launches_per_step']:7.2f}  {k['name']}", flush=True)
+                for h in cell.get("graph_host", [])[:16]:
+                    print(f"   host {h['own_ms_per_step']:8.4f} ms own {h['cum_ms_per_step']:8.4f} cum "
+                          f"x{h['calls_per_step']:7.2f}  {h['fn']}", flush=True)
                 if "error" in cell:
                     print("   " + cell["error"], flush=True)
         p = write_receipt("step-profile-cuda", model={"path": str(a.model), "bytes": Path(a.model).stat().st_size},

@@ -8,7 +8,8 @@
 #                                [--llama-server PATH] [--reuse-gates] [--gates-only]
 #                                [--lane exact|fast|split] [--kinds decode,prefill,verify]
 #                                [--kernels-lane exact|fast|split] [--kernels-timings-only] [--install-tuning]
-#                                STAGE...
+#                                [--profile-lanes exact,fast] [--profile-depths LIST] [--profile-rows 1,16]
+#                                [--profile-modes eager,graph] STAGE...
 #
 # --reuse-gates takes a wide Gate 2 receipt of this tree and lane from an earlier call on this
 # machine or, on a bare machine, from DIR/gates/ of the carry (a receipt fetched back from one).
@@ -51,9 +52,13 @@
 #   serve    muser bench serve --device cuda at 1/4/16 clients on the full Q4_K file when it is
 #            written (else, or when that run fails, the shipped micro model), the CUDA
 #            llama-server beside it when built (or the one --llama-server names)
-#   profile  python3 tools/device_profile.py on the full Q4_K file, both lanes: eager decode steps
-#            and 16-row verify steps at the first depth under the torch profiler (GPU time per kernel,
-#            launches) beside the same steps replayed as CUDA graphs, 200 s; it waits for the
+#   attn     python3 tools/device_attn.py --sweep: attention at the engine's shape, both operand
+#            kinds, against attend_ref, row invariance, decode and 16-row times, the exact pass under
+#            each launch choice; DIR/attention_before.py, when carried, timed beside it, 150 s
+#   profile  python3 tools/device_profile.py on the full Q4_K file, --profile-lanes (exact,fast):
+#            eager and/or graph steps (--profile-modes) of --profile-rows (1,16) rows at
+#            --profile-depths (the first depth) under the torch profiler (GPU time per kernel,
+#            launches) and the graph steps' host side under cProfile, 200 s; it waits for the
 #            fixture only, so named before speed it runs while the wide gate is computed
 #   spec     muser bench spec on the shipped micro target + drafter (natural and synthetic prompts,
 #            greedy and sampled; Gate 3: speculative tokens == plain tokens) on CUDA
@@ -69,7 +74,7 @@ cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"
 DRY=0 CARRY=.device/gpubench DEADLINE=585 LLAMA_SERVER="" DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
 KIND_BOX=150 KVPACK_BOX=420 REUSE_GATES=0 GATES_ONLY=0 LANE=exact KINDS=decode,prefill,verify
-STAGES=() KLANE="" KARGS=() INSTALL_TUNING=0
+STAGES=() KLANE="" KARGS=() INSTALL_TUNING=0 PLANES=exact,fast PDEPTHS="" PROWS=1,16 PMODES=eager,graph
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu-dry) DRY=1 ;;
@@ -92,7 +97,11 @@ while [ $# -gt 0 ]; do
     --install-tuning) INSTALL_TUNING=1 ;;
     --lane) LANE=${2:?--lane exact|fast}; shift
             [[ "$LANE" =~ ^(exact|fast|split)$ ]] || { echo "--lane $LANE: expected exact, fast or split" >&2; exit 2; } ;;
-    build|fixture|kernels|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile) STAGES+=("$1") ;;
+    --profile-lanes) PLANES=${2:?--profile-lanes LIST}; shift ;;
+    --profile-depths) PDEPTHS=${2:?--profile-depths LIST}; shift ;;
+    --profile-rows) PROWS=${2:?--profile-rows LIST}; shift ;;
+    --profile-modes) PMODES=${2:?--profile-modes eager,graph}; shift ;;
+    build|fixture|kernels|attn|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
   shift
@@ -319,8 +328,14 @@ from muser.engine.kernels import qmatvec_v3 as q; q.load_tuning(sys.argv[1])" "$
       if ! wait_for "$W/full.done" $(( DEADLINE - 60 )) || [ ! -s "$FULL" ]; then
         record profile - 0 "no $FULL"; continue; fi
       g=$(gate_receipt q4_k_xl); gr=(); [ -n "$g" ] && gr=(--gate-receipt "$g")
-      run_stage profile 200 60 $PY tools/device_profile.py "$FULL" "$R" --lanes exact,fast --depths "${DEPTHS%%,*}" \
-          --rows 1,16 --steps 8 "${gr[@]}" ;;
+      run_stage profile 200 60 $PY tools/device_profile.py "$FULL" "$R" --lanes "$PLANES" \
+          --depths "${PDEPTHS:-${DEPTHS%%,*}}" --rows "$PROWS" --modes "$PMODES" --steps 8 "${gr[@]}" ;;
+    attn)
+      if [ $DRY = 1 ]; then run_stage attn 150 20 $PY tools/device_attn.py --smoke --json "$R/attn-cpu.json"
+      else
+        before=(); [ -s "$CARRY/attention_before.py" ] && before=(--before "$CARRY/attention_before.py")
+        run_stage attn 150 30 $PY tools/device_attn.py --sweep --reps 100 --json "$R/attn-cuda.json" "${before[@]}"
+      fi ;;
     kvpack)
       if ! wait_for "$W/full.done" $(( DEADLINE - 120 )) || [ ! -s "$FULL" ]; then
         record kvpack - 0 "no $FULL"; continue; fi

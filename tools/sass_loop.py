@@ -34,8 +34,9 @@ _TT = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torc
 _OPTS = ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")
 
 
-def capture(call):
-    """Run a host launcher with JITFunction.run patched; return (fn, args, kwargs) of its launch."""
+def capture(call, which: int = -1):
+    """Run a host launcher with JITFunction.run patched; return (fn, args, kwargs, grid) of its
+    launch number `which` (the last by default)."""
     got = []
     orig = JITFunction.run
 
@@ -47,7 +48,7 @@ def capture(call):
         call()
     finally:
         JITFunction.run = orig
-    return got[-1]
+    return got[which]
 
 
 def compile_like_jit(fn, args, kw):
@@ -116,18 +117,8 @@ def loop_body(sass: str) -> list[str]:
     return [ln for ln in lines[best[0] + 1:best[1] + 1] if ";" in ln]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("kernel", choices=["v3", "split"])
-    ap.add_argument("fmt")
-    ap.add_argument("T", type=int)
-    ap.add_argument("--n-out", type=int, default=4096)
-    ap.add_argument("--n-in", type=int, default=6656)
-    ap.add_argument("--config", default=None, help="comma list passed as the launcher's config")
-    ap.add_argument("--rows-kernel", type=int, choices=[0, 1], default=None,
-                    help="split: force the CUDA-core kernel (1) or the tiles (0)")
-    ap.add_argument("--dump", action="store_true")
-    a = ap.parse_args(argv)
+def _matmul_launch(a):
+    """The split or v3 launch of one random weight of format a.fmt."""
     from muser.engine.weights import repack, random_bytes
     from muser.gguf.types import GgmlType as G
 
@@ -151,6 +142,39 @@ def main(argv=None) -> int:
         from muser.engine.kernels import qmatvec_v3 as mod
         w3 = mod.pack(w)
         fn, args, kw, grid = capture(lambda: mod.matvec_v3(w3, x, torch.empty(a.T, a.n_out), config=cfg))
+    return fn, args, kw, grid
+
+
+def _attn_call(kind: str, T: int) -> None:
+    """A graph-shaped attention call of T rows (full geometry heads) at depth 32,768."""
+    from muser.engine.kernels import attention as att
+
+    H, KV, D, W = 32, 2, 128, (2048 if kind == "sliding" else 0)
+    cap = 2048 if W else 32768 + 64
+    kp = torch.zeros(cap, KV * D, dtype=torch.float16)
+    meta = torch.tensor([32768 - (cap if W else 0), 0, cap if W else 32768, cap])
+    sc = att.AttnScratch(T, H, D, att.split_count(T, cap, W), "cpu")
+    att.attend_triton(torch.zeros(T, H, D), torch.zeros(T, KV, D, dtype=torch.float16),
+                      torch.zeros(T, KV, D, dtype=torch.float16), kp, kp, False, meta, torch.tensor([32768]),
+                      W, 0.1, sc)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("kernel", choices=["v3", "split", "attn"])
+    ap.add_argument("fmt")
+    ap.add_argument("T", type=int)
+    ap.add_argument("--n-out", type=int, default=4096)
+    ap.add_argument("--n-in", type=int, default=6656)
+    ap.add_argument("--config", default=None, help="comma list passed as the launcher's config")
+    ap.add_argument("--rows-kernel", type=int, choices=[0, 1], default=None,
+                    help="split: force the CUDA-core kernel (1) or the tiles (0)")
+    ap.add_argument("--dump", action="store_true")
+    a = ap.parse_args(argv)
+    if a.kernel == "attn":  # fmt: full | sliding; f16 planes of the full geometry, the exact pass
+        fn, args, kw, grid = capture(lambda: _attn_call(a.fmt, a.T), 0)
+    else:
+        fn, args, kw, grid = _matmul_launch(a)
     k, opts = compile_like_jit(fn, args, kw)
     sass = get_sass(k.asm["cubin"])
     body = loop_body(sass)

@@ -11,6 +11,12 @@ reads the current token back from its f16 cache. The plane's rows end where the 
 
 Math (f32): s = (q . k) * scale, masked softmax over all visible rows, weighted sum of V.
 
+f32 operands (the exact lane): both dots run on tf32 tensor cores with every product exact. q
+and the probabilities p are split into three tf32 parts (11 + 11 + 2 significant bits, the sum
+exact); f16 plane values are tf32 values as they are (an f32 plane's are split too); each part
+product (11 x 11 bits) is exact in f32, so only the accumulation rounds, as in an f32 dot: the
+CUDA-core IEEE dot this replaces took ~1.9 instructions an FMA and bounded depth-32k decode.
+
 f16 operands (`f16_operands=True`: the fast lane over f16 K/V; f32 planes refuse it): the pinned
 llama.cpp CPU graph's non-flash path (llama-graph.cpp build_attn_mha) runs K·Q and V·P as
 mul_mats against f16 src0, whose vec_dot_type F16 converts src1 to f16 (RNE): q is rounded to
@@ -33,7 +39,8 @@ block, prefilled in any chunking or stepped beside other sequences' rows. So eve
 `attend_triton` is fixed by absolute logical positions, never by T, the plane's length or its
 capacity:
 
-* keys go in blocks of BLOCK positions [16b, 16b + 16) (one tl.dot each) inside splits of S
+* keys go in blocks of BS positions [BS*b, BS*(b + 1)) (BS = BLOCK_EXACT, at most S, with f32
+  operands; BLOCK with f16 operands; one step of the loop each) inside splits of S
   positions [S*s, S*(s+1)), S = SPLIT_SLIDING on sliding layers and SPLIT_FULL on full ones;
 * a key position below p0 is read from the plane at slot (origin_physical + pos -
   origin_logical) % capacity, one at or above p0 from the new rows (row pos - p0): the same
@@ -144,7 +151,22 @@ def attend_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
 # Changing either changes the exact lane's bits (they fix the reduction order).
 SPLIT_SLIDING = 64
 SPLIT_FULL = 256
-BLOCK = 16  # keys per tl.dot step
+BLOCK = 16  # keys per tl.dot step with f16 operands
+BLOCK_EXACT = 64  # keys per step of the f32-operand (exact-split tf32) pass, at most a split
+
+
+# Launch options of the partial kernel (warps, software-pipelined key blocks in flight): they
+# change no bit (a program's order is fixed by BS and S), only its speed (tools/device_attn.py).
+PARTIAL_LAUNCH = {"num_warps": 4, "num_stages": 3}
+F16_LAUNCH = {"num_warps": 4}
+
+
+def block_len(S: int, f16_operands: bool) -> int:
+    """Keys per step of a call's partial kernel: a divisor of the split length S, so the
+    blocks, like the splits, sit at fixed absolute positions."""
+    bs = BLOCK if f16_operands else min(BLOCK_EXACT, S)
+    assert S % bs == 0, f"split of {S} positions is not a multiple of {bs}-key blocks"
+    return bs
 REDUCE_CHUNK = 32  # split partials merged per step of the reduce
 
 
@@ -175,13 +197,50 @@ def split_count(rows: int, capacity: int, window: int) -> int:
 
 if HAVE_TRITON:
 
+    @triton.jit
+    def _tf32_hi(x):
+        # x with its 13 low mantissa bits cleared: a tf32 value (11 significant bits), |hi| <= |x|
+        return (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _tf32_parts(x):
+        # x = a + b + c exactly, each a tf32 value: a takes 11 significant bits, b the next 11,
+        # c the last 2 (x - a and r - b are exact: Sterbenz, same sign, within a factor 2)
+        a = _tf32_hi(x)
+        r = x - a
+        b = _tf32_hi(r)
+        return a, b, r - b
+
+    @triton.jit
+    def _dot_exact(a1, a2, a3, b, acc, SPLIT_B: tl.constexpr):
+        # acc + (a1 + a2 + a3) @ b on tf32 tensor cores, every product exact (11 x 11 significant
+        # bits fit f32's 24), the parts added smallest first. b: f16 plane values are tf32 values
+        # already; an f32 plane's (SPLIT_B) go in three parts too (nine dots).
+        if SPLIT_B:
+            b1, b2, b3 = _tf32_parts(b)
+            acc = tl.dot(a3, b3, acc, input_precision="tf32")
+            acc = tl.dot(a3, b2, acc, input_precision="tf32")
+            acc = tl.dot(a2, b3, acc, input_precision="tf32")
+            acc = tl.dot(a3, b1, acc, input_precision="tf32")
+            acc = tl.dot(a2, b2, acc, input_precision="tf32")
+            acc = tl.dot(a1, b3, acc, input_precision="tf32")
+            acc = tl.dot(a2, b1, acc, input_precision="tf32")
+            acc = tl.dot(a1, b2, acc, input_precision="tf32")
+            acc = tl.dot(a1, b1, acc, input_precision="tf32")
+        else:
+            acc = tl.dot(a3, b, acc, input_precision="tf32")
+            acc = tl.dot(a2, b, acc, input_precision="tf32")
+            acc = tl.dot(a1, b, acc, input_precision="tf32")
+        return acc
+
     @triton.jit(do_not_specialize=["r0", "NSP", "window"])
     def _attn_partial(q, kn, vn, kp, vp, meta, pos, m_out, l_out, o_out, st_m, st_inv,
                       r0, H, NSP, window, scale,
                       s_qt, s_qh, s_nt, s_nh, s_slot, s_head,
                       HPK: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                      S: tl.constexpr, PASS: tl.constexpr):
-        # PASS 0: f32 operands, online softmax -> (m, l, acc) per split.
+                      S: tl.constexpr, PASS: tl.constexpr, SPLIT_KV: tl.constexpr):
+        # PASS 0: f32 operands, online softmax -> (m, l, acc) per split; both dots on tf32 tensor
+        # cores with every product exact (_dot_exact; SPLIT_KV: f32 planes, K and V split too).
         # f16 operands, PASS 1: (m, l) per split from f16 K·Q; PASS 2: p = f16(exp(s - m_row) *
         # inv_row) with the row's reduced statistics (st_m, st_inv), acc = P·V per split.
         r = tl.program_id(0)  # row of this launch (row r0 + r of the call)
@@ -208,6 +267,7 @@ if HAVE_TRITON:
                          other=0.0)
             if PASS > 0:
                 qv = qv.to(tl.float16)  # Q enters K·Q as f16 (RNE); padded heads are 0
+            q1, q2, q3 = _tf32_parts(qv.to(tl.float32))  # PASS 0: q = q1 + q2 + q3 exactly
             if PASS == 2:
                 st = r * H + head
                 m_row = tl.load(st_m + st, mask=hmask, other=0.0)
@@ -233,14 +293,15 @@ if HAVE_TRITON:
                     vt = tl.load(tl.where(old[:, None], vp + po, vn + pn), mask=valid[:, None],
                                  other=0.0).to(tl.float32)
                     # the block into the running softmax (book 16.2); masked keys weigh exactly 0
-                    sc = tl.dot(qv, tl.trans(kt), input_precision="ieee") * scale  # [HP, BS]
+                    sc = _dot_exact(q1, q2, q3, tl.trans(kt), tl.zeros([HP, BS], tl.float32), SPLIT_KV) * scale
                     sc = tl.where(valid[None, :], sc, float("-inf"))
                     m_new = tl.maximum(m_i, tl.max(sc, 1))
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet
                     alpha = tl.exp(m_i - m_safe)
                     p = tl.exp(sc - m_safe[:, None])
                     l_i = l_i * alpha + tl.sum(p, 1)
-                    acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+                    p1, p2, p3 = _tf32_parts(p)
+                    acc = _dot_exact(p1, p2, p3, vt, acc * alpha[:, None], SPLIT_KV)  # [HP, D]
                     m_i = m_new
                 else:
                     # f16 K (the plane's own values), exact f16 x f16 products, f32 accumulation
@@ -359,7 +420,7 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     rows_bound = capacity if plane_len is None else plane_len
     assert 0 <= rows_bound <= capacity, f"plane_len {plane_len} outside [0, {capacity}]"
     S = split_len(window)
-    assert S % BLOCK == 0
+    bs = block_len(S, f16_operands)
     units = scratch.rows * scratch.splits  # (row, split) partials per head the scratch holds
     assert scratch.m.numel() >= units * H and scratch.st_m.numel() >= units * H and scratch.o.numel() < 2**31
 
@@ -385,15 +446,16 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                 q, k_new, v_new, k_plane, v_plane, meta, pos, sc.m, sc.l, sc.o, sc.st_m, sc.st_inv,
                 r0, H, nsp, window, scale,
                 q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), s_slot, s_head,
-                HPK=hpk, HP=hp, D=D, BS=BLOCK, S=S, PASS=ps, num_warps=4)
+                HPK=hpk, HP=hp, D=D, BS=bs, S=S, PASS=ps, SPLIT_KV=k_plane.dtype == torch.float32,
+                **(PARTIAL_LAUNCH if ps == 0 else F16_LAUNCH))
             _attn_reduce[(r1 - r0, H)](sc.m, sc.l, sc.o, out, sc.st_m, sc.st_inv, meta, pos, r0, H, nsp, window,
                                        out.stride(0), out.stride(1), D=D, S=S, SC=REDUCE_CHUNK, PASS=ps,
                                        num_warps=4)
     return out
 
 
-__all__ = ["BLOCK", "HAVE_TRITON", "REDUCE_CHUNK", "SPLIT_FULL", "SPLIT_SLIDING", "AttnScratch", "attend_ref",
-           "attend_triton", "plane_strides", "split_count", "split_len"]
+__all__ = ["BLOCK", "BLOCK_EXACT", "HAVE_TRITON", "REDUCE_CHUNK", "SPLIT_FULL", "SPLIT_SLIDING", "AttnScratch", "attend_ref",
+           "attend_triton", "block_len", "plane_strides", "split_count", "split_len"]
 
 
 # --- the step's new K/V rows: rounded to the plane type once, stored into both planes once ------

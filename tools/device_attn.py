@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""attend_triton on CUDA at the engine's attention shape (H 32, n_kv 2, D 128), per layer kind
+(sliding ring of 2,048, head-major full plane) and depth, for both operand kinds (f32 operands:
+the exact lane's exact-split tf32 dots; f16 operands: the fast lane's):
+
+1. against attend_ref (max |diff|; share of elements within 4e-6);
+2. row invariance: a row decoded alone == the same row inside a 16-row block, and the grid sized
+   from the plane's length == sized from its capacity (graph calls), bitwise;
+3. the time of one decode call and of one 16-row call (CUDA events, median of repeated launches);
+4. with --sweep, the f32-operand pass under each (keys per block, warps, pipeline stages): its
+   invariance and its decode time, so the shipped choice is read off a table;
+5. with --before FILE, the same calls through another attention module (a copy of an earlier
+   kernels/attention.py), timed beside the current one.
+
+    PYTHONPATH=src python3 tools/device_attn.py [--depths 2048,32768] [--json PATH] [--sweep]
+                                                [--before FILE]
+    PYTHONPATH=src python3 tools/device_attn.py --smoke   # CPU, Triton interpreter, depth 40
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
+
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from muser.engine.kernels import attention as att  # noqa: E402
+
+DEV = "cpu" if "--smoke" in sys.argv else "cuda"
+if DEV == "cpu":
+    from muser.engine.kernels.interpreter import index_compat
+
+    index_compat()
+
+H, N_KV, D = 32, 2, 128
+SCALE = 0.0883883
+SWEEP = [(bs, w, st) for bs in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def _case(depth: int, sliding: bool, g: torch.Generator):
+    cap = 2048 if sliding else depth + 64
+    win = 2048 if sliding else 0
+    shape = (cap, N_KV * D) if sliding else (N_KV, cap, D)
+    kp = torch.randn(shape, generator=g).half().to(DEV)
+    vp = torch.randn(shape, generator=g).half().to(DEV)
+    return kp, vp, cap, win
+
+
+def _run(mod, q, kn, vn, kp, vp, hm, ol, op, ln, cap, p0, win, f16, plane_len=True):
+    T = q.shape[0]
+    meta = torch.tensor([ol, op, ln, cap], dtype=torch.int64, device=DEV)
+    pos = torch.tensor([p0], dtype=torch.int64, device=DEV)
+    sc = mod.AttnScratch(T, H, D, mod.split_count(T, cap, win), DEV)
+    return lambda: mod.attend_triton(q, kn, vn, kp, vp, hm, meta, pos, win, SCALE, sc,
+                                     plane_len=ln if plane_len else None, f16_operands=f16)
+
+
+def _time(fn, reps: int) -> float:
+    """Median ms per call."""
+    if DEV == "cpu":
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
+        return sorted(ts)[len(ts) // 2]
+    for _ in range(10):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    ts = sorted(a.elapsed_time(b) for a, b in ev)
+    return ts[len(ts) // 2]
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32)))
+
+
+def _load(path: str):
+    spec = importlib.util.spec_from_file_location("attention_before", path)
+    assert spec is not None and spec.loader is not None, path
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--depths", default="2048,32768")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--sweep", action="store_true", help="time the f32-operand pass under each launch choice")
+    ap.add_argument("--before", default=None, help="another attention module file, timed beside this one")
+    ap.add_argument("--smoke", action="store_true", help="CPU under the Triton interpreter, depth 40, 1 rep")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.depths, a.reps = "40", 1
+    before = _load(a.before) if a.before else None
+    g = torch.Generator().manual_seed(0)
+    rows, sweep, ok = [], [], True
+    shipped = (att.BLOCK_EXACT, dict(att.PARTIAL_LAUNCH))
+    for depth in (int(x) for x in a.depths.split(",")):
+        for sliding in (True, False):
+            kp, vp, cap, win = _case(depth, sliding, g)
+            hm = not sliding
+            p = depth  # the target row's position; the plane holds what precedes the call
+            T = 16
+            p0 = p - T + 1
+            q = (torch.randn(T, H, D, generator=g) * 3).to(DEV)
+            kn = torch.randn(T, N_KV, D, generator=g).half().to(DEV)
+            vn = torch.randn(T, N_KV, D, generator=g).half().to(DEV)
+
+            def plane(p0):  # (ol, op, ln) of a plane holding what precedes p0
+                ol = max(0, p0 - cap) if sliding else 0
+                return ol, (7 + ol) % cap if sliding else 0, p0 - ol  # position x at slot (7 + x) % cap
+
+            # the plane's slots hold random data standing in for the positions before p0
+            ol, op, ln = plane(p0)
+            # row T-1 alone: its 15 predecessors now in the plane (their K/V are kn/vn rows)
+            ol1, op1, ln1 = plane(p)
+            kp1, vp1 = kp.clone(), vp.clone()
+            for j in range(T - 1):
+                s = (op1 + p0 + j - ol1) % cap
+                if hm:
+                    kp1[:, s], vp1[:, s] = kn[j], vn[j]
+                else:
+                    kp1[s], vp1[s] = kn[j].reshape(-1), vn[j].reshape(-1)
+            block = (q, kn, vn, kp, vp, hm, ol, op, ln, cap, p0, win)
+            one = (q[T - 1:], kn[T - 1:], vn[T - 1:], kp1, vp1, hm, ol1, op1, ln1, cap, p, win)
+            r: dict = {"layer": "sliding" if sliding else "full", "depth": depth}
+
+            def checks(f16: bool) -> dict:
+                blk = _run(att, *block, f16)()
+                ref = att.attend_ref(q, kn, vn, kp, vp, hm, ol, op, ln, cap, p0, win, SCALE, f16_operands=f16)
+                d = (blk - ref).abs()
+                alone = _run(att, *one, f16)()
+                alone_cap = _run(att, *one, f16, plane_len=False)()
+                return {"max_abs_vs_ref": d.max().item(), "share_within_4e-6": (d <= 4e-6).double().mean().item(),
+                        "alone_eq_block": _bits_equal(alone, blk[T - 1:]),
+                        "len_grid_eq_cap_grid": _bits_equal(alone, alone_cap)}
+
+            for tag, f16 in (("f32ops", False), ("f16ops", True)):
+                c = checks(f16)
+                r[tag] = c
+                ok &= c["alone_eq_block"] and c["len_grid_eq_cap_grid"] and c["share_within_4e-6"] >= 0.9
+                r[f"decode_ms_{tag}"] = _time(_run(att, *one, f16), a.reps)
+                r[f"rows16_ms_{tag}"] = _time(_run(att, *block, f16), a.reps)
+            if before is not None:
+                r["before_decode_ms_f32ops"] = _time(_run(before, *one, False), a.reps)
+                r["before_rows16_ms_f32ops"] = _time(_run(before, *block, False), a.reps)
+            print(json.dumps(r), flush=True)
+            rows.append(r)
+            if not a.sweep:
+                continue
+            for bs, w, st in SWEEP:
+                att.BLOCK_EXACT, att.PARTIAL_LAUNCH = bs, {"num_warps": w, "num_stages": st}
+                try:
+                    c = checks(False)
+                    c.update({"block": bs, "num_warps": w, "num_stages": st, "layer": r["layer"], "depth": depth,
+                              "decode_ms": _time(_run(att, *one, False), a.reps),
+                              "rows16_ms": _time(_run(att, *block, False), max(20, a.reps // 4))})
+                except Exception as e:  # noqa: BLE001 (a choice that does not compile is a row too)
+                    c = {"block": bs, "num_warps": w, "num_stages": st, "layer": r["layer"], "depth": depth,
+                         "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                print("  sweep " + json.dumps(c), flush=True)
+                sweep.append(c)
+            att.BLOCK_EXACT, att.PARTIAL_LAUNCH = shipped[0], dict(shipped[1])
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)",
+                       "shipped": {"block_exact": shipped[0], "partial_launch": shipped[1]},
+                       "rows": rows, "sweep": sweep}, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
