@@ -181,11 +181,20 @@ def test_graph_metadata_of_every_item_is_16_byte_aligned(tiny_gguf):
             assert g.widx[i].shape == (L, b - a)
 
 
-def test_graph_step_of_several_sessions_on_device_metadata(tiny_gguf, kernels):
+# f16 K/V: another summation order may move a K or V value across an f16 rounding boundary
+# before the store (one f16 ulp, 2^-11 relative); on this fixture a +-1-ulp change of one
+# attention output flips such a rounding and moves the logits by 5.7e-4 (measured). f32 K/V
+# has no such step: summation order only.
+SEVERAL_BOUND = {"f32": GATE_FLOOR, "f16": 5e-3}
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_graph_step_of_several_sessions_on_device_metadata(tiny_gguf, kernels, kv):
     """The CUDA-graph step of a batch shape (per-item plane metadata, write slots and attention
     partials in device buffers; Triton attention; one static row-index selection), run without
-    capture on the CPU, against the eager batched step (f16 K/V: summation order only)."""
-    eng = Engine.open(tiny_gguf, device="cpu", lane="exact", kv="f16")
+    capture on the CPU, against the eager batched step (SEVERAL_BOUND)."""
+    eng = Engine.open(tiny_gguf, device="cpu", lane="exact", kv=kv)
+    bound = SEVERAL_BOUND[kv]
     L = eng.cfg.n_layers
     shape = ((1, "last"), (3, "all"), (2, "last"))
     got_s = [_session(eng, i, capture=(L,)) for i in range(3)]
@@ -197,11 +206,11 @@ def test_graph_step_of_several_sessions_on_device_metadata(tiny_gguf, kernels):
     ref = eng.step([StepItem(s, t, logits=m) for s, t, (_, m) in zip(ref_s, toks, shape)])
     for part, r, s, rs in zip(g.split(lg), ref, got_s, ref_s):
         assert part.shape == r.logits.shape
-        assert max_dlsm(part.numpy(), r.logits) <= GATE_FLOOR
+        assert max_dlsm(part.numpy(), r.logits) <= bound
         assert s.n_past == rs.n_past
     assert [int(t) for t in g.top] == [int(np.argmax(r)) for x in ref for r in x.logits] and bool(g.finite)
     (a, b) = g.bounds[1]
-    assert np.abs(g.captured[L][a:b].numpy() - ref[1].captured[L]).max() <= 1e-4
+    assert np.abs(g.captured[L][a:b].numpy() - ref[1].captured[L]).max() <= bound
     for s, rs in zip(got_s, ref_s):  # the same rows landed in the same slots
         for pa, pb in zip(s.snapshot().planes, rs.snapshot().planes):
             assert pa.origin_logical == pb.origin_logical and pa.len == pb.len

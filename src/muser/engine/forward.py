@@ -302,12 +302,13 @@ class Forward:
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KvStep, out_rows: "str | torch.Tensor",
             capture: tuple[int, ...] = (), captured: dict | None = None,
-            logits_out: torch.Tensor | None = None) -> torch.Tensor | None:
+            logits_out: torch.Tensor | None = None, layer_hook=None) -> torch.Tensor | None:
         """tokens, positions: int64 [T] on the device. out_rows: 'last' | 'all' | 'none', or an
         int64 tensor of row indices (the LM head then runs on those rows only, llama.cpp's
         inp_out_ids). capture: layers whose input residual is recorded into `captured`
         (n_layers = the residual leaving the last layer). Returns logits f32 [R, vocab] (R = 1,
-        T or len(out_rows)) or None. Capture-safe: no host sync, no host-built tensors."""
+        T or len(out_rows)) or None. Capture-safe: no host sync, no host-built tensors.
+        layer_hook(il), when given, runs before each layer (a graph capture splits there)."""
         rows_idx, out_rows = _row_mode(out_rows)
         cfg, W, lin = self.cfg, self.w, self.linear
         lin.forget_acts()
@@ -332,6 +333,8 @@ class Forward:
             cos_c, sin_c = cos.contiguous(), sin.contiguous()
         x_next = None  # fused path: this layer's pre-norm, computed by the previous layer's tail
         for il, L in enumerate(W.layers):
+            if layer_hook is not None:
+                layer_hook(il)
             if il in capture and captured is not None:
                 captured[il] = h  # the layer's input residual (t_layer_inp), what DFlash reads
             if x_next is not None:
@@ -408,10 +411,6 @@ class Forward:
             x = rms_norm(h, eps) * W.out_norm
         cap = FK.softcap if self.native else softcap_logits
         logits = cap(lin(W.lm_head, x), cfg.logit_scale, cfg.softcap)
-        if logits_out is not None:
-            logits_out.copy_(logits)
-            return logits_out
-        return logits
         if logits_out is not None:
             logits_out.copy_(logits)
             return logits_out

@@ -27,6 +27,11 @@ import torch
 from .kernels.attention import AttnScratch, attend_triton, kv_round, kv_store, split_count
 
 MAX_CAPTURES = 32  # captured graphs kept per shape (least recently used go first)
+# The step is captured as two graphs sharing one pool: the first FIRST_PART_LAYERS layers, then
+# the rest. A graph launch costs host time per node (the 740-node decode step: 0.57 ms on the
+# H200 host, 20261204T151710Z-step-profile-cuda.json), and the GPU starts a graph only once its
+# launch returns: the short first part starts at once and runs while the host launches the rest.
+FIRST_PART_LAYERS = 4
 
 
 def _even(n: int) -> int:
@@ -128,7 +133,7 @@ class StepGraph:
                          for sl in cfg.swa_pattern)
             self.scratch.append(AttnScratch(T, cfg.n_heads, cfg.head_dim, splits, dev))
         self.sessions: list = []
-        self.graphs: OrderedDict = OrderedDict()  # storage key -> torch.cuda.CUDAGraph
+        self.graphs: OrderedDict = OrderedDict()  # storage key -> the step's CUDA graphs, in replay order
         self.copied = torch.cuda.Event() if self.cuda else None
         self.captures = 0
 
@@ -161,10 +166,10 @@ class StepGraph:
         if self.copied is not None:
             self.copied.record()
 
-    def _step(self) -> None:
+    def _step(self, layer_hook=None) -> None:
         cap = _StaticCapture(self.captured) if self.captured else None
         self.engine.forward.run(self.tokens, self.positions, _GraphKv(self), self.out_rows, self.capture, cap,
-                                logits_out=self.logits)
+                                logits_out=self.logits, layer_hook=layer_hook)
         torch.argmax(self.logits, -1, out=self.top)  # first maximal index, like greedy's tie rule
         torch.all(torch.isfinite(self.logits), out=self.finite)
 
@@ -176,23 +181,47 @@ class StepGraph:
                 self._step()
             return
         key = self._storage_key()
-        graph = self.graphs.get(key)
-        if graph is not None:
+        parts = self.graphs.get(key)
+        if parts is not None:
             self.graphs.move_to_end(key)
-            graph.replay()
+            for g in parts:
+                g.replay()
             return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.inference_mode():
             self._step()  # the real step for this call (also compiles the kernels)
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.inference_mode():
-            self._step()  # recorded, not executed
+        graph = self._capture()
         self.graphs[key] = graph
         if len(self.graphs) > MAX_CAPTURES:
             self.graphs.popitem(last=False)
         self.captures += 1
+
+    def _capture(self) -> tuple:
+        """The step recorded (not executed) as graphs of consecutive layers in one pool, replayed
+        in capture order (FIRST_PART_LAYERS)."""
+        pool = torch.cuda.graph_pool_handle()
+        split = min(FIRST_PART_LAYERS, self.engine.cfg.n_layers)
+        parts = [torch.cuda.CUDAGraph()]
+        ctx = [torch.cuda.graph(parts[0], pool=pool)]
+
+        def hook(il: int) -> None:  # at the top of layer il, inside forward.run
+            if il == split and split > 0:
+                ctx[0].__exit__(None, None, None)
+                parts.append(torch.cuda.CUDAGraph())
+                ctx[0] = torch.cuda.graph(parts[-1], pool=pool)
+                ctx[0].__enter__()
+
+        ctx[0].__enter__()
+        try:
+            with torch.inference_mode():
+                self._step(hook)
+        except BaseException:
+            ctx[0].__exit__(None, None, None)
+            raise
+        ctx[0].__exit__(None, None, None)
+        return tuple(parts)
 
     def run(self, sessions: list, ids: list[np.ndarray]) -> torch.Tensor:
         """Logits f32 [R, vocab] of every item's output rows, items in order."""

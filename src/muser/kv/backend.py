@@ -37,6 +37,10 @@ class ArrayBackend(Protocol):
     def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
         """A zero-filled array (wrapped ring rows never expose stale storage, book 15.2)."""
 
+    def zeros_pool(self, n: int, shape: tuple[int, ...], dtype: str) -> Any:
+        """n zero-filled planes of `shape` in one allocation, as an array [n, *shape] whose
+        [j] is plane j's storage (each plane starts on a POOL_ALIGN-byte boundary)."""
+
     def write_rows(self, plane: Any, physical: np.ndarray, rows: Any, head_major: bool,
                    n_kv_heads: int, head_dim: int) -> None:
         """Store token-major rows [n, kv_dim] at the given physical slots, converting to the plane's
@@ -46,6 +50,11 @@ class ArrayBackend(Protocol):
                   n_kv_heads: int, head_dim: int) -> Any:
         """A token-major copy [n, kv_dim] of the rows at the given physical slots, in the plane's
         element type."""
+
+    def read_pool_rows(self, pool: Any, physical: np.ndarray, head_major: bool,
+                       n_kv_heads: int, head_dim: int) -> Any:
+        """read_rows at the same slots of every plane of a zeros_pool array, in one gather: a
+        token-major copy [n, len(physical), kv_dim]."""
 
     def rows_shape(self, rows: Any) -> tuple[int, ...]:
         """Shape of a rows argument (validated before any mutation)."""
@@ -59,6 +68,16 @@ class ArrayBackend(Protocol):
 
 
 _NP_DTYPES = {"f16": np.float16, "f32": np.float32}
+
+# Pooled planes start on this byte boundary, as separate allocations would (kernels specialise on
+# pointer alignment).
+POOL_ALIGN = 256
+
+
+def pool_stride(numel: int, itemsize: int) -> int:
+    """Elements between consecutive planes of a pool: numel rounded up to POOL_ALIGN bytes."""
+    per = max(1, POOL_ALIGN // itemsize)
+    return -(-numel // per) * per
 
 
 def ascending_run(physical: np.ndarray) -> int | None:
@@ -80,6 +99,12 @@ class NumpyBackend:
     def zeros(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.zeros(shape, dtype=_NP_DTYPES[check_kv_dtype(dtype)])
 
+    def zeros_pool(self, n: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        numel = int(np.prod(shape))
+        dt = np.dtype(_NP_DTYPES[check_kv_dtype(dtype)])
+        flat = np.zeros((n, pool_stride(numel, dt.itemsize)), dtype=dt)
+        return flat[:, :numel].reshape((n, *shape), copy=False)
+
     def write_rows(self, plane: np.ndarray, physical: np.ndarray, rows: Any, head_major: bool,
                    n_kv_heads: int, head_dim: int) -> None:
         if len(physical) == 0:
@@ -99,6 +124,15 @@ class NumpyBackend:
             # [H, n, D] -> [n, H*D]
             return plane[:, physical, :].transpose(1, 0, 2).reshape(len(physical), n_kv_heads * head_dim)
         return plane[physical].copy()
+
+    def read_pool_rows(self, pool: np.ndarray, physical: np.ndarray, head_major: bool,
+                       n_kv_heads: int, head_dim: int) -> np.ndarray:
+        # indexing by an array always copies: the saved rows never alias the live planes
+        idx = np.asarray(physical, dtype=np.int64)
+        if head_major:
+            # [n, H, s, D] -> [n, s, H*D]
+            return pool[:, :, idx, :].transpose(0, 2, 1, 3).reshape(pool.shape[0], len(idx), n_kv_heads * head_dim)
+        return pool[:, idx]
 
     def rows_shape(self, rows: Any) -> tuple[int, ...]:
         return tuple(np.shape(rows))

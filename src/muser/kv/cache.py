@@ -5,7 +5,9 @@ install (book 9.7, 10.6, 10.7, 15).
   head-major, all zero-filled (book 15.2).
 - `checkpoint(block)` / `rollback(cp, keep=0)`: NoPE planes rewind metadata only; SWA rings keep
   the <= block rows a speculative block may overwrite (book 10.6, decode.rs:208-212). A rollback
-  after more than `block` appends on a ring is refused (the rows needed are gone).
+  after more than `block` appends on a ring is refused (the rows needed are gone). Rings of one
+  shape and dtype are views into one K and one V pool, so a checkpoint saves the rows of all of
+  them with one gather per K and V, however many rings there are.
 - `snapshot(tokens)` / `restore()`: rows in logical order plus origins (and the token ids when
   known) under slot-size-independent layouts; restore installs them into any cache of the same
   layouts with room for n_tokens, at the rotation a sequentially built ring holds
@@ -17,6 +19,7 @@ install (book 9.7, 10.6, 10.7, 15).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,14 +44,63 @@ DEFAULT_BLOCK = 16
 _NO_SLOTS = np.zeros(0, dtype=np.int64)  # a mark with nothing to restore (never written to)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ costs ~4x, once per plane per decode step
 class _PlaneMark:
     epoch: int
     appended: int
     state: tuple[int, int, int]  # (len, origin_logical, origin_physical)
     slots: np.ndarray  # int64: ring slots holding live rows the next `block` appends overwrite
-    keys: Any  # saved rows at `slots` (token-major); None when `slots` is empty
+    # saved rows at `slots` (token-major), None when `slots` is empty; with row >= 0 a pool gather
+    # whose [row] they are (indexed on rollback only: a view per ring costs more than the gather)
+    keys: Any
     values: Any
+    row: int = -1
+
+    def rows(self) -> tuple[Any, Any]:
+        """The saved K and V rows at `slots`."""
+        if self.row < 0:
+            return self.keys, self.values
+        return self.keys[self.row], self.values[self.row]
+
+
+@dataclass(frozen=True, eq=False)
+class _RingPool:
+    """Rings of one shape and dtype whose K and V are views into one array each, [n, *shape]."""
+
+    layers: tuple[int, ...]  # plane index of each pooled ring
+    keys: Any
+    values: Any
+    key_views: tuple[Any, ...]  # the storage each ring was given: one replaced since is read alone
+    value_views: tuple[Any, ...]
+
+
+def _build_planes(geometry: Sequence[PlaneGeometry],
+                  backend: ArrayBackend) -> tuple[tuple[KvPlane, ...], tuple[_RingPool, ...]]:
+    """Zero-filled planes; rings of one shape and dtype share a pool (full planes, never read by a
+    checkpoint, keep their own allocations)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(geometry):
+        if g.sliding:
+            groups.setdefault((g.shape, g.dtype, g.head_major), []).append(i)
+    storage: dict[int, tuple[Any, Any]] = {}
+    pools = []
+    for (shape, dtype, _), idx in groups.items():
+        k = backend.zeros_pool(len(idx), shape, dtype)
+        v = backend.zeros_pool(len(idx), shape, dtype)
+        kv = tuple(k[j] for j in range(len(idx)))
+        vv = tuple(v[j] for j in range(len(idx)))
+        pools.append(_RingPool(tuple(idx), k, v, kv, vv))
+        storage.update((i, (kv[j], vv[j])) for j, i in enumerate(idx))
+    planes = tuple(KvPlane(g, backend, *storage.get(i, (None, None))) for i, g in enumerate(geometry))
+    return planes, tuple(pools)
+
+
+def _overwritten_slots(state: tuple[int, int, int], cap: int, block: int) -> np.ndarray:
+    """Ring slots holding live rows that the next `block` appends overwrite: the i-th next append
+    writes slot (op + len + i) % cap, which holds a live row once len + i >= cap."""
+    length, _, op = state
+    i = np.arange(max(0, cap - length), min(block, cap), dtype=np.int64)
+    return (op + length + i) % cap
 
 
 @dataclass
@@ -119,7 +171,7 @@ class KvCache:
     def __init__(self, geometry: Sequence[PlaneGeometry], backend: ArrayBackend | None = None):
         self.backend = backend if backend is not None else NumpyBackend()
         self.geometry = tuple(geometry)
-        self._planes: tuple[KvPlane, ...] = tuple(KvPlane(g, self.backend) for g in self.geometry)
+        self._planes, self._pools = _build_planes(self.geometry, self.backend)
 
     @classmethod
     def for_config(cls, config: Any, max_context: int, dtype: str = "f16",
@@ -196,21 +248,43 @@ class KvCache:
         """Mark the current state; a later rollback may undo up to `block` appended rows."""
         if block < 1:
             raise KvStateError(f"checkpoint block must be >= 1, got {block}")
+        saved: dict[int, _PlaneMark] = {}
+        for pool in self._pools:
+            self._save_pool(pool, block, saved)
         marks = []
-        for p in self._planes:
-            cap = p.capacity
-            # The i-th next append writes slot (op + len + i) % cap; it holds a live row once
-            # len + i >= cap. Only those rows can be lost: none for a full-attention plane or a
-            # ring with room for the block, so nothing is read (a decode step's checkpoint
-            # before the window fills is host bookkeeping only).
-            if not p.geometry.sliding or p.len + block <= cap:
-                marks.append(_PlaneMark(p.epoch, p.appended, p.state(), _NO_SLOTS, None, None))
-                continue
-            i = np.arange(max(0, cap - p.len), min(block, cap), dtype=np.int64)
-            slots = (p.origin_physical + p.len + i) % cap
-            k, v = p.read(slots)
-            marks.append(_PlaneMark(p.epoch, p.appended, p.state(), slots, k, v))
+        for i, p in enumerate(self._planes):
+            m = saved.get(i)
+            marks.append(_PlaneMark(p.epoch, p.appended, p.state(), _NO_SLOTS, None, None) if m is None else m)
         return KvCheckpoint(block, marks)
+
+    def _save_pool(self, pool: _RingPool, block: int, saved: dict[int, _PlaneMark]) -> None:
+        """Into `saved` (plane index -> mark): the live rows the next `block` appends overwrite on
+        the rings of `pool`. Only a ring whose len + block exceeds its capacity loses rows, so
+        before the window fills this reads nothing (host bookkeeping only). Rings in the most
+        common state (all of them after reserve_batch_all) whose storage is still the pool's are
+        read with one gather per K and V; any other ring alone."""
+        planes = [self._planes[i] for i in pool.layers]
+        cap = planes[0].capacity
+        full = [j for j, p in enumerate(planes) if p.len and p.len + block > cap]
+        if not full:
+            return
+        states = [planes[j].state() for j in full]
+        shared = states[0] if states.count(states[0]) == len(states) else Counter(states).most_common(1)[0][0]
+        together = [j for j, st in zip(full, states)
+                    if st == shared and planes[j].keys is pool.key_views[j] and planes[j].values is pool.value_views[j]]
+        if together:
+            slots = _overwritten_slots(shared, cap, block)
+            g = planes[0].geometry
+            k = self.backend.read_pool_rows(pool.keys, slots, g.head_major, g.n_kv_heads, g.head_dim)
+            v = self.backend.read_pool_rows(pool.values, slots, g.head_major, g.n_kv_heads, g.head_dim)
+            for j in together:
+                p = planes[j]
+                saved[pool.layers[j]] = _PlaneMark(p.epoch, p.appended, shared, slots, k, v, j)
+        for j, st in zip(full, states):
+            if pool.layers[j] not in saved:
+                p = planes[j]
+                slots = _overwritten_slots(st, cap, block)
+                saved[pool.layers[j]] = _PlaneMark(p.epoch, p.appended, st, slots, *p.read(slots))
 
     def _check_rollback(self, cp: KvCheckpoint, keep: int) -> None:
         if len(cp.marks) != len(self._planes):
@@ -254,15 +328,16 @@ class KvCache:
                 if lost.any():
                     g = p.geometry
                     sel = np.flatnonzero(lost)
-                    k = m.keys[sel] if len(sel) != len(m.slots) else m.keys
-                    v = m.values[sel] if len(sel) != len(m.slots) else m.values
+                    k, v = m.rows()
+                    if len(sel) != len(m.slots):
+                        k, v = k[sel], v[sel]
                     self.backend.write_rows(p.keys, m.slots[sel], k, g.head_major, g.n_kv_heads, g.head_dim)
                     self.backend.write_rows(p.values, m.slots[sel], v, g.head_major, g.n_kv_heads, g.head_dim)
             p.epoch = fresh_epoch()
             p.appended = keep
         # The checkpoint now describes the new history (so it can be rolled back to again).
         cp.marks = [
-            _PlaneMark(p.epoch, 0, m.state, m.slots, m.keys, m.values) for p, m in zip(self._planes, cp.marks)
+            _PlaneMark(p.epoch, 0, m.state, m.slots, m.keys, m.values, m.row) for p, m in zip(self._planes, cp.marks)
         ]
 
     # -- snapshot / restore --------------------------------------------------------------------
@@ -326,7 +401,7 @@ class KvCache:
         install.validate_complete()
         for p in install.planes:
             p.epoch, p.appended = fresh_epoch(), 0
-        self._planes = install.planes
+        self._planes, self._pools = install.planes, install.pools
         install.committed = True
 
 
@@ -337,6 +412,7 @@ class DetachedInstall:
     cache: KvCache
     n_tokens: int
     planes: tuple[KvPlane, ...] = field(init=False)
+    pools: tuple[_RingPool, ...] = field(init=False)
     committed: bool = field(default=False, init=False)
     _filled: list[np.ndarray] = field(init=False)
 
@@ -344,14 +420,11 @@ class DetachedInstall:
         c = self.cache
         if not 0 <= self.n_tokens <= c.max_context:
             raise ContextOverflow(f"install of {self.n_tokens} tokens does not fit max_context {c.max_context}")
-        planes = []
-        for g in c.geometry:
-            p = KvPlane(g, c.backend)
-            p.len = min(self.n_tokens, g.capacity)
+        self.planes, self.pools = _build_planes(c.geometry, c.backend)
+        for p in self.planes:
+            p.len = min(self.n_tokens, p.capacity)
             p.origin_logical = self.n_tokens - p.len
-            p.origin_physical = p.origin_logical % g.capacity  # a sequential build's rotation
-            planes.append(p)
-        self.planes = tuple(planes)
+            p.origin_physical = p.origin_logical % p.capacity  # a sequential build's rotation
         self._filled = [np.zeros(p.len, dtype=bool) for p in self.planes]
 
     def stage(self, rows: Any) -> Any:

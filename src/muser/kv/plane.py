@@ -114,11 +114,14 @@ class PlaneView:
 
 
 class KvPlane:
-    def __init__(self, geometry: PlaneGeometry, backend: ArrayBackend):
+    def __init__(self, geometry: PlaneGeometry, backend: ArrayBackend, keys: Any = None, values: Any = None):
+        """`keys` / `values`: zero-filled storage of `geometry.shape` to use (a view into a ring
+        pool, KvCache); allocated here when not given."""
         self.geometry = geometry
         self.backend = backend
-        self.keys = backend.zeros(geometry.shape, geometry.dtype)  # zero-filled on purpose (15.2)
-        self.values = backend.zeros(geometry.shape, geometry.dtype)
+        # zero-filled on purpose (15.2)
+        self.keys = backend.zeros(geometry.shape, geometry.dtype) if keys is None else keys
+        self.values = backend.zeros(geometry.shape, geometry.dtype) if values is None else values
         self.len = 0
         self.origin_logical = 0
         self.origin_physical = 0

@@ -3,9 +3,10 @@
 The ring arithmetic, checkpoints, snapshots and detached installs live once, in muser.kv; this
 backend only allocates zero-filled torch tensors on the engine's device and moves rows (on the
 CPU the tensors share numpy arrays, written by NumpyBackend's code on the calling thread). SWA
-rings are token-major [capacity, kv_dim]; NoPE planes head-major [n_kv, capacity, head_dim]
-(book 15.3). f32 -> f16 conversion rounds to nearest even, like ggml_cpu_fp32_to_fp16 and
-numpy's astype, so the engine's f16 planes hold the oracle's bits for the same f32 rows.
+rings are token-major [capacity, kv_dim], views into one pool per K and V (zeros_pool); NoPE
+planes head-major [n_kv, capacity, head_dim] (book 15.3). f32 -> f16 conversion rounds to nearest
+even, like ggml_cpu_fp32_to_fp16 and numpy's astype, so the engine's f16 planes hold the oracle's
+bits for the same f32 rows.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from . import KvCache
-from .backend import NumpyBackend, ascending_run, check_kv_dtype
+from .backend import NumpyBackend, ascending_run, check_kv_dtype, pool_stride
 
 TORCH_KV = {"f16": torch.float16, "f32": torch.float32}
 NP_KV = {"f16": np.float16, "f32": np.float32}
@@ -59,6 +60,11 @@ class TorchBackend:
             # parallel region (a 2-core machine under load stalled ~5 ms in each torch.zeros)
             return torch.from_numpy(np.zeros(shape, dtype=NP_KV[check_kv_dtype(dtype)]))
         return torch.zeros(shape, dtype=TORCH_KV[check_kv_dtype(dtype)], device=self.device)
+
+    def zeros_pool(self, n: int, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        numel = int(np.prod(shape))
+        flat = self.zeros((n, pool_stride(numel, np.dtype(NP_KV[check_kv_dtype(dtype)]).itemsize)), dtype)
+        return flat[:, :numel].view((n, *shape))
 
     def as_rows(self, rows: Any) -> torch.Tensor:
         if isinstance(rows, torch.Tensor):
@@ -105,13 +111,34 @@ class TorchBackend:
         a = ascending_run(physical) if plane.device.type == "cpu" else None
         if a is not None:  # CPU, one ascending run: a slice copy
             n = len(physical)
-            if head_major:
-                return plane[:, a:a + n].transpose(0, 1).reshape(n, n_kv_heads * head_dim)
+            if head_major:  # a fresh array: with one KV head a reshape would be a view of the plane
+                out = torch.empty((n, n_kv_heads * head_dim), dtype=plane.dtype)
+                out.view(n, n_kv_heads, head_dim).copy_(plane[:, a:a + n].transpose(0, 1))
+                return out
             return plane[a:a + n].clone()
         idx = self._idx(physical)
         if head_major:
             return plane.index_select(1, idx).transpose(0, 1).reshape(len(physical), n_kv_heads * head_dim)
         return plane.index_select(0, idx)
+
+    def read_pool_rows(self, pool: torch.Tensor, physical: np.ndarray, head_major: bool,
+                       n_kv_heads: int, head_dim: int) -> torch.Tensor:
+        if pool.device.type == "cpu":  # numpy on this thread, like write_rows
+            return torch.from_numpy(_HOST.read_pool_rows(pool.numpy(), physical, head_major, n_kv_heads, head_dim))
+        n, s = pool.shape[0], len(physical)
+        a = ascending_run(physical)
+        if a is not None:
+            # one ascending run (every block-1 checkpoint): one copy, no index upload
+            out = torch.empty((n, s, n_kv_heads * head_dim), dtype=pool.dtype, device=pool.device)
+            if head_major:
+                out.view(n, s, n_kv_heads, head_dim).copy_(pool[:, :, a:a + s].transpose(1, 2))
+            else:
+                out.copy_(pool[:, a:a + s])
+            return out
+        idx = self._idx(physical)
+        if head_major:  # [n, H, s, D] -> [n, s, H*D]
+            return pool.index_select(2, idx).transpose(1, 2).reshape(n, s, n_kv_heads * head_dim)
+        return pool.index_select(1, idx)
 
     def rows_shape(self, rows: Any) -> tuple[int, ...]:
         return tuple(rows.shape)
