@@ -154,14 +154,15 @@ class StepGraph:
             p0 = s.n_past
             h[a:b] = t
             h[N + a:N + b] = np.arange(p0, p0 + T)
-            for il, p in enumerate(s.cache.planes):
-                h[o + 4 * il:o + 4 * il + 4] = (p.origin_logical, p.origin_physical, p.len, p.capacity)
+            # one assignment per block, not one per plane (host time of every graph step)
+            h[o:o + 4 * L] = np.array([(p.origin_logical, p.origin_physical, p.len, p.capacity)
+                                       for p in s.cache.planes], dtype=np.int64).reshape(-1)
             o += 4 * L
             h[o] = p0
             o += 1
-            for il, placement in enumerate(s.cache.reserve_batch_all(p0, T)):
-                assert placement.source_first == 0 and len(placement.physical) == T
-                h[o + il * T:o + (il + 1) * T] = placement.physical
+            placements = s.cache.reserve_batch_all(p0, T)
+            assert all(pl.source_first == 0 and len(pl.physical) == T for pl in placements)
+            h[o:o + L * T] = np.concatenate([pl.physical for pl in placements])
         self.dev.copy_(self.host, non_blocking=self.cuda)
         if self.copied is not None:
             self.copied.record()

@@ -155,9 +155,11 @@ BLOCK = 16  # keys per tl.dot step with f16 operands
 BLOCK_EXACT = 64  # keys per step of the f32-operand (exact-split tf32) pass, at most a split
 
 
-# Launch options of the partial kernel (warps, software-pipelined key blocks in flight): they
-# change no bit (a program's order is fixed by BS and S), only its speed (tools/device_attn.py).
-PARTIAL_LAUNCH = {"num_warps": 4, "num_stages": 3}
+# Launch options of the partial kernel (warps, software-pipelined key blocks in flight), the same
+# for every row count (row invariance); the warps set the layout of a block's max and sum, so
+# they are part of the exact lane's bits. 8 warps, 2 stages: the H200 sweep's best for decode at
+# both layer kinds and depths 2,048 and 32,768 (tools/device_attn.py, bench/NOTES.md).
+PARTIAL_LAUNCH = {"num_warps": 8, "num_stages": 2}
 F16_LAUNCH = {"num_warps": 4}
 
 
