@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Static instruction budget of a matvec kernel on sm_90, without a GPU: compile one launch the
+"""Static instruction budget of a matvec or attention kernel on sm_90, without a GPU: compile one launch the
 way Triton's JIT specializes it (16-byte-aligned pointers, sizes divisible by 16), disassemble the
 cubin with the bundled cuobjdump, find the innermost loop (the backward branch) and count its
 instructions by class, then divide by the weights one thread decodes per iteration.
 
     python3 tools/sass_loop.py v3 FMT T [--config BN,NUM_WARPS,PIPE] [--dump]
     python3 tools/sass_loop.py split FMT T [--config ...] [--rows-kernel 0|1] [--dump]
+    python3 tools/sass_loop.py attn full|sliding T [--dump]   (the exact pass at depth 32,768)
 
 Used to predict a kernel's issue-bound ceiling before spending GPU time (bench/NOTES.md).
 """
