@@ -35,6 +35,9 @@ import torch  # noqa: E402
 
 from muser.engine.kernels import attention as att  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device_kernels import graph_seconds  # noqa: E402
+
 DEV = "cpu" if "--smoke" in sys.argv else "cuda"
 if DEV == "cpu":
     from muser.engine.kernels.interpreter import index_compat
@@ -75,24 +78,7 @@ def _time(fn, reps: int) -> float:
             fn()
             ts.append((time.perf_counter() - t) * 1e3)
         return sorted(ts)[len(ts) // 2]
-    n = 20
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(max(3, reps // n))]
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    ts = sorted(a.elapsed_time(b) / n for a, b in ev)
-    return ts[len(ts) // 2]
+    return 1e3 * sorted(graph_seconds(fn, 20, max(3, reps // 20)))[max(3, reps // 20) // 2]
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

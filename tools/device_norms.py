@@ -10,33 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
 
 from muser.engine.kernels import fused
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device_kernels import graph_seconds  # noqa: E402
+
 
 def _time(fn, reps: int = 20, n: int = 50) -> float:
     """Median µs per call, the calls captured in a CUDA graph."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / n)
-    return sorted(ts)[len(ts) // 2]
+    return 1e6 * sorted(graph_seconds(fn, n, reps))[reps // 2]
 
 
 def main(argv=None) -> int:

@@ -11,10 +11,11 @@ logits (or, for greedy decode, the argmax and a finiteness flag). All intermedia
 the graph's private pool: nothing is allocated on the hot path.
 
 The attention kernels take each plane's storage as an argument, so a captured graph bakes in
-the storage addresses of the sessions it was captured with: a shape keeps one captured graph
-per set of sessions (their plane storage), up to MAX_CAPTURES, and captures anew for sessions
-it has not seen or whose planes were swapped (a detached install or restore). The first call
-of a (shape, sessions) pair runs the step eagerly (that is its real result), then captures it.
+the storage addresses of the sessions it was captured with: a shape keeps one capture (the
+step's two graphs, FIRST_PART_LAYERS) per set of sessions (their plane storage), up to
+MAX_CAPTURES, and captures anew for sessions it has not seen or whose planes were swapped (a
+detached install or restore). The first call of a (shape, sessions) pair runs the step eagerly
+(that is its real result), then captures it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from .kernels.attention import AttnScratch, attend_triton, kv_round, kv_store, split_count
 
-MAX_CAPTURES = 32  # captured graphs kept per shape (least recently used go first)
+MAX_CAPTURES = 32  # captures kept per shape (least recently used go first)
 # The step is captured as two graphs sharing one pool: the first FIRST_PART_LAYERS layers, then
 # the rest. A graph launch costs host time per node (the 740-node decode step: 0.57 ms on the
 # H200 host, 20261204T151710Z-step-profile-cuda.json), and the GPU starts a graph only once its
