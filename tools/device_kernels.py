@@ -28,6 +28,7 @@ outputs on a row subset checked bitwise against muser.quant.dot.matmul_ggml (the
 and one row alone against the same row inside the 16- and 512-row launches (bitwise).
 
     python3 tools/device_kernels.py --out DIR [--budget 140] [--device cuda|cpu --smoke] [--lane exact|fast]
+                                    [--before FILE]   (an earlier qmatvec_v3.py: its 4/16-row calls beside)
 
 Writes DIR/device-kernels.json (one record; rewritten after each case), a receipt (kind
 kernels-<device>) at the end, and prints one line per case.
@@ -136,7 +137,7 @@ def call_seconds(fn, device: str, launches: int) -> list[float]:
     return [time.perf_counter() - t0]
 
 
-def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -> dict:
+def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool, before=None) -> dict:
     import numpy as np
     import torch
 
@@ -179,16 +180,24 @@ def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -
         r[f"T{T}"] = {"us": mean * 1e6, "cv": float(np.std(samples) / mean) if len(samples) > 1 else None,
                       "samples_s": samples, "GBps": nbytes / mean / 1e9}
     r["T16_over_T1"] = r["T16"]["us"] / r["T1"]["us"]
-    if device == "cuda" and w.packed is not None:  # the tilings (BN, num_warps, PIPE): speed only
+    if device == "cuda" and w.packed is not None and before is not None:  # an earlier module, same weight
+        old = before.Packed(w.packed.name, w.packed.fmt, w.packed.n_out, w.packed.n_in, dict(w.packed.fields))
+        for T in (4, 16):
+            xt, out = x[:T].contiguous(), torch.empty(T, n_out, device=device)
+            got = before.matvec_v3(old, xt, out)
+            r[f"before_T{T}"] = {"bitwise_equal_now": bool(torch.equal(got.view(torch.int32), y16[:T].view(torch.int32))),
+                                 "us": float(np.mean(call_seconds(lambda: before.matvec_v3(old, xt, out), device, 20))) * 1e6}
+    if device == "cuda" and w.packed is not None:  # the tilings (BN, num_warps, PIPE[, rows a program]): speed only
         for T, cfgs in SWEEP.items():
             sweep = {}
             ref_t = y16[:T]
             for cfg in cfgs:
                 try:
                     xt, out = x[:T].contiguous(), torch.empty(T, n_out, device=device)
-                    got = qmatvec_v3.matvec_v3(w.packed, xt, out, config=cfg)
+                    rt = cfg[3] if len(cfg) > 3 else None
+                    got = qmatvec_v3.matvec_v3(w.packed, xt, out, config=cfg[:3], rt=rt)
                     same = bool(torch.equal(got.view(torch.int32), ref_t.view(torch.int32)))
-                    sec = graph_seconds(lambda: qmatvec_v3.matvec_v3(w.packed, xt, out, config=cfg), 20, 1)[0]
+                    sec = graph_seconds(lambda: qmatvec_v3.matvec_v3(w.packed, xt, out, config=cfg[:3], rt=rt), 20, 1)[0]
                     sweep[str(list(cfg))] = {"us": sec * 1e6, "bitwise_equal_default": same}
                 except Exception as e:  # noqa: BLE001
                     sweep[str(list(cfg))] = {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -199,9 +208,12 @@ def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -
 # the tilings each row bucket's sweep times (every one sums each output in the same order)
 # (BN, num_warps, PIPE): qmatvec_v3.check_config. One row: no shared-memory pipelining (PIPE >= 2
 # took 3-5x the plain loop's time on every shape, bench/reports/device-20261203/call2).
+# Several rows: (BN, num_warps, PIPE, rows a program takes); the table keeps only winners at the
+# bucket's default rows a program (qmatvec_v3.rows_per_program), the others are reported.
 SWEEP = {
     1: ((8, 4, 0), (16, 4, 0), (16, 4, 1), (16, 8, 0), (32, 4, 0), (32, 8, 0), (32, 8, 1), (64, 8, 0)),
-    16: ((2, 4, 0), (4, 4, 0), (4, 4, 2), (4, 8, 0), (8, 8, 0), (8, 8, 2), (8, 4, 0), (16, 8, 0)),
+    16: ((4, 4, 0, 4), (8, 4, 0, 4), (8, 8, 0, 4), (16, 8, 0, 4), (8, 4, 2, 4), (4, 2, 0, 4), (16, 4, 0, 2),
+         (8, 4, 0, 2)),
 }
 
 
@@ -211,11 +223,14 @@ def tuning_table(speed: list[dict]) -> list[dict]:
     table = []
     for r in speed:
         for T in SWEEP:
-            ok = {c: v["us"] for c, v in r.get(f"T{T}_sweep", {}).items() if v.get("bitwise_equal_default")}
+            from muser.engine.kernels.qmatvec_v3 import rows_per_program
+
+            ok = {c: v["us"] for c, v in r.get(f"T{T}_sweep", {}).items() if v.get("bitwise_equal_default")
+                  and json.loads(c)[3:] in ([], [rows_per_program(T)])}
             if ok:
                 best = min(ok, key=ok.__getitem__)
                 table.append({"fmt": r["fmt"], "rows": T, "n_out": r["n_out"], "n_in": r["n_in"],
-                              "config": json.loads(best),
+                              "config": json.loads(best)[:3],
                               "us": round(ok[best], 1)})
     return table
 
@@ -377,6 +392,9 @@ def main(argv=None) -> int:
                     help="part 2 only (the kernels' timings and tilings; part 1 ran on this tree before)")
     ap.add_argument("--lane", default="exact", choices=("exact", "fast", "split"),
                     help="fast: the integer lane's engines and its GEMM (kernels/qmatmul_i8.py)")
+    ap.add_argument("--before", default=None,
+                    help="an earlier qmatvec_v3 module file: its 4- and 16-row calls timed beside this one's, "
+                         "bits compared")
     a = ap.parse_args(argv)
     t0 = time.time()
     if a.device == "cpu":
@@ -388,6 +406,15 @@ def main(argv=None) -> int:
 
     from muser.engine.kernels import qmatvec_v3
 
+    before = None
+    if a.before:  # a module beside this tree's, in its package (its relative imports resolve)
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("muser.engine.kernels._v3_before", a.before)
+        assert spec is not None and spec.loader is not None, a.before
+        before = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = before  # its dataclasses look their module up
+        spec.loader.exec_module(before)
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("MUSER_DEVICE_WORK", "/tmp/muser-dev")) / "kernels"
@@ -473,10 +500,15 @@ def main(argv=None) -> int:
             rec["skipped"].append(f"speed {fmt} {n_out}x{n_in}: budget")
             continue
         try:
-            r = speed_case(fmt, n_out, n_in, a.device, a.smoke)
+            r = speed_case(fmt, n_out, n_in, a.device, a.smoke, before)
+            was = "".join(f", before T{T} {r[f'before_T{T}']['us']:.1f} us (bits equal {r[f'before_T{T}']['bitwise_equal_now']})"
+                          for T in (4, 16) if f"before_T{T}" in r)
             print(f"matvec {fmt} {n_out}x{n_in}: T1 {r['T1']['us']:.1f} us {r['T1']['GBps']:.0f} GB/s, "
-                  f"T16 {r['T16']['us']:.1f} us ({r['T16_over_T1']:.2f}x), alone==in16 "
+                  f"T4 {r['T4']['us']:.1f}, T16 {r['T16']['us']:.1f} us ({r['T16_over_T1']:.2f}x){was}, alone==in16 "
                   f"{r['row_alone_equals_row_in_16']}, err {r['max_err_over_sum_abs']:.2e}", flush=True)
+            if "T16_sweep" in r:
+                print("  T16 sweep " + ", ".join(f"{k}: {v.get('us', 0):.1f} us {v.get('bitwise_equal_default', v.get('error'))}"
+                                                 for k, v in r["T16_sweep"].items()), flush=True)
         except Exception as e:  # noqa: BLE001
             r = {"fmt": fmt, "n_out": n_out, "n_in": n_in, "error": f"{type(e).__name__}: {e}",
                  "trace": traceback.format_exc()[-2000:]}

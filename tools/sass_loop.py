@@ -4,7 +4,7 @@ way Triton's JIT specializes it (16-byte-aligned pointers, sizes divisible by 16
 cubin with the bundled cuobjdump, find the innermost loop (the backward branch) and count its
 instructions by class, then divide by the weights one thread decodes per iteration.
 
-    python3 tools/sass_loop.py v3 FMT T [--config BN,NUM_WARPS,PIPE] [--dump]
+    python3 tools/sass_loop.py v3 FMT T [--config BN,NUM_WARPS,PIPE] [--rt 2|4] [--dump]
     python3 tools/sass_loop.py split FMT T [--config ...] [--rows-kernel 0|1] [--dump]
     python3 tools/sass_loop.py attn full|sliding T [--dump]   (the exact pass at depth 32,768)
 
@@ -142,7 +142,7 @@ def _matmul_launch(a):
     else:
         from muser.engine.kernels import qmatvec_v3 as mod
         w3 = mod.pack(w)
-        fn, args, kw, grid = capture(lambda: mod.matvec_v3(w3, x, torch.empty(a.T, a.n_out), config=cfg))
+        fn, args, kw, grid = capture(lambda: mod.matvec_v3(w3, x, torch.empty(a.T, a.n_out), config=cfg, rt=a.rt))
     return fn, args, kw, grid
 
 
@@ -170,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=None, help="comma list passed as the launcher's config")
     ap.add_argument("--rows-kernel", type=int, choices=[0, 1], default=None,
                     help="split: force the CUDA-core kernel (1) or the tiles (0)")
+    ap.add_argument("--rt", type=int, default=None, help="v3: activation rows a program takes (several-row path)")
     ap.add_argument("--dump", action="store_true")
     a = ap.parse_args(argv)
     if a.kernel == "attn":  # fmt: full | sliding; f16 planes of the full geometry, the exact pass

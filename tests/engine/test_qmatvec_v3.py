@@ -136,6 +136,9 @@ def test_v3_rows_are_bitwise_invariant(v3, fmt):
         for cfg in (None, (4, 4, True), (2, 2, False), (4, 4, 3)):
             got = m.matvec_v3(p, x[:T], config=cfg)
             assert torch.equal(got.view(torch.int32), alone[:T].view(torch.int32)), (T, cfg)
+        for rt in (2, 4):  # rows a program takes: a partial last group reads the call's last row
+            got = m.matvec_v3(p, x[:T], config=(4, 2, 0), rt=rt)
+            assert torch.equal(got.view(torch.int32), alone[:T].view(torch.int32)), (T, rt)
     for cfg in ((4, 4, True), (16, 4, False), (8, 2, True), (8, 4, 2), (4, 2, 4)):
         assert torch.equal(m.matvec_v3(p, x[5:6], config=cfg).view(torch.int32), alone[5:6].view(torch.int32))
 
@@ -150,8 +153,12 @@ def test_v3_refuses(v3):
     with pytest.raises(AssertionError):
         m.matvec_v3(p, torch.zeros(1, 512))
     for cfg in ((4, 4, 5), (4, 4, -1), (6, 2, 0), (2, 4, 0)):  # pipeline depth, powers of two, BN % warps
-        with pytest.raises(ValueError, match="config"):
-            m.matvec_v3(p, torch.zeros(1, 256), config=cfg)
+        for T in (1, 4):
+            with pytest.raises(ValueError, match="config"):
+                m.matvec_v3(p, torch.zeros(T, 256), config=cfg)
+    for T, rt in ((1, 2), (2, 1), (4, 3), (16, 8)):  # rows a program takes: 1 for one row, else 2 or 4
+        with pytest.raises(ValueError, match="rows per program"):
+            m.matvec_v3(p, torch.zeros(T, 256), rt=rt)
 
 
 def test_v3_stack_members_are_views_and_outputs_match(v3):
@@ -189,7 +196,8 @@ def test_v3_tuning_file(v3, tmp_path):
     try:
         assert m.load_tuning(str(f)) == 1
         assert m.config_for(p, 1) == (8, 4, False)
-        assert m.config_for(p, 16) == m.CONFIGS[16]
+        bn, nw, pipe = m.CONFIGS[16]
+        assert m.config_for(p, 16) == (nw, nw, pipe)  # 8 outputs: one weight row a thread
         from muser.errors import LaneError
 
         before = dict(m.TUNED)
@@ -245,7 +253,7 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
         a.append(rs.decode(t))
         b.append(es.decode(t))  # one row: stacked v3 launches
     a.append(rs.verify([5, 9, 17])[-1])
-    b.append(es.verify([5, 9, 17])[-1])  # 3 rows: the 4-D v3 path
+    b.append(es.verify([5, 9, 17])[-1])  # 3 rows: the several-row v3 path
     for x, y in zip(a, b):
         assert np.max(np.abs(x - y)) <= 2e-4 * max(1.0, float(np.max(np.abs(x))))
 

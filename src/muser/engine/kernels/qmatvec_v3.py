@@ -103,19 +103,24 @@ _FP4_F16_HI = (0x42403C00, 0x4A484644)
 J_UNITS = 32
 # (BN rows per program, num_warps, PIPE: check_config) per row bucket; device sweeps override through
 # `config`. One chunk moves BN * J_UNITS * 16 bytes of quants per program.
-# 4 rows take the 8- and 16-row tiling of the earlier (decoded-weight) dot: with (4, 4, 1) four
-# rows ran slower than that tiling ran eight on 7 of the 8 shapes
-# (bench/receipts/20261201T153526Z-kernels-cuda.json). 8 and 16 rows: 8 outputs a program, chosen
-# from register counts (the factored dot keeps a second [ROWS, BN, J, 4] sum; with 16 outputs ptxas
-# spills, tools/sass_loop.py); the H200 sweep still preferred 16 outputs on 5 of its 8 shapes
-# (v3_tuning.json, bench/reports/device-20261203/call2), so these defaults serve untuned shapes only.
+# Several rows: a program takes ROWS_PER_PROGRAM of them (one accumulator each in the one-row
+# layout, BN / num_warps weight rows a thread) and the row groups of a weight block run as
+# adjacent programs (L2 serves their re-reads). Registers bound the product: 4 rows x 2 weight
+# rows a thread keeps the sums of a unit and the accumulators in about 128 registers
+# (tools/sass_loop.py v3), so no spills and several programs an SM.
 CONFIGS: dict[int, tuple[int, int, int]] = {
     1: (16, 4, 1),
-    2: (8, 4, 1),
-    4: (16, 8, 0),
-    8: (8, 8, 0),
-    16: (8, 8, 0),
+    2: (16, 4, 0),
+    4: (8, 4, 0),
+    8: (8, 4, 0),
+    16: (8, 4, 0),
 }
+ROWS_PER_PROGRAM = 4  # activation rows a program of the several-row path takes (2 for the 2-row bucket)
+
+
+def rows_per_program(rows: int) -> int:
+    """Activation rows one program takes in a `rows`-row bucket."""
+    return min(rows, ROWS_PER_PROGRAM)
 
 
 def supports(fmt: G) -> bool:
@@ -563,41 +568,174 @@ if HAVE_TRITON:
             k = (u * 32 + 4 * e)[:, None] + wi[None, :]  # [J, 4]
             tl.store(out + row[:, None, None] * K + k[None, :, :], w, mask=m3)
 
+    @triton.jit
+    def _act_prep_kernel(x, xq, xs, sx, NU, BU: tl.constexpr):
+        """The several-row path's activations, once per call (row program_id(0), units BU a
+        program): xq = x * 2^(64 - P(e)) for element 4e + w of each unit (`_act_scale`: exact, the
+        factor the one-row path applies in its loop) and the unit sums of the one-row path, in its
+        order: xs[r, 0, u, w] = x[4*0 + w] + x[4*1 + w] + ... + x[4*7 + w] (nibbles 0..7),
+        xs[r, 1 + h, u, w] the same over nibbles 4h .. 4h + 3 (Q6_K's halves). [T, 3, NU, 4] f32."""
+        r = tl.program_id(0).to(tl.int64)
+        u = tl.program_id(1) * BU + tl.arange(0, BU)
+        wi = tl.arange(0, 4)
+        m = (u < NU)[:, None] & (wi < 4)[None, :]
+        base = u[:, None] * 32 + wi[None, :]  # [BU, 4]: element w of nibble 0
+        for e in tl.static_range(8):
+            xe = tl.load(x + r * sx + base + 4 * e, mask=m, other=0.0)
+            tl.store(xq + r * (NU * 32) + base + 4 * e, xe * _act_scale(e), mask=m)
+            if e == 0:
+                full = xe
+                half = xe
+            else:
+                full = full + xe
+                if e == 4:
+                    half = xe
+                else:
+                    half = half + xe
+            if e == 3:
+                tl.store(xs + (r * 3 + 1) * (NU * 4) + u[:, None] * 4 + wi[None, :], half, mask=m)
+        tl.store(xs + (r * 3 + 2) * (NU * 4) + u[:, None] * 4 + wi[None, :], half, mask=m)
+        tl.store(xs + (r * 3) * (NU * 4) + u[:, None] * 4 + wi[None, :], full, mask=m)
+
+    @triton.jit
+    def _row_e(FMT: tl.constexpr, e: tl.constexpr, v, xp, xm, MASK: tl.constexpr, t):
+        """One row's nibble-e step of the several-row path: its activations [1, NW, J, 4] (the
+        one-row path's per-warp copy; K-quants: pre-scaled by `_act_prep_kernel`) times the codes
+        v, into the unit sum t. MASK: the row's last, partial chunk (lanes past the row end read
+        0, as in the one-row path); whole chunks load unmasked (no register clears before each
+        load)."""
+        if MASK:
+            xe = tl.load(xp + 4 * e, mask=xm, other=0.0)
+        else:
+            xe = tl.load(xp + 4 * e)
+        xe = tl.reshape(xe, (1, xm.shape[0], xm.shape[1] // 4, 4))
+        if e % 4 == 0 if FMT >= 8 else (e == 0 or (FMT == 7 and e == 4)):
+            t = v * xe
+        else:
+            t = tl.fma(v, xe, t)
+        return t
+
+    @triton.jit
+    def _row_unit(FMT: tl.constexpr, t, sp, xm, MASK: tl.constexpr, fa, fb, acc):
+        """A unit's (Q6_K: half-unit's; NVFP4: 16-block's) sums into a row's accumulator: the one-row
+        path's acc = fma(t, fa, fma(xs, fb, acc)), xs read from `_act_prep_kernel`'s sums at sp."""
+        if FMT >= 8:
+            acc = tl.fma(t, fa, acc)
+        else:
+            if MASK:
+                xs = tl.load(sp, mask=xm, other=0.0)
+            else:
+                xs = tl.load(sp)
+            xs = tl.reshape(xs, (1, xm.shape[0], xm.shape[1] // 4, 4))
+            acc = tl.fma(t, fa, tl.fma(xs, fb, acc))
+        return acc
+
+    @triton.jit
+    def _row_store(FMT: tl.constexpr, acc, y, dp, row, n, nmask, r, T, sy, BN: tl.constexpr, J: tl.constexpr):
+        res = _lane_tree(tl.reshape(acc, (BN, J * 4)), BN, J * 4)  # [BN]
+        if FMT == 8:  # the companion form's per-row scale2, once per output
+            res = res * tl.load(dp + row, mask=nmask, other=0.0)
+        tl.store(y + r * sy + n, res, mask=nmask & (r < T))
+
+    @triton.jit
+    def _rows_chunk(FMT: tl.constexpr, RT: tl.constexpr, MASK: tl.constexpr, c, qp, hp, sp, dp, row, nmask, NU, zero, x,
+                    sx, xsp, d1, d2, d3, wi, acc, acc1, acc2, acc3, BN: tl.constexpr, J: tl.constexpr,
+                    NW: tl.constexpr, ASM: tl.constexpr):
+        """Chunk c of the several-row path: RT rows, row k's activations at x + d_k sx and its unit
+        sums at xsp + d_k 12 NU (d_k = k, except that rows past the call's end read its last row;
+        they are never stored). MASK: the row's last, partial chunk."""
+        words, h0, h1, sv, dv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, c, NU, zero, J)
+        a, b = _scales(FMT, sv, dv)
+        kw = c * (J * 4) + tl.arange(0, J * 4)
+        xb = x + (tl.arange(0, NW) * 0)[:, None] + ((kw // 4) * 32 + kw % 4)[None, :]  # [NW, J*4]
+        xm = (tl.arange(0, NW) < NW)[:, None] & (kw < NU * 4)[None, :]
+        sb = xsp + (tl.arange(0, NW) * 0)[:, None] + kw[None, :]  # [NW, J*4]: unit kw // 4, lane kw % 4
+        if FMT >= 8:
+            vals = _fp4_values(words, ASM)
+        else:
+            wsh = words >> 12
+        t0 = tl.zeros([BN // NW, NW, J, 4], dtype=tl.float32)  # placeholders: set at the unit's first nibble
+        t1 = t0
+        t2 = t0
+        t3 = t0
+        for e in tl.static_range(8):
+            if FMT >= 8:
+                v = tl.reshape(vals[e], (BN // NW, NW, J, 4))
+            else:
+                # code_bits * (x 2^(64 - P)): the one-row path's product, the scaling done once a call
+                v = tl.reshape(_code_bits(FMT, e, words, wsh, h0, h1, wi), (BN // NW, NW, J, 4))
+            t0 = _row_e(FMT, e, v, xb, xm, MASK, t0)
+            t1 = _row_e(FMT, e, v, xb + d1 * sx, xm, MASK, t1)
+            if RT > 2:
+                t2 = _row_e(FMT, e, v, xb + d2 * sx, xm, MASK, t2)
+                t3 = _row_e(FMT, e, v, xb + d3 * sx, xm, MASK, t3)
+            if e == 3 or e == 7:
+                if FMT >= 8 or FMT == 7 or e == 7:
+                    if FMT >= 8:
+                        if e == 3:
+                            fa = a
+                        else:
+                            fa = b
+                        fb = fa
+                    else:
+                        fa, fb = _unit_factors(FMT, e, a, b)  # [BN, J]
+                    fa = tl.reshape(tl.broadcast_to(fa[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4))
+                    fb = tl.reshape(tl.broadcast_to(fb[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4))
+                    if FMT == 7:  # the half's sums
+                        sh = sb + (1 + e // 4) * (NU * 4)
+                    else:
+                        sh = sb
+                    acc = _row_unit(FMT, t0, sh, xm, MASK, fa, fb, acc)
+                    acc1 = _row_unit(FMT, t1, sh + d1 * (NU * 12), xm, MASK, fa, fb, acc1)
+                    if RT > 2:
+                        acc2 = _row_unit(FMT, t2, sh + d2 * (NU * 12), xm, MASK, fa, fb, acc2)
+                        acc3 = _row_unit(FMT, t3, sh + d3 * (NU * 12), xm, MASK, fa, fb, acc3)
+        return acc, acc1, acc2, acc3
+
     @triton.jit(do_not_specialize=["T", "zero"])
-    def _matvec_v3_kernel(x, y, qp, hp, sp, dp, N, K, sx, sy, T, zero, FMT: tl.constexpr, ROWS: tl.constexpr,
+    def _matvec_v3_kernel(x, xsp, y, qp, hp, sp, dp, N, K, sx, sy, T, zero, FMT: tl.constexpr, RT: tl.constexpr,
                           BN: tl.constexpr, J: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
                           NW: tl.constexpr, ASM: tl.constexpr):
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        # program = (weight block, group of RT activation rows), the groups of one block adjacent
+        # in launch order so that they run together and L2 serves their re-reads of its bytes
+        G = (T + RT - 1) // RT
+        pid = tl.program_id(0)
+        r0 = (pid % G) * RT
+        n = (pid // G) * BN + tl.arange(0, BN)
         nmask = n < N
         row = n.to(tl.int64)
         wi = tl.arange(0, 4)
         NU = K // 32
         n_chunks = (NU + J - 1) // J
-        if ROWS == 1:  # decode: a [BN/NW, NW, J, 4] accumulator in the words' own layout
-            acc = tl.zeros([BN // NW, NW, J, 4], dtype=tl.float32)
-        else:
-            r = tl.arange(0, ROWS)
-            rmask = r < T
-            acc4 = tl.zeros([ROWS, BN, J, 4], dtype=tl.float32)
-        if PREFETCH:
-            nw, nh0, nh1, nsv, ndv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, 0, NU, zero, J)
-        # STAGES > 1: Triton's pipeliner issues the loads of the next STAGES - 1 chunks as async
-        # copies into shared memory (bytes in flight that cost no registers). Measured on the H200
-        # it lost 3-5x at one row on every shape; one 16-row shape's tiling takes it (v3_tuning.json)
-        for c in tl.range(0, n_chunks, num_stages=STAGES):
-            if PREFETCH:  # next chunk's loads go out before this chunk's arithmetic
-                words, h0, h1, sv, dv = nw, nh0, nh1, nsv, ndv
-                nw, nh0, nh1, nsv, ndv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask & (c + 1 < n_chunks),
-                                                     c + 1, NU, zero, J)
-            else:
-                words, h0, h1, sv, dv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, c, NU, zero, J)
-            a, b = _scales(FMT, sv, dv)
-            u = c * J + tl.arange(0, J)
-            if ROWS == 1:
+        # row r0 + k's distance from row r0 (rows past T read row T - 1: loads stay unmasked)
+        d1 = tl.minimum(r0 + 1, T - 1) - r0
+        d2 = tl.minimum(r0 + 2, T - 1) - r0
+        d3 = tl.minimum(r0 + 3, T - 1) - r0
+        # every accumulator in the words' own thread layout [BN/NW, NW, J, 4] (row = i * NW + warp):
+        # one row's activations are one 16-byte load a thread, used by its BN/NW rows of weights
+        # with no shuffle; several rows are several such accumulators, one per activation row
+        acc = tl.zeros([BN // NW, NW, J, 4], dtype=tl.float32)
+        acc1 = acc  # rows past RT stay unused
+        acc2 = acc
+        acc3 = acc
+        if RT == 1:
+            if PREFETCH:
+                nw, nh0, nh1, nsv, ndv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, 0, NU, zero, J)
+            # STAGES > 1: Triton's pipeliner issues the loads of the next STAGES - 1 chunks as async
+            # copies into shared memory (bytes in flight that cost no registers). Measured on the H200
+            # it lost 3-5x at one row on every shape
+            for c in tl.range(0, n_chunks, num_stages=STAGES):
+                if PREFETCH:  # next chunk's loads go out before this chunk's arithmetic
+                    words, h0, h1, sv, dv = nw, nh0, nh1, nsv, ndv
+                    nw, nh0, nh1, nsv, ndv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask & (c + 1 < n_chunks),
+                                                         c + 1, NU, zero, J)
+                else:
+                    words, h0, h1, sv, dv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, c, NU, zero, J)
+                a, b = _scales(FMT, sv, dv)
                 # x as [NW, J*4] (one copy per warp: 16-byte loads in the words' thread layout),
-                # reshaped to [1, NW, J, 4]; the weights as [BN/NW, NW, J, 4] (row = i * NW + warp)
+                # reshaped to [1, NW, J, 4]
                 kw = c * (J * 4) + tl.arange(0, J * 4)
-                xb = x + (tl.arange(0, NW) * 0)[:, None] + ((kw // 4) * 32 + kw % 4)[None, :]  # [NW, J*4]
+                xb = x + r0 * sx + (tl.arange(0, NW) * 0)[:, None] + ((kw // 4) * 32 + kw % 4)[None, :]  # [NW, J*4]
                 xm = (tl.arange(0, NW) < NW)[:, None] & (kw < NU * 4)[None, :]
                 if FMT >= 8:  # NVFP4: each 16-block's dot of values, then times its scale (f32)
                     vals = _fp4_values(words, ASM)
@@ -629,50 +767,39 @@ if HAVE_TRITON:
                             fa = tl.reshape(tl.broadcast_to(fa[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4))
                             fb = tl.reshape(tl.broadcast_to(fb[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4))
                             acc = tl.fma(t, fa, tl.fma(xs, fb, acc))
-            else:
-                xm = rmask[:, None, None] & (u < NU)[None, :, None]  # [ROWS, J, 1]
-                xb4 = x + r[:, None, None] * sx + (u * 32)[None, :, None] + wi[None, None, :]  # [ROWS, J, 4]
-                if FMT >= 8:  # as the one-row path, in the same order (row invariance)
-                    vals = _fp4_values(words, ASM)
-                    for e in tl.static_range(8):
-                        v = vals[e]  # [BN, J, 4]
-                        xe4 = tl.load(xb4 + 4 * e, mask=xm, other=0.0)  # [ROWS, J, 4]
-                        if e % 4 == 0:
-                            t4 = v[None, :, :, :] * xe4[:, None, :, :]
-                        else:
-                            t4 = tl.fma(v[None, :, :, :], xe4[:, None, :, :], t4)
-                        if e == 3:
-                            acc4 = tl.fma(t4, a[None, :, :, None], acc4)
-                        if e == 7:
-                            acc4 = tl.fma(t4, b[None, :, :, None], acc4)
-                else:  # as the one-row path, in the same order (row invariance)
-                    wsh = words >> 12
-                    for e in tl.static_range(8):
-                        # code * 2^-85 (exact, normal): the one-row path's product code_bits * (x
-                        # 2^(64 - P)) is the same real number, so each fma rounds to the same bits,
-                        # with one multiply per weight here instead of one per activation and row
-                        v = _code_bits(FMT, e, words, wsh, h0, h1, wi) * _act_scale(e)  # [BN, J, 4]
-                        xe4 = tl.load(xb4 + 4 * e, mask=xm, other=0.0)  # [ROWS, J, 4]
-                        if e == 0 or (FMT == 7 and e == 4):
-                            t4 = v[None, :, :, :] * xe4[:, None, :, :]
-                            xs4 = xe4
-                        else:
-                            t4 = tl.fma(v[None, :, :, :], xe4[:, None, :, :], t4)
-                            xs4 = xs4 + xe4
-                        if (FMT == 7 and e == 3) or e == 7:
-                            fa, fb = _unit_factors(FMT, e, a, b)  # [BN, J]
-                            acc4 = tl.fma(t4, fa[None, :, :, None], tl.fma(xs4[:, None, :, :], fb[None, :, :, None], acc4))
-        # the J * 4 lanes of each output by one fixed tree, whatever the bucket (row invariance)
-        if ROWS == 1:
-            res = _lane_tree(tl.reshape(acc, (BN, J * 4)), BN, J * 4)  # [BN]
-            if FMT == 8:  # the companion form's per-row scale2, once per output
-                res = res * tl.load(dp + row, mask=nmask, other=0.0)
-            tl.store(y + n, res, mask=nmask)
-        else:
-            res4 = tl.reshape(_lane_tree(tl.reshape(acc4, (ROWS * BN, J * 4)), ROWS * BN, J * 4), (ROWS, BN))
-            if FMT == 8:
-                res4 = res4 * tl.load(dp + row, mask=nmask, other=0.0)[None, :]
-            tl.store(y + r[:, None] * sy + n[None, :], res4, mask=rmask[:, None] & nmask[None, :])
+        else:  # several rows: each row's operations are the one-row path's, in the same order
+            # whole chunks with unmasked activation loads, then the row's partial chunk
+            # K-quants: x is `_act_prep_kernel`'s pre-scaled copy and xsp its unit sums
+            x = x + r0 * sx
+            xsp = xsp + r0 * (NU * 12)
+            for c in tl.range(0, NU // J, num_stages=STAGES):
+                acc, acc1, acc2, acc3 = _rows_chunk(FMT, RT, False, c, qp, hp, sp, dp, row, nmask, NU, zero, x, sx,
+                                                    xsp, d1, d2, d3, wi, acc, acc1, acc2, acc3, BN, J, NW, ASM)
+            if NU % J != 0:
+                acc, acc1, acc2, acc3 = _rows_chunk(FMT, RT, True, NU // J, qp, hp, sp, dp, row, nmask, NU, zero, x,
+                                                    sx, xsp, d1, d2, d3, wi, acc, acc1, acc2, acc3, BN, J, NW, ASM)
+        # the J * 4 lanes of each output by one fixed tree, whatever the row count (row invariance)
+        _row_store(FMT, acc, y, dp, row, n, nmask, r0, T, sy, BN, J)
+        if RT > 1:
+            _row_store(FMT, acc1, y, dp, row, n, nmask, r0 + 1, T, sy, BN, J)
+        if RT > 2:
+            _row_store(FMT, acc2, y, dp, row, n, nmask, r0 + 2, T, sy, BN, J)
+            _row_store(FMT, acc3, y, dp, row, n, nmask, r0 + 3, T, sy, BN, J)
+
+
+ACT_PREP_UNITS = 64  # units a program of the activation prep takes
+
+
+def act_prep(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] f32 -> (xq [T, K], xs [T, 3, K/32, 4]): `_act_prep_kernel`'s pre-scaled activations
+    and unit sums, read by the several-row path."""
+    T, K = x.shape
+    nu = K // UNIT
+    xq = torch.empty((T, K), dtype=torch.float32, device=x.device)
+    xs = torch.empty((T, 3, nu, 4), dtype=torch.float32, device=x.device)
+    _act_prep_kernel[(T, triton.cdiv(nu, ACT_PREP_UNITS))](x, xq, xs, x.stride(0), nu, BU=ACT_PREP_UNITS,
+                                                           enable_fp_fusion=False)
+    return xq, xs
 
 
 def _asm() -> bool:
@@ -771,7 +898,7 @@ def check_config(config, rows: int) -> tuple[int, int, int]:
     shared memory (the loop's loads as async copies); false/true in a table read as 0/1."""
     bn, nw, pipe = (int(v) for v in config)
     pow2 = all(v > 0 and v & (v - 1) == 0 for v in (bn, nw))
-    if not pow2 or rows not in CONFIGS or (rows == 1 and bn % nw) or not 0 <= pipe <= 4:
+    if not pow2 or rows not in CONFIGS or bn % nw or not 0 <= pipe <= 4:
         raise ValueError(f"config {list(config)!r} for the {rows}-row bucket")
     return bn, nw, pipe
 
@@ -810,28 +937,35 @@ def config_for(p: Packed, rows: int) -> tuple[int, int, int]:
     if hit is not None:
         return hit
     bn, nw, pf = CONFIGS[rows]
-    if rows == 1 and p.n_out < 2048:  # small outputs: fewer rows per program, more programs
+    if p.n_out < 2048:  # small outputs: fewer rows per program, more programs
         bn = nw
     return bn, nw, pf
 
 
 def matvec_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
-              config: tuple | None = None) -> torch.Tensor:
+              config: tuple | None = None, rt: int | None = None) -> torch.Tensor:
     """x [T, n_in] f32 (T <= 16) -> [T, n_out] f32 over a Packed weight. `config` =
-    (BN, num_warps, PIPE) overrides the table (device sweeps); the bits never depend on it."""
+    (BN, num_warps, PIPE) and `rt` (rows a program takes: 1, 2 or 4; 1 only for one row) override
+    the table (device sweeps); the bits never depend on them."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     out = check_matvec_args(p, x, out)  # the shared contract (n_in, n_out, name: Packed has them)
     T = x.shape[0]
     rows = _rows_bucket(T)
     bn, num_warps, pipe = check_config(config, rows) if config is not None else config_for(p, rows)
-    grid = (triton.cdiv(p.n_out, bn),)
-    _matvec_v3_kernel[grid](x, out, *p.pointers(), p.n_out, p.n_in, x.stride(0), out.stride(0), T, 0,
-                            FMT=_CODE[p.fmt], ROWS=rows, BN=bn, J=J_UNITS, PREFETCH=pipe == 1,
+    rt = rows_per_program(rows) if rt is None else int(rt)
+    if rt not in (1, 2, 4) or (rt == 1) != (rows == 1):
+        raise ValueError(f"rows per program {rt} for the {rows}-row bucket (1 for one row, else 2 or 4)")
+    xs = x  # the unit sums (several K-quant rows; otherwise never read)
+    if rt > 1 and p.fmt not in NVFP4:  # pre-scaled activations and unit sums, once a call
+        x, xs = act_prep(x)
+    grid = (triton.cdiv(p.n_out, bn) * triton.cdiv(T, rt),)
+    _matvec_v3_kernel[grid](x, xs, out, *p.pointers(), p.n_out, p.n_in, x.stride(0), out.stride(0), T, 0,
+                            FMT=_CODE[p.fmt], RT=rt, BN=bn, J=J_UNITS, PREFETCH=pipe == 1,
                             STAGES=max(pipe, 1), NW=num_warps, ASM=_asm(), num_warps=num_warps,
                             enable_fp_fusion=False)
     return out
 
 
-__all__ = ["CONFIGS", "FORMATS", "J_UNITS", "check_config", "HAVE_TRITON", "Packed", "decode", "decode_rows", "dequant_v3", "matvec_v3",
+__all__ = ["CONFIGS", "FORMATS", "J_UNITS", "ROWS_PER_PROGRAM", "rows_per_program", "check_config", "HAVE_TRITON", "Packed", "decode", "decode_rows", "dequant_v3", "matvec_v3",
            "pack", "pack_matrices", "Stack", "stack", "config_for", "load_tuning", "supports", "unpack"]
