@@ -569,20 +569,30 @@ if HAVE_TRITON:
             tl.store(out + row[:, None, None] * K + k[None, :, :], w, mask=m3)
 
     @triton.jit
-    def _act_prep_kernel(x, xq, xs, sx, NU, BU: tl.constexpr):
+    def _act_prep_kernel(x, xq, xs, sx, NU, NUP, BU: tl.constexpr, J: tl.constexpr, SCALE: tl.constexpr):
         """The several-row path's activations, once per call (row program_id(0), units BU a
-        program): xq = x * 2^(64 - P(e)) for element 4e + w of each unit (`_act_scale`: exact, the
-        factor the one-row path applies in its loop) and the unit sums of the one-row path, in its
-        order: xs[r, 0, u, w] = x[4*0 + w] + x[4*1 + w] + ... + x[4*7 + w] (nibbles 0..7),
-        xs[r, 1 + h, u, w] the same over nibbles 4h .. 4h + 3 (Q6_K's halves). [T, 3, NU, 4] f32."""
+        program; NUP = NU rounded up to whole J-unit chunks, the units past NU zero):
+        * xq [T, NUP * 32]: x * 2^(64 - P(e)) for element 4e + w of each unit (`_act_scale`:
+          exact, the factor the one-row path applies in its loop; SCALE false, NVFP4: x as it
+          is), in chunk order: element
+          (unit u, nibble e, lane w) at ((u // J) * 8 + e) * 4J + 4 (u % J) + w, so that the 32
+          threads of a warp, one unit each, read one nibble's activations as 512 contiguous bytes
+          (x itself: 16 bytes at a 128-byte stride, 32 cache lines a load);
+        * xs [T, 3, NUP, 4]: the one-row path's unit sums in its order, x[4*0 + w] + x[4*1 + w] +
+          ... + x[4*7 + w] (nibbles 0..7), then the same over nibbles 4h .. 4h + 3 (Q6_K's halves)."""
         r = tl.program_id(0).to(tl.int64)
         u = tl.program_id(1) * BU + tl.arange(0, BU)
         wi = tl.arange(0, 4)
+        keep = (u < NUP)[:, None] & (wi < 4)[None, :]
         m = (u < NU)[:, None] & (wi < 4)[None, :]
-        base = u[:, None] * 32 + wi[None, :]  # [BU, 4]: element w of nibble 0
+        src = u[:, None] * 32 + wi[None, :]  # [BU, 4]: element w of nibble 0
+        dst = ((u // J) * 8)[:, None] * (4 * J) + ((u % J) * 4)[:, None] + wi[None, :]
         for e in tl.static_range(8):
-            xe = tl.load(x + r * sx + base + 4 * e, mask=m, other=0.0)
-            tl.store(xq + r * (NU * 32) + base + 4 * e, xe * _act_scale(e), mask=m)
+            xe = tl.load(x + r * sx + src + 4 * e, mask=m, other=0.0)
+            if SCALE:
+                tl.store(xq + r * (NUP * 32) + dst + e * (4 * J), xe * _act_scale(e), mask=keep)
+            else:
+                tl.store(xq + r * (NUP * 32) + dst + e * (4 * J), xe, mask=keep)
             if e == 0:
                 full = xe
                 half = xe
@@ -593,22 +603,17 @@ if HAVE_TRITON:
                 else:
                     half = half + xe
             if e == 3:
-                tl.store(xs + (r * 3 + 1) * (NU * 4) + u[:, None] * 4 + wi[None, :], half, mask=m)
-        tl.store(xs + (r * 3 + 2) * (NU * 4) + u[:, None] * 4 + wi[None, :], half, mask=m)
-        tl.store(xs + (r * 3) * (NU * 4) + u[:, None] * 4 + wi[None, :], full, mask=m)
+                tl.store(xs + (r * 3 + 1) * (NUP * 4) + u[:, None] * 4 + wi[None, :], half, mask=keep)
+        tl.store(xs + (r * 3 + 2) * (NUP * 4) + u[:, None] * 4 + wi[None, :], half, mask=keep)
+        tl.store(xs + (r * 3) * (NUP * 4) + u[:, None] * 4 + wi[None, :], full, mask=keep)
 
     @triton.jit
-    def _row_e(FMT: tl.constexpr, e: tl.constexpr, v, xp, xm, MASK: tl.constexpr, t):
-        """One row's nibble-e step of the several-row path: its activations [1, NW, J, 4] (the
-        one-row path's per-warp copy; K-quants: pre-scaled by `_act_prep_kernel`) times the codes
-        v, into the unit sum t. MASK: the row's last, partial chunk (lanes past the row end read
-        0, as in the one-row path); whole chunks load unmasked (no register clears before each
-        load)."""
-        if MASK:
-            xe = tl.load(xp + 4 * e, mask=xm, other=0.0)
-        else:
-            xe = tl.load(xp + 4 * e)
-        xe = tl.reshape(xe, (1, xm.shape[0], xm.shape[1] // 4, 4))
+    def _row_e(FMT: tl.constexpr, e: tl.constexpr, v, xp, t):
+        """One row's nibble-e step of the several-row path: its activations [NW, J*4] -> [1, NW, J, 4]
+        (a per-warp copy in the words' thread layout; K-quants: `_act_prep_kernel`'s pre-scaled,
+        chunk-ordered copy, nibble e's 4J values contiguous) times the codes v, into the unit sum t."""
+        xe = tl.load(xp)
+        xe = tl.reshape(xe, (1, xp.shape[0], xp.shape[1] // 4, 4))
         if e % 4 == 0 if FMT >= 8 else (e == 0 or (FMT == 7 and e == 4)):
             t = v * xe
         else:
@@ -616,17 +621,14 @@ if HAVE_TRITON:
         return t
 
     @triton.jit
-    def _row_unit(FMT: tl.constexpr, t, sp, xm, MASK: tl.constexpr, fa, fb, acc):
+    def _row_unit(FMT: tl.constexpr, t, sp, fa, fb, acc):
         """A unit's (Q6_K: half-unit's; NVFP4: 16-block's) sums into a row's accumulator: the one-row
         path's acc = fma(t, fa, fma(xs, fb, acc)), xs read from `_act_prep_kernel`'s sums at sp."""
         if FMT >= 8:
             acc = tl.fma(t, fa, acc)
         else:
-            if MASK:
-                xs = tl.load(sp, mask=xm, other=0.0)
-            else:
-                xs = tl.load(sp)
-            xs = tl.reshape(xs, (1, xm.shape[0], xm.shape[1] // 4, 4))
+            xs = tl.load(sp)
+            xs = tl.reshape(xs, (1, sp.shape[0], sp.shape[1] // 4, 4))
             acc = tl.fma(t, fa, tl.fma(xs, fb, acc))
         return acc
 
@@ -638,18 +640,18 @@ if HAVE_TRITON:
         tl.store(y + r * sy + n, res, mask=nmask & (r < T))
 
     @triton.jit
-    def _rows_chunk(FMT: tl.constexpr, RT: tl.constexpr, MASK: tl.constexpr, c, qp, hp, sp, dp, row, nmask, NU, zero, x,
-                    sx, xsp, d1, d2, d3, wi, acc, acc1, acc2, acc3, BN: tl.constexpr, J: tl.constexpr,
-                    NW: tl.constexpr, ASM: tl.constexpr):
+    def _rows_chunk(FMT: tl.constexpr, RT: tl.constexpr, c, qp, hp, sp, dp, row, nmask, NU, zero, x, sx, xsp, ss,
+                    d1, d2, d3, wi, acc, acc1, acc2, acc3, BN: tl.constexpr, J: tl.constexpr, NW: tl.constexpr,
+                    ASM: tl.constexpr):
         """Chunk c of the several-row path: RT rows, row k's activations at x + d_k sx and its unit
-        sums at xsp + d_k 12 NU (d_k = k, except that rows past the call's end read its last row;
-        they are never stored). MASK: the row's last, partial chunk."""
+        sums at xsp + d_k ss (d_k = k, except that rows past the call's end read its last row;
+        they are never stored). Activations and sums are padded to whole chunks with zeros (the
+        one-row path's masked loads), so every load is unmasked."""
         words, h0, h1, sv, dv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, c, NU, zero, J)
         a, b = _scales(FMT, sv, dv)
-        kw = c * (J * 4) + tl.arange(0, J * 4)
-        xb = x + (tl.arange(0, NW) * 0)[:, None] + ((kw // 4) * 32 + kw % 4)[None, :]  # [NW, J*4]
-        xm = (tl.arange(0, NW) < NW)[:, None] & (kw < NU * 4)[None, :]
-        sb = xsp + (tl.arange(0, NW) * 0)[:, None] + kw[None, :]  # [NW, J*4]: unit kw // 4, lane kw % 4
+        lane = (tl.arange(0, NW) * 0)[:, None] + tl.arange(0, J * 4)[None, :]  # [NW, J*4]: unit lane // 4, w = lane % 4
+        sb = xsp + c * (J * 4) + lane
+        xb = x + c * (J * 32) + lane  # chunk order: nibble e's activations at 4J e
         if FMT >= 8:
             vals = _fp4_values(words, ASM)
         else:
@@ -664,11 +666,12 @@ if HAVE_TRITON:
             else:
                 # code_bits * (x 2^(64 - P)): the one-row path's product, the scaling done once a call
                 v = tl.reshape(_code_bits(FMT, e, words, wsh, h0, h1, wi), (BN // NW, NW, J, 4))
-            t0 = _row_e(FMT, e, v, xb, xm, MASK, t0)
-            t1 = _row_e(FMT, e, v, xb + d1 * sx, xm, MASK, t1)
+            xe = xb + e * (4 * J)
+            t0 = _row_e(FMT, e, v, xe, t0)
+            t1 = _row_e(FMT, e, v, xe + d1 * sx, t1)
             if RT > 2:
-                t2 = _row_e(FMT, e, v, xb + d2 * sx, xm, MASK, t2)
-                t3 = _row_e(FMT, e, v, xb + d3 * sx, xm, MASK, t3)
+                t2 = _row_e(FMT, e, v, xe + d2 * sx, t2)
+                t3 = _row_e(FMT, e, v, xe + d3 * sx, t3)
             if e == 3 or e == 7:
                 if FMT >= 8 or FMT == 7 or e == 7:
                     if FMT >= 8:
@@ -682,18 +685,18 @@ if HAVE_TRITON:
                     fa = tl.reshape(tl.broadcast_to(fa[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4))
                     fb = tl.reshape(tl.broadcast_to(fb[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4))
                     if FMT == 7:  # the half's sums
-                        sh = sb + (1 + e // 4) * (NU * 4)
+                        sh = sb + (1 + e // 4) * (ss // 3)
                     else:
                         sh = sb
-                    acc = _row_unit(FMT, t0, sh, xm, MASK, fa, fb, acc)
-                    acc1 = _row_unit(FMT, t1, sh + d1 * (NU * 12), xm, MASK, fa, fb, acc1)
+                    acc = _row_unit(FMT, t0, sh, fa, fb, acc)
+                    acc1 = _row_unit(FMT, t1, sh + d1 * ss, fa, fb, acc1)
                     if RT > 2:
-                        acc2 = _row_unit(FMT, t2, sh + d2 * (NU * 12), xm, MASK, fa, fb, acc2)
-                        acc3 = _row_unit(FMT, t3, sh + d3 * (NU * 12), xm, MASK, fa, fb, acc3)
+                        acc2 = _row_unit(FMT, t2, sh + d2 * ss, fa, fb, acc2)
+                        acc3 = _row_unit(FMT, t3, sh + d3 * ss, fa, fb, acc3)
         return acc, acc1, acc2, acc3
 
     @triton.jit(do_not_specialize=["T", "zero"])
-    def _matvec_v3_kernel(x, xsp, y, qp, hp, sp, dp, N, K, sx, sy, T, zero, FMT: tl.constexpr, RT: tl.constexpr,
+    def _matvec_v3_kernel(x, xsp, y, qp, hp, sp, dp, N, K, sx, ss, sy, T, zero, FMT: tl.constexpr, RT: tl.constexpr,
                           BN: tl.constexpr, J: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
                           NW: tl.constexpr, ASM: tl.constexpr):
         # program = (weight block, group of RT activation rows), the groups of one block adjacent
@@ -769,15 +772,13 @@ if HAVE_TRITON:
                             acc = tl.fma(t, fa, tl.fma(xs, fb, acc))
         else:  # several rows: each row's operations are the one-row path's, in the same order
             # whole chunks with unmasked activation loads, then the row's partial chunk
-            # K-quants: x is `_act_prep_kernel`'s pre-scaled copy and xsp its unit sums
+            # x is `_act_prep_kernel`'s chunk-ordered copy (K-quants: pre-scaled; row stride sx) and
+            # xsp its unit sums (row stride ss)
             x = x + r0 * sx
-            xsp = xsp + r0 * (NU * 12)
-            for c in tl.range(0, NU // J, num_stages=STAGES):
-                acc, acc1, acc2, acc3 = _rows_chunk(FMT, RT, False, c, qp, hp, sp, dp, row, nmask, NU, zero, x, sx,
-                                                    xsp, d1, d2, d3, wi, acc, acc1, acc2, acc3, BN, J, NW, ASM)
-            if NU % J != 0:
-                acc, acc1, acc2, acc3 = _rows_chunk(FMT, RT, True, NU // J, qp, hp, sp, dp, row, nmask, NU, zero, x,
-                                                    sx, xsp, d1, d2, d3, wi, acc, acc1, acc2, acc3, BN, J, NW, ASM)
+            xsp = xsp + r0 * ss
+            for c in tl.range(0, n_chunks, num_stages=STAGES):
+                acc, acc1, acc2, acc3 = _rows_chunk(FMT, RT, c, qp, hp, sp, dp, row, nmask, NU, zero, x, sx, xsp, ss,
+                                                    d1, d2, d3, wi, acc, acc1, acc2, acc3, BN, J, NW, ASM)
         # the J * 4 lanes of each output by one fixed tree, whatever the row count (row invariance)
         _row_store(FMT, acc, y, dp, row, n, nmask, r0, T, sy, BN, J)
         if RT > 1:
@@ -790,15 +791,17 @@ if HAVE_TRITON:
 ACT_PREP_UNITS = 64  # units a program of the activation prep takes
 
 
-def act_prep(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] f32 -> (xq [T, K], xs [T, 3, K/32, 4]): `_act_prep_kernel`'s pre-scaled activations
-    and unit sums, read by the several-row path."""
+def act_prep(x: torch.Tensor, scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] f32 -> (xq [T, NUP * 32], xs [T, 3, NUP, 4]), NUP = K/32 rounded up to whole
+    J_UNITS chunks: `_act_prep_kernel`'s chunk-ordered activations (pre-scaled with `scale`) and
+    unit sums, read by the several-row path."""
     T, K = x.shape
     nu = K // UNIT
-    xq = torch.empty((T, K), dtype=torch.float32, device=x.device)
-    xs = torch.empty((T, 3, nu, 4), dtype=torch.float32, device=x.device)
-    _act_prep_kernel[(T, triton.cdiv(nu, ACT_PREP_UNITS))](x, xq, xs, x.stride(0), nu, BU=ACT_PREP_UNITS,
-                                                           enable_fp_fusion=False)
+    nup = -(-nu // J_UNITS) * J_UNITS
+    xq = torch.empty((T, nup * UNIT), dtype=torch.float32, device=x.device)
+    xs = torch.empty((T, 3, nup, 4), dtype=torch.float32, device=x.device)
+    _act_prep_kernel[(T, triton.cdiv(nup, ACT_PREP_UNITS))](x, xq, xs, x.stride(0), nu, nup, BU=ACT_PREP_UNITS,
+                                                            J=J_UNITS, SCALE=scale, enable_fp_fusion=False)
     return xq, xs
 
 
@@ -957,10 +960,11 @@ def matvec_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
     if rt not in (1, 2, 4) or (rt == 1) != (rows == 1):
         raise ValueError(f"rows per program {rt} for the {rows}-row bucket (1 for one row, else 2 or 4)")
     xs = x  # the unit sums (several K-quant rows; otherwise never read)
-    if rt > 1 and p.fmt not in NVFP4:  # pre-scaled activations and unit sums, once a call
-        x, xs = act_prep(x)
+    if rt > 1:  # chunk-ordered activations (K-quants: pre-scaled) and unit sums, once a call
+        x, xs = act_prep(x, scale=p.fmt not in NVFP4)
     grid = (triton.cdiv(p.n_out, bn) * triton.cdiv(T, rt),)
-    _matvec_v3_kernel[grid](x, xs, out, *p.pointers(), p.n_out, p.n_in, x.stride(0), out.stride(0), T, 0,
+    _matvec_v3_kernel[grid](x, xs, out, *p.pointers(), p.n_out, p.n_in, x.stride(0),
+                            xs.stride(0) if rt > 1 else 0, out.stride(0), T, 0,
                             FMT=_CODE[p.fmt], RT=rt, BN=bn, J=J_UNITS, PREFETCH=pipe == 1,
                             STAGES=max(pipe, 1), NW=num_warps, ASM=_asm(), num_warps=num_warps,
                             enable_fp_fusion=False)
