@@ -212,8 +212,8 @@ def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool, b
 # bucket's default rows a program (qmatvec_v3.rows_per_program), the others are reported.
 SWEEP = {
     1: ((8, 4, 0), (16, 4, 0), (16, 4, 1), (16, 8, 0), (32, 4, 0), (32, 8, 0), (32, 8, 1), (64, 8, 0)),
-    16: ((4, 4, 0, 4), (8, 4, 0, 4), (8, 8, 0, 4), (16, 8, 0, 4), (8, 4, 2, 4), (4, 2, 0, 4), (16, 4, 0, 2),
-         (8, 4, 0, 2)),
+    16: ((8, 4, 0, 4), (16, 8, 0, 4), (4, 2, 0, 4), (16, 4, 0, 2), (8, 4, 0, 2), (32, 8, 0, 2), (16, 8, 0, 2),
+         (4, 2, 0, 2)),
 }
 
 
@@ -224,9 +224,10 @@ def tuning_table(speed: list[dict]) -> list[dict]:
     for r in speed:
         for T in SWEEP:
             from muser.engine.kernels.qmatvec_v3 import rows_per_program
+            from muser.gguf.types import GgmlType as G
 
             ok = {c: v["us"] for c, v in r.get(f"T{T}_sweep", {}).items() if v.get("bitwise_equal_default")
-                  and json.loads(c)[3:] in ([], [rows_per_program(T)])}
+                  and json.loads(c)[3:] in ([], [rows_per_program(G[r["fmt"]], T)])}
             if ok:
                 best = min(ok, key=ok.__getitem__)
                 table.append({"fmt": r["fmt"], "rows": T, "n_out": r["n_out"], "n_in": r["n_in"],

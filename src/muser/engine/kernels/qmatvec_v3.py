@@ -103,24 +103,26 @@ _FP4_F16_HI = (0x42403C00, 0x4A484644)
 J_UNITS = 32
 # (BN rows per program, num_warps, PIPE: check_config) per row bucket; device sweeps override through
 # `config`. One chunk moves BN * J_UNITS * 16 bytes of quants per program.
-# Several rows: a program takes ROWS_PER_PROGRAM of them (one accumulator each in the one-row
+# Several rows: a program takes `rows_per_program` of them (one accumulator each in the one-row
 # layout, BN / num_warps weight rows a thread) and the row groups of a weight block run as
-# adjacent programs (L2 serves their re-reads). Registers bound the product: 4 rows x 2 weight
-# rows a thread keeps the sums of a unit and the accumulators in about 128 registers
-# (tools/sass_loop.py v3), so no spills and several programs an SM.
+# adjacent programs (L2 serves their re-reads). Registers bound the product rows x weight rows a
+# thread (tools/sass_loop.py v3: 2 x 4 and 4 x 2 compile to about 170 registers, no spills). The
+# H200 sweep (bench/receipts/20261204T172046Z-kernels-cuda.json) put 2 rows a program ahead on
+# every K-quant shape (Q4_K with 4 weight rows a thread, Q5_K and Q6_K with 2) and 4 rows on
+# NVFP4's; the defaults below serve shapes the tuning table does not name.
 CONFIGS: dict[int, tuple[int, int, int]] = {
     1: (16, 4, 1),
-    2: (16, 4, 0),
+    2: (8, 4, 0),
     4: (8, 4, 0),
     8: (8, 4, 0),
     16: (8, 4, 0),
 }
-ROWS_PER_PROGRAM = 4  # activation rows a program of the several-row path takes (2 for the 2-row bucket)
+ROWS_PER_PROGRAM = {G.Q4_K: 2, G.Q5_K: 2, G.Q6_K: 2, G.NVFP4_E2M1: 4, G.NVFP4: 4}
 
 
-def rows_per_program(rows: int) -> int:
-    """Activation rows one program takes in a `rows`-row bucket."""
-    return min(rows, ROWS_PER_PROGRAM)
+def rows_per_program(fmt: G, rows: int) -> int:
+    """Activation rows one program takes in a `rows`-row bucket of weights of type `fmt`."""
+    return 1 if rows == 1 else min(rows, ROWS_PER_PROGRAM[fmt])
 
 
 def supports(fmt: G) -> bool:
@@ -937,6 +939,8 @@ if os.path.isfile(TUNING_FILE):
 
 def config_for(p: Packed, rows: int) -> tuple[int, int, int]:
     hit = TUNED.get((p.fmt.name, rows, p.n_out, p.n_in))
+    if hit is None and rows > 1:  # the several-row buckets share one loop: the 16-row winner
+        hit = TUNED.get((p.fmt.name, 16, p.n_out, p.n_in))
     if hit is not None:
         return hit
     bn, nw, pf = CONFIGS[rows]
@@ -956,7 +960,7 @@ def matvec_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
     T = x.shape[0]
     rows = _rows_bucket(T)
     bn, num_warps, pipe = check_config(config, rows) if config is not None else config_for(p, rows)
-    rt = rows_per_program(rows) if rt is None else int(rt)
+    rt = rows_per_program(p.fmt, rows) if rt is None else int(rt)
     if rt not in (1, 2, 4) or (rt == 1) != (rows == 1):
         raise ValueError(f"rows per program {rt} for the {rows}-row bucket (1 for one row, else 2 or 4)")
     xs = x  # the unit sums (several K-quant rows; otherwise never read)
