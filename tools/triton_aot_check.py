@@ -104,6 +104,7 @@ def drive(rec: Recorder) -> None:
             q3.dequant_v3(p3, bn=4, j=8)
             for T in (1, 2, 3, 5, 9, 16):
                 q3.matvec_v3(p3, torch.zeros(T, n_in), torch.empty(T, n_out))
+            q3.matvec_v3(p3, torch.zeros(16, n_in), torch.empty(16, n_out), rt=4)  # the other rows a program
             for (f, rows, _, _), cfg in q3.TUNED.items():
                 if f == fmt.name:
                     q3.matvec_v3(p3, torch.zeros(rows, n_in), torch.empty(rows, n_out), config=cfg)
@@ -125,6 +126,7 @@ def drive(rec: Recorder) -> None:
         q3.dequant_v3(p3, bn=4, j=8)
         for T in (1, 2, 3, 5, 9, 16):
             q3.matvec_v3(p3, torch.zeros(T, n_in), torch.empty(T, n_out))
+        q3.matvec_v3(p3, torch.zeros(16, n_in), torch.empty(16, n_out), rt=2)
     from muser.engine.kernels import qmatmul_i8 as i8
 
     for fmt in i8.FORMATS:  # the integer lane: decode (BM 16, narrow and wide N), verify, prefill tiles

@@ -29,7 +29,7 @@ def test_every_engine_kernel_compiles_for_sm90(tmp_path):
     rows = json.loads(out.read_text())
     kernels = {r["kernel"] for r in rows}
     # the decode path's kernels are all there: attention (partial + reduce), matvec, dequant
-    assert {"_attn_partial", "_attn_reduce", "_matvec_kernel", "_dequant_kernel", "_matvec_v3_kernel",
+    assert {"_attn_partial", "_attn_reduce", "_matvec_kernel", "_dequant_kernel", "_matvec_v3_kernel", "_act_prep_kernel",
             "_dequant_v3_kernel", "_matvec_nvfp4_kernel", "_dequant_nvfp4_kernel", "_norm_mul_kernel", "_norm2_kernel", "_qk_norm_rope_kernel",
             "_gate_kernel", "_qmatmul_i8_kernel", "_chunk_reduce_kernel", "_quant_q8_K_kernel", "_quant_q8_0_kernel"} <= kernels
     assert all(r["ok"] for r in rows)
@@ -54,3 +54,26 @@ def test_v3_one_row_loop_has_no_shared_memory_round_trip(tmp_path):
     assert counts.get("FFMA", 0) == 128 - 16 + 2 * 16
     assert "BAR" not in counts and "STS" not in counts and "LDS" not in counts, ops
     assert n / 128 <= 4.25, head
+
+
+@pytest.mark.timeout(300)
+def test_v3_several_row_loop_keeps_rows_in_registers(tmp_path):
+    """The v3 several-row loop as compiled for sm_90 (tools/sass_loop.py; 16 rows, 4 weight rows
+    a thread, 2 activation rows a program): every row's accumulator sits in the words' thread
+    layout, so the loop has no barrier, no shared-memory shuffle and no spill, its FFMAs are the
+    arithmetic's own, and it issues at most 2.45 instructions per weight and row (the layout it
+    replaced: 1.94, but with 38 barriers and spills at 255 registers; bench/NOTES.md)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "sass_loop.py"), "v3", "Q4_K", "16",
+                        "--config", "16,4,0", "--rt", "2"], env=env, capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    head, ops = p.stdout.strip().splitlines()[:2]
+    counts = {o.split(":")[0]: int(o.split(":")[1]) for o in ops.strip().split(", ")}
+    n = int(head.split("loop=")[1].split()[0])
+    # a thread: 4 weight rows x one unit (4 lanes x 8 nibbles) x 2 activation rows = 256 products,
+    # one fma each but the first nibble's (a multiply: 32), and two a row's accumulator slot (2 x 16)
+    assert counts.get("FFMA", 0) == 256 - 32 + 2 * 32
+    assert "BAR" not in counts and "STS" not in counts and "LDS" not in counts, ops
+    assert "local=False" in head, head
+    assert n / 256 <= 2.45, head

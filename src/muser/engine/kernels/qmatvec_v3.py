@@ -54,9 +54,21 @@ magnitude (beyond it x 2^64 overflows; a finite model's activations never come n
 below 2^-41 in magnitude lose low bits to the subnormal range, far under the f32 rounding of any
 sum they join.
 
-The accumulator [ROWS, BN, J, 4] is reduced once at the end by a fixed pairwise tree: an order
-that differs from the reference at the ulp level (the exact lane's contract) and that is the same
-for every row count, so a row's bits do not depend on how it was batched (row invariance).
+Each output row keeps J * 4 lane accumulators, reduced once at the end by a fixed pairwise tree:
+an order that differs from the reference at the ulp level (the exact lane's contract) and that is
+the same for every row count, so a row's bits do not depend on how it was batched (row invariance).
+
+Several activation rows (2..16): a program takes 2 or 4 of them (`rows_per_program`), each row's
+accumulator in the one-row path's thread layout ([BN/NW, NW, J, 4]: a thread holds one unit's
+16 bytes of each of its BN/NW weight rows), so a row's operations are the one-row path's, in its
+order, with no shuffle between threads; the row groups of one weight block are adjacent programs,
+so L2 serves their re-reads of its bytes. `act_prep` runs once a call before them: it writes the
+activations already multiplied by 2^(64 - P) (the one-row path multiplies in its loop; the products
+are the same real numbers, so each fma rounds to the same bits) in chunk order (one nibble's
+activations of a chunk's 32 units contiguous: a warp's load touches 4 cache lines, not 32) padded
+with zeros to whole chunks, and each unit lane's sum of x in the one-row path's order (Q6_K: per
+half), which the loop then reads instead of adding. Bits: the one-row path's for every row
+(tests and tools/device_kernels.py hold them equal).
 
 Reference beside it: `qmatvec.matvec_ref(w, x)`; `unpack` inverts `pack` and `decode` decodes
 the packed form with the torch reference decoder.
