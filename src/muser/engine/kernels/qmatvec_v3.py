@@ -910,12 +910,13 @@ TUNED: dict[tuple[str, int, int, int], tuple[int, int, int]] = {}
 
 def check_config(config, rows: int) -> tuple[int, int, int]:
     """(BN, num_warps, PIPE) for a row bucket, or ValueError naming it (tl.arange extents are
-    powers of two; one-row tiles need BN a multiple of num_warps). PIPE: 0 a plain chunk loop, 1
-    the next chunk's loads held in registers (prefetch), 2..4 that many pipeline stages through
-    shared memory (the loop's loads as async copies); false/true in a table read as 0/1."""
+    powers of two; BN a multiple of num_warps: each warp's weight rows in the one-row layout).
+    PIPE: 0 a plain chunk loop, 1 the next chunk's loads held in registers (prefetch; the one-row
+    loop only), 2..4 that many pipeline stages through shared memory (the loop's loads as async
+    copies); false/true in a table read as 0/1."""
     bn, nw, pipe = (int(v) for v in config)
     pow2 = all(v > 0 and v & (v - 1) == 0 for v in (bn, nw))
-    if not pow2 or rows not in CONFIGS or bn % nw or not 0 <= pipe <= 4:
+    if not pow2 or rows not in CONFIGS or bn % nw or not 0 <= pipe <= 4 or (pipe == 1 and rows > 1):
         raise ValueError(f"config {list(config)!r} for the {rows}-row bucket")
     return bn, nw, pipe
 
