@@ -45,9 +45,10 @@ sum (d1 q - m1) x = d1 sum q x - m1 sum x (Q6_K: d sc sum q x - 32 d sc sum x pe
 half), so a weight costs one mask and one fma. The mask leaves the integer code q at bit P of an
 int32 (P = 4e for nibbles e <= 4, 4e - 12 above, read from the word shifted right by 12) whose
 other bits are 0; read as f32 that is the subnormal q 2^(P - 149), exact, with no float
-conversion. The one-row path multiplies each activation by 2^(64 - P) (exact, once per activation
-for all of a thread's rows), the several-row path each code by the same factor (once per weight
-for all rows): both fma products are the real number q x 2^-85, so both round to the same bits.
+conversion. The one-row path multiplies each activation by 2^(64 - P) in its loop (exact, once
+per activation for all of a thread's rows); the several-row path reads activations `act_prep`
+multiplied by the same factor once a call: the fma products are the same real number q x 2^-85,
+so they round to the same bits.
 Per unit lane, t = sum over the unit's nibbles of those products and xs = sum x, both in nibble
 order; then acc = fma(t, d1 2^85, fma(xs, -m1, acc)). Domain: activations below 2^64 in
 magnitude (beyond it x 2^64 overflows; a finite model's activations never come near); products
