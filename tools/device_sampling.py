@@ -2,8 +2,10 @@
 """The sampling run on the GPU machine: device-filtered candidates against the full-vocabulary
 chain on CUDA tensors, generation over device rows against host rows, the load-time warm-up,
 and `muser generate`'s TTFT and tok/s on the shipped micro model (plain and speculative).
+With --model, the load, generation and cli stages run that GGUF instead (the full geometry: the
+load-time warm-up, and the generation loop's TTFT for PROMPT16 and tok/s on it).
 
-    python3 tools/device_sampling.py --out "$OUT" [--rows 300] [--tokens 128]
+    python3 tools/device_sampling.py --out "$OUT" [--rows 300] [--tokens 128] [--model GGUF]
 
 Writes device_sampling.json into --out (after each stage), a receipt (kind sampling-cuda) beside
 it at the end, and prints a summary.
@@ -115,6 +117,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=300)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--stages", default="parity,load,generation,cli")
+    ap.add_argument("--model", default=None, help="GGUF for the load, generation and cli stages (default: the "
+                                                  "shipped micro model)")
     a = ap.parse_args()
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -140,13 +144,14 @@ def main() -> int:
             import muser
 
             t0 = time.perf_counter()
-            m = muser.load(device="cuda")
+            m = muser.load(a.model, device="cuda")
             return {"load_s": time.perf_counter() - t0, "warm": m.warm_record}
         stage("load", load)
     if "generation" in stages and m is not None:
         stage("generation", lambda: generation(m, a.tokens))
     if "cli" in stages:
         base = ["generate", "--device", "cuda", "--prompt", PROMPT16, "--max-tokens", str(a.tokens), "--seed", "3"]
+        base += ["--model", a.model] if a.model else []
         stage("cli_plain", lambda: cli(base + ["--no-draft"]))
         stage("cli_plain_greedy", lambda: cli(base + ["--no-draft", "--temperature", "0"]))
         stage("cli_spec", lambda: cli(base))
@@ -166,7 +171,8 @@ def main() -> int:
     status = "fail" if not all(checks.values()) else ("partial" if missing or not checks else "pass")
     from muser.bench.receipt import device_description, write_receipt
 
-    path = write_receipt("sampling-cuda", model={"path": "the shipped micro model"}, device=device_description("cuda"),
+    path = write_receipt("sampling-cuda", model={"path": a.model or "the shipped micro model"},
+                         device=device_description("cuda"),
                          lane="exact", gate={"status": status, "rule": "device-filtered candidates sample the full "
                                              "chain's tokens with the random stream aligned; device-row generation "
                                              "equals host-row generation", "checks": checks, "skipped": missing},
