@@ -8,8 +8,9 @@ both K/V types, a synthetic model (muser.model.synth, default widths, 80 positio
 ring wraps) on the engine's device; the logits of every position decoded alone are compared
 bitwise with the same positions verified in blocks of 2, 7 and 16, prefilled in chunks of 1, 5 and
 16 (every call <= 16 rows: the matvec family), and stepped in one Engine.step beside three other
-sessions. Wider prefill chunks (33, 64) are reported (max |delta|), not asserted: on CUDA they run
-the decoded-chunk GEMM, which is not part of the row-invariant family.
+sessions. Wider prefill chunks (33, 64) are reported (max |delta|), not asserted: on CUDA 33 rows
+run the matvec in 16-row slices (lanes.SLICED_ROWS) and 64 the decoded-chunk GEMM, which is not
+part of the row-invariant family.
 
 Part 2, speed: each K-quant shape of the full geometry's launches through the split GEMM
 (kernels/qgemm_split.py, `split_case`: bitwise against its reference, a row alone against the same

@@ -282,10 +282,12 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
     from muser.engine.kernels import fused
 
     eng.forward.native, eng.forward.tails = False, fused  # the CUDA forward's Triton tails
-    prompt = [6 + (i * 37) % 300 for i in range(20)]
-    rs, es = ref.session(max_context=64, graphs=False), eng.session(max_context=64, graphs=False)
+    from muser.engine.lanes import SLICED_ROWS
+
+    prompt = [6 + (i * 37) % 300 for i in range(SLICED_ROWS + 2)]
+    rs, es = ref.session(max_context=128, graphs=False), eng.session(max_context=128, graphs=False)
     a = [rs.prefill(prompt)]
-    b = [es.prefill(prompt)]  # 20 rows: GEMM over rows decoded from the packed layout
+    b = [es.prefill(prompt)]  # past SLICED_ROWS: GEMM over rows decoded from the packed layout
     for t in (7, 11):
         a.append(rs.decode(t))
         b.append(es.decode(t))  # one row: stacked v3 launches
@@ -293,6 +295,34 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
     b.append(es.verify([5, 9, 17])[-1])  # 3 rows: the several-row v3 path
     for x, y in zip(a, b):
         assert np.max(np.abs(x - y)) <= 2e-4 * max(1.0, float(np.max(np.abs(x))))
+
+
+@pytest.mark.parametrize("fmt", (G.Q4_K, G.NVFP4), ids=lambda f: f.name)
+def test_exact_lane_slices_keep_each_rows_bits(v3, fmt):
+    """The exact lane's CUDA projection of 17..SLICED_ROWS rows (Linear with the fused matvec):
+    slices of <= 16 rows, so every row has the bits of the same row projected alone, for a
+    matrix and for a stack; past SLICED_ROWS a GEMM (on this CPU the C GEMM; on CUDA the
+    decoded-chunk one), within f32 reordering."""
+    from muser.engine.lanes import SLICED_ROWS, Lane, Linear
+
+    qmv, m = v3
+    ws = [_w(fmt, 8, 512, s) for s in (1, 2)]
+    for w in ws:
+        w.packed = m.pack(w)
+    st = m.stack(ws)
+    lin = Linear(Lane.EXACT, torch.device("cpu"))
+    lin.triton_rows = True  # the CUDA dispatch (the interpreter runs the kernels)
+    x = torch.randn(SLICED_ROWS + 1, 512, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([lin(ws[0], x[i:i + 1]) for i in range(19)])
+    for T in (17, 19):
+        assert torch.equal(lin(ws[0], x[:T]).view(torch.int32), alone[:T].view(torch.int32)), T
+    assert lin.stacked_ok(SLICED_ROWS, st) and not lin.stacked_ok(SLICED_ROWS + 1, st)
+    both = lin.stacked_raw(st, x[:19])  # [19, 16]: member 0's columns first
+    assert torch.equal(both[:, :8].view(torch.int32), alone.view(torch.int32))
+    ref = qmv.matvec_ref(ws[0], x)
+    wide = lin(ws[0], x)  # SLICED_ROWS + 1 rows: the GEMM
+    scale = x.abs() @ ws[0].decode().abs().T
+    assert torch.all((wide - ref).abs() <= 1e-6 * scale + 1e-30)
 
 
 def _run_fp4_ptx(text: str, words: np.ndarray) -> list[np.ndarray]:

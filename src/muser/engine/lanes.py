@@ -1,9 +1,10 @@
 """Lanes and how a projection is computed on each (DESIGN.md "Exactness contract").
 
-* exact: f32 activations and f32 accumulation against the weights' exact values. Decode-shaped
-  calls (<= 16 rows) on CUDA use the fused Triton dequant-matvec, which factors each K-quant
-  unit's scale out of its dot (kernels/qmatvec_v3.py: d1 sum q x - m1 sum x in one order for
-  every row count); wider calls decode row chunks bit-exactly and run an f32 GEMM with TF32 off.
+* exact: f32 activations and f32 accumulation against the weights' exact values. Calls of up to
+  SLICED_ROWS (48) rows on CUDA use the fused Triton dequant-matvec in slices of <= 16 rows, which
+  factors each K-quant unit's scale out of its dot (kernels/qmatvec_v3.py: d1 sum q x - m1 sum x in
+  one order for every row count, so a row's bits are those it has decoded alone); wider calls
+  decode row chunks bit-exactly and run an f32 GEMM with TF32 off.
 * split: the exact lane's contract (Gate 2 against the oracle's f32 arithmetic), with every K-quant
   projection on CUDA through the split-activation integer GEMM (kernels/qgemm_split.py: the
   activations as three base-254 digits per 256-block, exact integer sums, one fixed f32 order of
@@ -87,6 +88,13 @@ def parse_kv(value: str) -> str:
 
 
 CHUNK_BYTES = 256 << 20  # decoded temporary per GEMM chunk on the GPU
+# Exact lane on CUDA: calls of up to SLICED_ROWS rows run the fused matvec in slices of <= 16 rows
+# (every row's bits those of the row decoded alone), wider calls the decoded-chunk GEMM. H200, full
+# geometry: a 16-row slice costs ~55 ms of matvec a step (3.5 ms a row,
+# bench/receipts/20261204T172658Z-step-profile-cuda.json); the GEMM ~1.1 ms a row past a fixed
+# ~175 ms of weight decoding (pp512 711.7 tok/s, 20261202T172114Z-prefill.json; a 32-token prompt's
+# TTFT 209 ms, 20261204T175457Z-sampling-cuda.json); they cross near 64 rows.
+SLICED_ROWS = 48
 CPU_CACHE_BYTES = 8 << 30  # decoded-weight cache budget on the CPU
 
 
@@ -163,6 +171,19 @@ def round_to_vec_dot(x: torch.Tensor, fmt: G) -> torch.Tensor:
     return x
 
 
+def _sliced(matvec, x: torch.Tensor, n_out: int) -> torch.Tensor:
+    """x [T, n_in] -> [T, n_out] by `matvec(x_slice, out_slice)` over slices of <= 16 rows (the
+    fused matvec's row limit), each written into its rows of one output."""
+    x = x.contiguous()
+    T = x.shape[0]
+    if T <= qmatvec.MAX_ROWS:
+        return matvec(x, None)
+    out = torch.empty((T, n_out), dtype=torch.float32, device=x.device)
+    for t0 in range(0, T, qmatvec.MAX_ROWS):
+        matvec(x[t0:t0 + qmatvec.MAX_ROWS], out[t0:t0 + qmatvec.MAX_ROWS])
+    return out
+
+
 class Linear:
     """y = x @ W^T for a QWeight, by lane and device. x: f32 [T, n_in] -> f32 [T, n_out]."""
 
@@ -170,7 +191,7 @@ class Linear:
         self.lane = lane
         self.device = device
         self.cuda = device.type == "cuda"
-        self.triton_rows = self.cuda  # fused dequant-matvec for <= 16 rows (CUDA)
+        self.triton_rows = self.cuda  # fused dequant-matvec for <= SLICED_ROWS rows (CUDA)
         self._cache: dict = {}
         self._cached_bytes = 0
         self._act_memo: tuple | None = None  # (x, x._version, its split activations)
@@ -187,7 +208,7 @@ class Linear:
         if self.lane is Lane.W4A4 and 1 < T <= qmatvec.MAX_ROWS:
             return False  # verify rows of the W4A4 lane: each projection by itself (__call__)
         if self.triton_rows:
-            return T <= qmatvec.MAX_ROWS
+            return T <= SLICED_ROWS
         return not self.cuda
 
     def stacked_raw(self, st, x: torch.Tensor) -> torch.Tensor:
@@ -205,7 +226,7 @@ class Linear:
             from .kernels import qgemm_split
 
             return qgemm_split.matmul(st.packed, self.split_act(x))
-        return qmatvec_v3.matvec_v3(st.packed, x.contiguous())
+        return _sliced(lambda xs, out: qmatvec_v3.matvec_v3(st.packed, xs, out), x, st.packed.n_out)
 
     def stacked(self, st, x: torch.Tensor) -> list[torch.Tensor]:
         """x [T, n_in] -> the members' outputs of a Stack (column views of one [T, sum] result)."""
@@ -273,8 +294,8 @@ class Linear:
             from .kernels import qgemm_split
 
             return qgemm_split.matmul(w.packed, self.split_act(x))
-        if self.triton_rows and T <= qmatvec.MAX_ROWS:
-            return qmatvec.matvec(w, x.contiguous())
+        if self.triton_rows and T <= SLICED_ROWS:
+            return _sliced(lambda xs, out: qmatvec.matvec(w, xs, out), x, w.n_out)
         if not self.cuda:
             return self._cpu_gemm(w, x.contiguous())
         out = torch.empty((T, w.n_out), dtype=torch.float32, device=x.device)

@@ -26,10 +26,11 @@ import numpy as np
 from ..errors import LaneError
 from ..progress import Progress
 from ..sequence import MAX_VERIFY
+from .lanes import SLICED_ROWS
 
 WARM_CAPACITY = 4096  # the warm-up session's capacity (at most the context length)
 ROW_BUCKETS = (2, 4, 8, MAX_VERIFY)  # verify-shaped steps, one per matvec row bucket past 1
-EAGER_ROWS = MAX_VERIFY + 8  # a prefill chunk past the graph shapes (cuBLAS)
+EAGER_ROWS = SLICED_ROWS + 8  # a prefill chunk past the matvec slices (the decoded-chunk GEMM)
 
 
 def capacities(context_length: int) -> list[int]:
