@@ -156,8 +156,8 @@ def test_v3_act_prep_layout_and_unit_sums(v3):
     T, K = 3, 1280  # 40 units: a partial second chunk, 24 padding units
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 3, K)
     xq, xs = m.act_prep(x)
-    xp, _ = m.act_prep(x, scale=False)
-    assert xq.shape == (T, 64 * 32) and xs.shape == (T, 3, 64, 4)
+    xp, none = m.act_prep(x, scale=False)
+    assert xq.shape == (T, 64 * 32) and xs.shape == (T, 3, 64, 4) and none is None
     u, e, w = torch.meshgrid(torch.arange(40), torch.arange(8), torch.arange(4), indexing="ij")
     dst = (((u // 32) * 8 + e) * 128 + (u % 32) * 4 + w).reshape(-1)
     src = (u * 32 + 4 * e + w).reshape(-1)

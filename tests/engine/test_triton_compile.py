@@ -35,20 +35,26 @@ def test_every_engine_kernel_compiles_for_sm90(tmp_path):
     assert all(r["ok"] for r in rows)
 
 
+def _sass_loop(tmp_path, *args: str) -> tuple[str, str, dict[str, int], int]:
+    """tools/sass_loop.py ARGS compiled for sm_90: (its header line, its op line, the op counts,
+    the loop's instruction count)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "sass_loop.py"), *args], env=env, capture_output=True,
+                       text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    head, ops = p.stdout.strip().splitlines()[:2]
+    counts = {o.split(":")[0]: int(o.split(":")[1]) for o in ops.strip().split(", ")}
+    return head, ops, counts, int(head.split("loop=")[1].split()[0])
+
+
 @pytest.mark.timeout(300)
 def test_v3_one_row_loop_has_no_shared_memory_round_trip(tmp_path):
     """The v3 decode loop as compiled for sm_90 (tools/sass_loop.py): its loads, scales and
     accumulator share one thread layout, so the loop has no barrier or shared-memory shuffle,
     and it issues at most 4.25 instructions per Q4_K weight (the factored dot: 4.0; the decoded
     weight's dot before it: 6.0, bench/NOTES.md)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    p = subprocess.run([sys.executable, str(REPO / "tools" / "sass_loop.py"), "v3", "Q4_K", "1",
-                        "--config", "16,4,1"], env=env, capture_output=True, text=True, timeout=280)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    head, ops = p.stdout.strip().splitlines()[:2]
-    counts = {o.split(":")[0]: int(o.split(":")[1]) for o in ops.strip().split(", ")}
-    n = int(head.split("loop=")[1].split()[0])
+    head, ops, counts, n = _sass_loop(tmp_path, "v3", "Q4_K", "1", "--config", "16,4,1")
     # 16 rows x 32 units x 32 elements / 128 threads = 128 weights: one fma each but the first
     # nibble's (a multiply), and two a thread's accumulator slot (4 rows x 4 unit lanes: d1, m1)
     assert counts.get("FFMA", 0) == 128 - 16 + 2 * 16
@@ -63,14 +69,7 @@ def test_v3_several_row_loop_keeps_rows_in_registers(tmp_path):
     layout, so the loop has no barrier, no shared-memory shuffle and no spill, its FFMAs are the
     arithmetic's own, and it issues at most 2.45 instructions per weight and row (the layout it
     replaced: 1.94, but with 38 barriers and spills at 255 registers; bench/NOTES.md)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    p = subprocess.run([sys.executable, str(REPO / "tools" / "sass_loop.py"), "v3", "Q4_K", "16",
-                        "--config", "16,4,0", "--rt", "2"], env=env, capture_output=True, text=True, timeout=280)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    head, ops = p.stdout.strip().splitlines()[:2]
-    counts = {o.split(":")[0]: int(o.split(":")[1]) for o in ops.strip().split(", ")}
-    n = int(head.split("loop=")[1].split()[0])
+    head, ops, counts, n = _sass_loop(tmp_path, "v3", "Q4_K", "16", "--config", "16,4,0", "--rt", "2")
     # a thread: 4 weight rows x one unit (4 lanes x 8 nibbles) x 2 activation rows = 256 products,
     # one fma each but the first nibble's (a multiply: 32), and two a row's accumulator slot (2 x 16)
     assert counts.get("FFMA", 0) == 256 - 32 + 2 * 32

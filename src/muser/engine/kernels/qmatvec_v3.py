@@ -593,8 +593,9 @@ if HAVE_TRITON:
           (unit u, nibble e, lane w) at ((u // J) * 8 + e) * 4J + 4 (u % J) + w, so that the 32
           threads of a warp, one unit each, read one nibble's activations as 512 contiguous bytes
           (x itself: 16 bytes at a 128-byte stride, 32 cache lines a load);
-        * xs [T, 3, NUP, 4]: the one-row path's unit sums in its order, x[4*0 + w] + x[4*1 + w] +
-          ... + x[4*7 + w] (nibbles 0..7), then the same over nibbles 4h .. 4h + 3 (Q6_K's halves)."""
+        * xs [T, 3, NUP, 4] (SCALE only: the K-quants' factored dot reads them): the one-row path's
+          unit sums in its order, x[4*0 + w] + x[4*1 + w] + ... + x[4*7 + w] (nibbles 0..7), then
+          the same over nibbles 4h .. 4h + 3 (Q6_K's halves)."""
         r = tl.program_id(0).to(tl.int64)
         u = tl.program_id(1) * BU + tl.arange(0, BU)
         wi = tl.arange(0, 4)
@@ -608,19 +609,21 @@ if HAVE_TRITON:
                 tl.store(xq + r * (NUP * 32) + dst + e * (4 * J), xe * _act_scale(e), mask=keep)
             else:
                 tl.store(xq + r * (NUP * 32) + dst + e * (4 * J), xe, mask=keep)
-            if e == 0:
-                full = xe
-                half = xe
-            else:
-                full = full + xe
-                if e == 4:
+            if SCALE:
+                if e == 0:
+                    full = xe
                     half = xe
                 else:
-                    half = half + xe
-            if e == 3:
-                tl.store(xs + (r * 3 + 1) * (NUP * 4) + u[:, None] * 4 + wi[None, :], half, mask=keep)
-        tl.store(xs + (r * 3 + 2) * (NUP * 4) + u[:, None] * 4 + wi[None, :], half, mask=keep)
-        tl.store(xs + (r * 3) * (NUP * 4) + u[:, None] * 4 + wi[None, :], full, mask=keep)
+                    full = full + xe
+                    if e == 4:
+                        half = xe
+                    else:
+                        half = half + xe
+                if e == 3:
+                    tl.store(xs + (r * 3 + 1) * (NUP * 4) + u[:, None] * 4 + wi[None, :], half, mask=keep)
+        if SCALE:
+            tl.store(xs + (r * 3 + 2) * (NUP * 4) + u[:, None] * 4 + wi[None, :], half, mask=keep)
+            tl.store(xs + (r * 3) * (NUP * 4) + u[:, None] * 4 + wi[None, :], full, mask=keep)
 
     @triton.jit
     def _row_e(FMT: tl.constexpr, e: tl.constexpr, v, xp, t):
@@ -806,17 +809,19 @@ if HAVE_TRITON:
 ACT_PREP_UNITS = 64  # units a program of the activation prep takes
 
 
-def act_prep(x: torch.Tensor, scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] f32 -> (xq [T, NUP * 32], xs [T, 3, NUP, 4]), NUP = K/32 rounded up to whole
-    J_UNITS chunks: `_act_prep_kernel`'s chunk-ordered activations (pre-scaled with `scale`) and
-    unit sums, read by the several-row path."""
+def act_prep(x: torch.Tensor, scale: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [T, K] f32 -> (xq [T, NUP * 32], xs [T, 3, NUP, 4] or None), NUP = K/32 rounded up to
+    whole J_UNITS chunks: `_act_prep_kernel`'s chunk-ordered activations and, with `scale` (the
+    K-quants), their pre-scaling and the unit sums; without it (NVFP4, whose loop reads no sums)
+    the values only, and xs None. Read by the several-row path."""
     T, K = x.shape
     nu = K // UNIT
     nup = -(-nu // J_UNITS) * J_UNITS
     xq = torch.empty((T, nup * UNIT), dtype=torch.float32, device=x.device)
-    xs = torch.empty((T, 3, nup, 4), dtype=torch.float32, device=x.device)
-    _act_prep_kernel[(T, triton.cdiv(nup, ACT_PREP_UNITS))](x, xq, xs, x.stride(0), nu, nup, BU=ACT_PREP_UNITS,
-                                                            J=J_UNITS, SCALE=scale, enable_fp_fusion=False)
+    xs = torch.empty((T, 3, nup, 4), dtype=torch.float32, device=x.device) if scale else None
+    _act_prep_kernel[(T, triton.cdiv(nup, ACT_PREP_UNITS))](x, xq, xq if xs is None else xs, x.stride(0), nu, nup,
+                                                            BU=ACT_PREP_UNITS, J=J_UNITS, SCALE=scale,
+                                                            enable_fp_fusion=False)
     return xq, xs
 
 
@@ -979,10 +984,11 @@ def matvec_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
         raise ValueError(f"rows per program {rt} for the {rows}-row bucket (1 for one row, else 2 or 4)")
     xs = x  # the unit sums (several K-quant rows; otherwise never read)
     if rt > 1:  # chunk-ordered activations (K-quants: pre-scaled) and unit sums, once a call
-        x, xs = act_prep(x, scale=p.fmt not in NVFP4)
+        x, sums = act_prep(x, scale=p.fmt not in NVFP4)
+        xs = x if sums is None else sums
     grid = (triton.cdiv(p.n_out, bn) * triton.cdiv(T, rt),)
     _matvec_v3_kernel[grid](x, xs, out, *p.pointers(), p.n_out, p.n_in, x.stride(0),
-                            xs.stride(0) if rt > 1 else 0, out.stride(0), T, 0,
+                            xs.stride(0) if xs is not x else 0, out.stride(0), T, 0,
                             FMT=_CODE[p.fmt], RT=rt, BN=bn, J=J_UNITS, PREFETCH=pipe == 1,
                             STAGES=max(pipe, 1), NW=num_warps, ASM=_asm(), num_warps=num_warps,
                             enable_fp_fusion=False)
