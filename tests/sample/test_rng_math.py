@@ -50,6 +50,24 @@ def test_expf_is_libm_expf():
     assert np.array_equal(libm.expf(x).view(np.uint32), ref.view(np.uint32))
 
 
+# Inputs where float64 exp rounded to float32 is not glibc's expf: of all such float32 in [-87, 88],
+# those farthest from a rounding midpoint (0.00164 ulp), which libm.expf must send to libm.
+_EXPF_HARD = np.array([
+    0x40B11961, 0x419B2594, 0x427C4729, 0xBBD99546, 0xBBDB8410, 0xBBDC3DCE, 0xBBDD4EA3, 0xBBDE8BC7,
+    0xBBDEEAEC, 0xBBE06681, 0xBBE0CFB9, 0xBBE1DB0E, 0xBBE20FEB, 0xBBE2883F, 0xBBE34C19, 0xBBE38D0C,
+    0xBBE3E62A, 0xBBE4D655, 0xBBE6026D, 0xBBE65A0A, 0xBBE67942, 0xBBE72272, 0xBBE7328F, 0xBBE7AF70,
+    0xBBE8785B, 0xBBE93CBF, 0xBBE983C0, 0xBBE9B397, 0xBBE9F610, 0xBBEB5613, 0xBBEBF4B6, 0xBBEC4CD8,
+    0xBBED5845, 0xBBEDD52C, 0xBC6CB481, 0xBC6F4B50, 0xBC6F9EC6, 0xBC707F4A, 0xBC70A558, 0xBC70DA5E,
+    0xBC714C07, 0xBC71E68A, 0xBC72C716, 0xBC74133C, 0xBF334828, 0xBFB25E7F, 0xC1DDDD7B, 0xC24FF943,
+], dtype=np.uint32).view(np.float32)
+
+
+def test_expf_near_rounding_midpoints():
+    x = np.concatenate([np.linspace(-30, 5, 3000, dtype=np.float32), _EXPF_HARD])
+    f = libm._libm().expf
+    ref = np.array([f(float(v)) for v in x], dtype=np.float32)
+    assert np.array_equal(libm.expf(x).view(np.uint32), ref.view(np.uint32))
+
 def test_logf_is_libm_logf():
     x = np.random.default_rng(1).random(2000).astype(np.float32)
     f = libm._libm().logf

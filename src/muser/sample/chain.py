@@ -24,7 +24,7 @@ from ..errors import NonFiniteLogits, SamplingError
 from . import libm
 from .mt19937 import MT19937
 from .params import LLAMA_DEFAULT_SEED, SamplingParams
-from .sorting import bucket_partial_sort, partial_sort_desc, sort_asc
+from .sorting import NBUCKETS, BucketSort, bucket_partial_sort, partial_sort_desc, sort_asc
 
 F32 = np.float32
 
@@ -69,7 +69,8 @@ def softmax(c: Candidates, do_sort: bool, exact: bool) -> None:
     with np.errstate(invalid="ignore"):
         p = libm.expf(c.logit - max_l)
     cum = np.cumsum(p, dtype=F32)[-1]  # float cum_sum += p, in order
-    c.p = (p / cum).astype(F32)
+    p /= cum  # float32 division, in place
+    c.p = p
 
 
 def top_k(c: Candidates, k: int, exact: bool) -> None:
@@ -114,7 +115,8 @@ def top_p(c: Candidates, p: F32, min_keep: int, exact: bool) -> None:
     buf = None  # positions into c of the sorted buffer (when the adaptive path is taken)
     if not c.sorted and size > 1024:
         k = min(256, size)
-        buf = bucket_partial_sort(c.logit, k, exact)
+        order = BucketSort(c.logit)
+        buf = order.partial_sort(k, exact)
     elif not c.sorted:
         k = size
         _partial_sort_inplace(c, k, exact)
@@ -126,10 +128,23 @@ def top_p(c: Candidates, p: F32, min_keep: int, exact: bool) -> None:
     cum = np.cumsum(pdata[:k], dtype=F32)
     hit = _first_hit(cum, p, min_keep, 0)
     if hit is None and buf is not None and k < size:
-        buf = bucket_partial_sort(c.logit, size, exact)
-        rest = np.concatenate(([cum[-1]], c.p[buf[k:size]])).astype(F32)
-        cum2 = np.cumsum(rest, dtype=F32)[1:]
-        hit = _first_hit(cum2, p, min_keep, k)
+        # The full re-sort ends in the lowest bucket; the sum reads it only down to the hit, so
+        # the buckets are sorted from the top as far as it likely goes first, the rest if needed.
+        low = order.cut(size)
+        stop = max(order.reach(c.p, p, max(k + 1, min_keep)), low)
+        buf = order.runs(NBUCKETS - 1, stop, low, exact)
+        done, total = k, cum[-1]
+        while True:
+            rest = np.empty(buf.size - done + 1, dtype=F32)
+            rest[0] = total
+            rest[1:] = c.p[buf[done:]]
+            cum2 = np.cumsum(rest, dtype=F32)[1:]
+            hit = _first_hit(cum2, p, min_keep, done)
+            if hit is not None or stop == low:
+                break
+            done, total = buf.size, rest[0] if not cum2.size else cum2[-1]
+            buf = np.concatenate((buf, order.runs(stop - 1, low, low, exact)))
+            stop = low
     last = size if hit is None else hit + 1
     if buf is not None:
         c.take(buf[:last])
@@ -180,15 +195,17 @@ def dist(c: Candidates, rng: MT19937) -> int:
     max_l = c.logit[0] if c.sorted else c.logit.max()
     if max_l == -np.inf:
         raise SamplingError("every remaining candidate has logit -inf (all tokens banned)")
-    p = libm.expf((c.logit - max_l).astype(F32))
-    run = np.cumsum(p.astype(np.float64))  # double sum_cum += p, in order
+    p = libm.expf(c.logit - max_l)  # float32 minus float32 scalar: float32
+    p64 = p.astype(np.float64)
+    run = np.cumsum(p64)  # double sum_cum += p, in order
     sum_cum = float(run[-1])
     rnd = rng.uniform()
     target = sum_cum * rnd
     sel = int(np.searchsorted(run, target, side="left"))
     if sel >= c.size:
         sel = c.size - 1  # llama.cpp's fallback (unreachable for rnd < 1)
-    c.p = (p.astype(np.float64) / sum_cum).astype(F32)
+    p64 /= sum_cum
+    c.p = p64.astype(F32)
     return sel
 
 

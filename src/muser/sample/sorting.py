@@ -106,43 +106,122 @@ def sort_asc(key: np.ndarray, seg: np.ndarray, exact: bool = True, payload: np.n
     return np.asarray(a, dtype=seg.dtype)
 
 
+def _bucket_ids(logits: np.ndarray) -> tuple[np.ndarray, bool]:
+    """buckets(logits), and whether the bucket index is a non-decreasing function of the logit
+    over this array (it is unless a NaN or a logit too large for the conversion is present)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = _BUCKET_SCALE * np.asarray(logits, dtype=np.float32) + _BUCKET_INTER  # float32 * then +, no FMA
+        wild = ~(v < 2147483648.0)  # NaN, inf, >= 2^31: INT_MIN, clamped to bucket 0 below
+        regular = not wild.any()
+        if not regular:
+            v[wild] = 0.0
+        np.clip(v, 0.0, NBUCKETS - 1, out=v)  # clamping first, then truncating: the same integer
+    return v.astype(np.intp), regular
+
+
 def buckets(logits: np.ndarray) -> np.ndarray:
     """int(bucket_scale * logit + bucket_inter) clamped to [0, 127], in float32 as llama.cpp
     computes it; a value the float -> int conversion cannot hold gives INT_MIN (x86 cvttss2si)."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        v = _BUCKET_SCALE * logits.astype(np.float32) + _BUCKET_INTER  # float32 * then +, no FMA
-        ok = np.isfinite(v) & (v > -2147483648.0) & (v < 2147483648.0)
-        ib = np.where(ok, np.trunc(np.where(ok, v, 0)), -2147483648.0).astype(np.int64)
-    return np.clip(ib, 0, NBUCKETS - 1)
+    return _bucket_ids(logits)[0]
+
+
+def _stable_desc(logits: np.ndarray, sel: np.ndarray) -> np.ndarray:
+    """`sel` (ascending handles) ordered by logit descending, equal logits in handle order: what a
+    stable sort gives. -0.0 and +0.0 are equal; NaNs land anywhere (the caller redoes them). One
+    unstable sort of 64-bit keys (order-preserving logit bits, then the handle) does it."""
+    v = logits[sel]
+    v += np.float32(0.0)  # -0.0 + 0.0 = +0.0
+    b = v.view(np.int32)
+    flip = ~b
+    flip >>= 31
+    flip &= 0x7FFFFFFF
+    flip ^= b  # as uint32: ascending for descending floats
+    key = flip.view(np.uint32).astype(np.uint64)
+    key <<= np.uint64(32)
+    key |= np.asarray(sel, dtype=np.int64).view(np.uint64)  # handles are >= 0
+    key.sort()
+    key &= np.uint64(0xFFFFFFFF)
+    return key.view(np.int64).astype(np.intp, copy=False)
+
+
+class BucketSort:
+    """llama_token_data_array_partial_sort over one array: the 128-bucket histogram pass, then
+    sorted runs of buckets on demand (a caller that reads the result only down to some point
+    sorts only the buckets above it).
+
+    A bucket above the one where npartial is reached is std::sort'ed whole; that one is
+    std::partial_sort'ed (sorted whole when npartial takes all of it). Whole buckets come from one
+    stable sort by (bucket, logit, position), which is each bucket's sort_desc / partial_sort_desc
+    result whenever its logits are distinct or exact is off (both then order ties by position);
+    a bucket holding NaN, or ties under exact, is redone by that function."""
+
+    def __init__(self, logits: np.ndarray):
+        if logits.dtype != np.float32:
+            raise TypeError(f"bucket sorting takes float32 logits, got {logits.dtype}")
+        self.logits = logits
+        self.ids, self.regular = _bucket_ids(logits)
+        self.histo = np.bincount(self.ids, minlength=NBUCKETS)
+
+    def cut(self, npartial: int) -> int:
+        """The bucket in which the top npartial end."""
+        nhave = 0
+        ib = NBUCKETS - 1
+        while ib >= 0:
+            nhave += int(self.histo[ib])
+            if nhave >= npartial:
+                break
+            ib -= 1
+        return ib
+
+    def runs(self, hi: int, lo: int, last: int, exact: bool) -> np.ndarray:
+        """Buckets hi down to lo, each sorted whole: with std::sort, except bucket `last` (the one
+        std::partial_sort ends in), which std::partial_sort sorts to its end."""
+        ids, histo, logits = self.ids, self.histo, self.logits
+        inside = ids >= lo
+        if hi < NBUCKETS - 1:
+            inside &= ids <= hi
+        order = _stable_desc(logits, np.flatnonzero(inside))
+        if not self.regular:  # the bucket is then not a function of the logit's rank: group by it
+            order = order[np.argsort((NBUCKETS - 1 - ids[order]).astype(np.uint8), kind="stable")]
+        redo = set()
+        if not self.regular and lo == 0 and np.isnan(logits[order]).any():
+            redo.add(0)  # NaN lands in bucket 0 only
+        if exact:
+            vs = logits[order]
+            tie = np.flatnonzero(vs[1:] == vs[:-1])  # equal logits share a bucket
+            redo.update(np.unique(ids[order[tie]]).tolist())
+        for j in redo:
+            end = int(histo[j : hi + 1].sum())
+            start = end - int(histo[j])
+            seg = np.sort(order[start:end])  # the bucket in position order, as the histogram pass scatters it
+            order[start:end] = sort_desc(logits, seg, exact) if j != last else partial_sort_desc(
+                logits, seg, seg.size, exact)
+        return order
+
+    def partial_sort(self, npartial: int, exact: bool) -> np.ndarray:
+        """The result buffer's positions: its first npartial (1 <= npartial <= size) entries are
+        the top npartial candidates in llama.cpp's order."""
+        ib = self.cut(npartial)
+        h = int(self.histo[ib])
+        m = npartial - int(self.histo[ib + 1 :].sum())
+        if m == h:
+            return self.runs(NBUCKETS - 1, ib, ib, exact)
+        head = self.runs(NBUCKETS - 1, ib + 1, ib, exact) if ib < NBUCKETS - 1 else np.empty(0, np.intp)
+        seg = np.flatnonzero(self.ids == ib)
+        return np.concatenate((head, partial_sort_desc(self.logits, seg, m, exact), seg[m:]))
+
+    def reach(self, p: np.ndarray, target: float, need: int) -> int:
+        """A guess at the lowest bucket the running sum of `p` down the sorted array needs to pass
+        `target` after at least `need` entries: the highest bucket where both hold, in float64 with
+        a margin for float32 rounding (0 when none; only how far to sort first depends on it)."""
+        mass = np.cumsum(np.bincount(self.ids, weights=p, minlength=NBUCKETS)[::-1])
+        count = np.cumsum(self.histo[::-1])
+        ok = np.flatnonzero((mass >= float(target) + 2.0**-10) & (count >= need))
+        return NBUCKETS - 1 - int(ok[0]) if ok.size else 0
 
 
 def bucket_partial_sort(logits: np.ndarray, npartial: int, exact: bool = True) -> np.ndarray:
     """llama_token_data_array_partial_sort: the positions (into `logits`) of the result buffer;
-    its first `npartial` entries are the top npartial candidates in llama.cpp's order."""
-    n = logits.size
-    ib_each = buckets(logits)
-    histo = np.bincount(ib_each, minlength=NBUCKETS)
-    nhave = 0
-    ib = NBUCKETS - 1
-    while ib >= 0:
-        nhave += int(histo[ib])
-        if nhave >= npartial:
-            break
-        ib -= 1
-    # scatter in index order into bucket slots, highest bucket first
-    pos = np.arange(n)
-    chosen = pos[ib_each >= ib]
-    order = chosen[np.argsort(-ib_each[chosen], kind="stable")]
-    out = order.copy()
-    start = 0
-    ndone = 0
-    for j in range(NBUCKETS - 1, ib, -1):
-        h = int(histo[j])
-        if h:
-            out[start : start + h] = sort_desc(logits, order[start : start + h], exact)
-        start += h
-        ndone += h
-    h = int(histo[ib])
-    m = npartial - ndone
-    out[start : start + m] = partial_sort_desc(logits, order[start : start + h], m, exact)
-    return out
+    its first `npartial` (1 <= npartial <= logits.size) entries are the top npartial candidates
+    in llama.cpp's order."""
+    return BucketSort(logits).partial_sort(npartial, exact)
