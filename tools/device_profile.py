@@ -167,6 +167,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--modes", default="eager,graph", help="eager and/or graph steps (each prefills its own session)")
     ap.add_argument("--gate-receipt", default=None, help="the wide Gate 2 receipt of this tree and lane")
+    ap.add_argument("--pdl", default="on", help="on and/or off: the step's kernels with programmatic dependent "
+                    "launch (engine/kernels/gdc.py) or without; each setting captures its own graphs")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("device_profile: CUDA is not available", file=sys.stderr)
@@ -191,31 +193,42 @@ def main() -> int:
         t = time.time()
         eng = Engine.open(a.model, device="cuda", lane=lane, kv="f16")
         res["load_s"] = round(time.time() - t, 1)
-        rng = np.random.default_rng(0)
-        for depth in [int(d) for d in a.depths.split(",")]:
-            for rows in [int(r) for r in a.rows.split(",")]:
-                try:
-                    cell = profile_cell(eng, depth, rows, a.steps, rng,
-                                        tuple(m == "graph" for m in a.modes.split(",")))
-                except Exception as e:  # recorded; the other cells go on
-                    cell = {"depth": depth, "rows": rows, "error": repr(e)[:300],
-                            "traceback": traceback.format_exc()[-2000:]}
-                res["cells"].append(cell)
-                print(f"lane {lane} depth {depth} rows {rows}: graph {cell.get('graph_wall_ms_per_step', 0)} ms/step "
-                      f"wall, its kernels {cell.get('graph_kernel_ms_per_step', 0)} ms in "
-                      f"{cell.get('graph_launches_per_step', 0)} launches, {cell.get('graph_timeline', {})}; eager "
-                      f"wall {cell.get('eager_wall_ms_per_step', 0)} ms", flush=True)
-                for k in cell.get("graph_kernels", [])[:18]:
-                    print(f"   {k['ms_per_step']:8.3f} ms  x{k['launches_per_step']:7.2f}  {k['name']}", flush=True)
-                for h in cell.get("graph_host", [])[:16]:
-                    print(f"   host {h['own_ms_per_step']:8.4f} ms own {h['cum_ms_per_step']:8.4f} cum "
-                          f"x{h['calls_per_step']:7.2f}  {h['fn']}", flush=True)
-                if "error" in cell:
-                    print("   " + cell["error"], flush=True)
+        from muser.engine.kernels import gdc
+
+        cells = [(pdl, int(d), int(r)) for pdl in a.pdl.split(",") for d in a.depths.split(",")
+                 for r in a.rows.split(",")]
+        for pdl, depth, rows in cells:
+            if pdl not in ("on", "off"):
+                print(f"device_profile: --pdl {pdl!r}: expected on or off", file=sys.stderr)
+                return 2
+            if gdc.ENABLED != (pdl == "on"):
+                gdc.ENABLED = pdl == "on"
+                eng._graphs.clear()  # graphs captured under the other setting
+            rng = np.random.default_rng(0)
+            try:
+                cell = profile_cell(eng, depth, rows, a.steps, rng,
+                                    tuple(m == "graph" for m in a.modes.split(",")))
+            except Exception as e:  # recorded; the other cells go on
+                cell = {"depth": depth, "rows": rows, "error": repr(e)[:300],
+                        "traceback": traceback.format_exc()[-2000:]}
+            cell["pdl"] = pdl == "on"
+            res["cells"].append(cell)
+            print(f"lane {lane} pdl {pdl} depth {depth} rows {rows}: graph {cell.get('graph_wall_ms_per_step', 0)} ms/step "
+                  f"wall, its kernels {cell.get('graph_kernel_ms_per_step', 0)} ms in "
+                  f"{cell.get('graph_launches_per_step', 0)} launches, {cell.get('graph_timeline', {})}; eager "
+                  f"wall {cell.get('eager_wall_ms_per_step', 0)} ms", flush=True)
+            for k in cell.get("graph_kernels", [])[:18]:
+                print(f"   {k['ms_per_step']:8.3f} ms  x{k['launches_per_step']:7.2f}  {k['name']}", flush=True)
+            for h in cell.get("graph_host", [])[:16]:
+                print(f"   host {h['own_ms_per_step']:8.4f} ms own {h['cum_ms_per_step']:8.4f} cum "
+                      f"x{h['calls_per_step']:7.2f}  {h['fn']}", flush=True)
+            if "error" in cell:
+                print("   " + cell["error"], flush=True)
         p = write_receipt("step-profile-cuda", model={"path": str(a.model), "bytes": Path(a.model).stat().st_size},
                           device=device_description("cuda"), lane=lane, gate=gate, results=res, out_dir=out)
         print(f"device_profile: lane {lane}: receipt {p}", flush=True)
         del eng
+        gdc.ENABLED = True
         torch.cuda.empty_cache()
     return 0
 

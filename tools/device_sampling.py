@@ -82,12 +82,16 @@ class HostRows:
         return self.s.decode(t)
 
 
-def generation(m, tokens: int) -> dict:
+def generation(m, tokens: int, n_prompt: int | None = None) -> dict:
+    """Generation over device rows and over host rows from PROMPT16 (its first n_prompt tokens of
+    it repeated, when given: the TTFT of a prompt of that many tokens)."""
     from muser.generation import generate
     from muser.sample import SamplingParams
 
     tok = m.tokenizer
     ids = m.encode(PROMPT16)
+    if n_prompt is not None:
+        ids = m.encode(PROMPT16 * (n_prompt // max(1, len(ids)) + 1))[:n_prompt]
     out = {"prompt_tokens": len(ids)}
     for name, P in {"default": SamplingParams(seed=11), "greedy": SamplingParams(temperature=0.0, seed=11),
                     "top_p_only": SamplingParams(top_k=0, seed=11)}.items():
@@ -119,6 +123,8 @@ def main() -> int:
     ap.add_argument("--stages", default="parity,load,generation,cli")
     ap.add_argument("--model", default=None, help="GGUF for the load, generation and cli stages (default: the "
                                                   "shipped micro model)")
+    ap.add_argument("--prompt-tokens", default=None, help="comma-separated prompt lengths for the generation "
+                    "stage (default: PROMPT16 as it tokenizes)")
     a = ap.parse_args()
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -148,7 +154,11 @@ def main() -> int:
             return {"load_s": time.perf_counter() - t0, "warm": m.warm_record}
         stage("load", load)
     if "generation" in stages and m is not None:
-        stage("generation", lambda: generation(m, a.tokens))
+        if a.prompt_tokens:
+            for n in (int(v) for v in a.prompt_tokens.split(",")):
+                stage(f"generation_{n}", lambda n=n: generation(m, a.tokens, n))
+        else:
+            stage("generation", lambda: generation(m, a.tokens))
     if "cli" in stages:
         base = ["generate", "--device", "cuda", "--prompt", PROMPT16, "--max-tokens", str(a.tokens), "--seed", "3"]
         base += ["--model", a.model] if a.model else []
@@ -164,9 +174,10 @@ def main() -> int:
     for name, r in (rec.get("parity") or {}).items():
         if isinstance(r, dict) and "identical" in r:
             checks[f"parity/{name}"] = r["identical"] == r["rows"] and r["rng_aligned"]
-    for name, r in (rec.get("generation") or {}).items():
-        if isinstance(r, dict) and "identical_tokens" in r:
-            checks[f"generation/{name}"] = bool(r["identical_tokens"])
+    for key in [k for k in rec if k == "generation" or (k.startswith("generation_") and not k.endswith("seconds"))]:
+        for name, r in (rec.get(key) or {}).items():
+            if isinstance(r, dict) and "identical_tokens" in r:
+                checks[f"{key}/{name}"] = bool(r["identical_tokens"])
     missing = [st for st in ("parity", "generation") if st in stages and not any(k.startswith(st) for k in checks)]
     status = "fail" if not all(checks.values()) else ("partial" if missing or not checks else "pass")
     from muser.bench.receipt import device_description, write_receipt

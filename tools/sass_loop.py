@@ -32,7 +32,7 @@ from triton.tools.disasm import get_sass  # noqa: E402
 
 _TT = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
        torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
-_OPTS = ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")
+_OPTS = ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg", "launch_pdl")
 
 
 def capture(call, which: int = -1):
@@ -171,8 +171,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rows-kernel", type=int, choices=[0, 1], default=None,
                     help="split: force the CUDA-core kernel (1) or the tiles (0)")
     ap.add_argument("--rt", type=int, default=None, help="v3: activation rows a program takes (several-row path)")
+    ap.add_argument("--pdl", action="store_true", help="compile the launch as a GPU launch takes it: with PDL "
+                    "(engine/kernels/gdc.py)")
     ap.add_argument("--dump", action="store_true")
     a = ap.parse_args(argv)
+    if a.pdl:
+        from muser.engine.kernels import gdc
+
+        gdc.launch = lambda t: True
     if a.kernel == "attn":  # fmt: full | sliding; f16 planes of the full geometry, the exact pass
         fn, args, kw, grid = capture(lambda: _attn_call(a.fmt, a.T), 0)
     else:

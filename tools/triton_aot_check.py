@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -39,7 +40,45 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 _TT = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
        torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
-_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg", "launch_pdl")
+# PDL kernels (engine/kernels/gdc.py) may read only these arguments before their wait: weights,
+# which no kernel writes
+PRE_WAIT_READS = {"_matvec_v3_kernel": {"qp", "hp", "sp", "dp"}}
+
+
+def pdl_order(ptx: str, name: str, arg_names: list[str], scalars: frozenset[str] = frozenset()) -> str | None:
+    """None when the PTX of a PDL kernel waits (griddepcontrol.wait) before every store, async
+    copy and atomic, and before every load whose address derives from a pointer argument other
+    than PRE_WAIT_READS[name]; else what comes first. `arg_names` are the kernel's non-constexpr
+    arguments in order (the PTX parameters), `scalars` those of them that are not pointers
+    (launch values, which no kernel writes)."""
+    lines = [re.sub(r"^@!?%\w+\s+", "", ln.strip()) for ln in ptx.splitlines()]  # predicates off
+    wait = next((i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")), None)
+    if wait is None:
+        return "no griddepcontrol.wait"
+    allowed = PRE_WAIT_READS.get(name, set()) | scalars
+    tainted: set[str] = set()
+    for ln in lines[:wait]:
+        op = ln.split()[0] if ln.split() else ""
+        regs = re.findall(r"%[a-z]+\d+", ln)
+        if op.startswith(("st.", "cp.async", "atom.", "red.")) and ".param" not in op:
+            return f"before the wait: {ln}"
+        if op.startswith("ld.param"):
+            m = re.search(r"_param_(\d+)", ln)
+            k = int(m.group(1)) if m else -1
+            if regs and not (0 <= k < len(arg_names) and arg_names[k] in allowed):
+                tainted.add(regs[0])
+            continue
+        if not regs:
+            continue
+        dest = re.match(r"\S+\s+(\{[^}]*\}|%[a-z]+\d+)", ln)
+        outs = set(re.findall(r"%[a-z]+\d+", dest.group(1))) if dest else set()
+        ins = [r for r in regs if r not in outs]
+        if op.startswith("ld.global") and any(r in tainted for r in ins):
+            return f"before the wait: {ln}"
+        if any(r in tainted for r in ins):
+            tainted |= outs
+    return None
 
 
 class Recorder:
@@ -189,6 +228,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     rec = Recorder()
     orig = JITFunction.run
+    if a.arch >= 90:  # the launches as a GPU of that generation takes them: with PDL
+        from muser.engine.kernels import gdc
+
+        gdc.launch = lambda t: True
 
     def fake_run(self, *args, grid=None, warmup=False, **kwargs):
         rec.run(self, args, kwargs)
@@ -209,6 +252,14 @@ def main(argv=None) -> int:
             r = {"kernel": name, "constexprs": {fn.arg_names[i[0]]: v for i, v in c.items()}, "options": o,
                  "ok": True, "n_regs": getattr(k, "n_regs", None), "shared": getattr(meta, "shared", None),
                  "seconds": round(time.time() - t, 2)}
+            if o.get("launch_pdl"):
+                args = [n for n in fn.arg_names if s.get(n) != "constexpr"]
+                r["pdl_order"] = pdl_order(k.asm["ptx"], name, args,
+                                           frozenset(n for n in args if not s[n].startswith("*")))
+                if r["pdl_order"] is not None:
+                    bad += 1
+                    r["ok"] = False
+                    print(f"FAIL {name} {r['constexprs']} {o}: PDL order: {r['pdl_order']}", flush=True)
         except Exception as e:  # record every failure, keep going
             bad += 1
             r = {"kernel": name, "constexprs": {fn.arg_names[i[0]]: v for i, v in c.items()}, "options": o,

@@ -215,3 +215,45 @@ def test_graph_step_of_several_sessions_on_device_metadata(tiny_gguf, kernels, k
         for pa, pb in zip(s.snapshot().planes, rs.snapshot().planes):
             assert pa.origin_logical == pb.origin_logical and pa.len == pb.len
             assert (pa.keys.float() - pb.keys.float()).abs().max() <= 1e-2
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_graph_inputs_prepared_in_two_layer_ranges_equal_one(tiny_gguf, split):
+    """A replayed graph step reserves its first graph's layers, launches it, then reserves the
+    rest (graphs.StepGraph.launch): the uploaded buffer and every plane's state afterwards are
+    those of one reservation over all layers, rings wrapped or not, several items at once."""
+    eng = Engine.open(tiny_gguf, device="cpu", lane="exact", kv="f32")
+    L = eng.cfg.n_layers
+    shape = ((1, "last"), (3, "all"), (2, "last"))
+    one = [_session(eng, i) for i in range(3)]
+    two = [_session(eng, i) for i in range(3)]
+    toks = [np.array(_tokens(i, T)) for i, (T, _) in enumerate(shape)]
+    ga = eng.graph(tuple((T, m, s.max_context) for (T, m), s in zip(shape, one)), ())
+    gb = type(ga)(eng, ga.shape, ())
+    ga._prepare(one, toks, range(0, L))
+    want = ga.host.numpy().copy()
+    gb._prepare(two, toks, range(0, split))
+    head = gb.dev.numpy().copy()
+    gb._prepare(two, toks, range(split, L))
+    assert np.array_equal(gb.host.numpy(), want) and np.array_equal(gb.dev.numpy(), want)
+    for (a, b), (o, _) in zip(gb.bounds, gb.blocks):  # the first range's layers final in its upload
+        T = b - a
+        assert np.array_equal(head[a:b], want[a:b]) and np.array_equal(head[o:o + 4 * split], want[o:o + 4 * split])
+        w = o + 4 * L + 1
+        assert np.array_equal(head[w:w + split * T], want[w:w + split * T])
+    for sa, sb in zip(one, two):
+        assert [(p.state(), p.appended) for p in sa.cache.planes] == [(p.state(), p.appended) for p in sb.cache.planes]
+
+
+def test_graph_inputs_refused_before_any_layer_is_reserved(tiny_gguf):
+    """The first range checks every plane of every item: an item that cannot take its rows
+    (past max_context) leaves every plane of every item as it was."""
+    eng = Engine.open(tiny_gguf, device="cpu", lane="exact", kv="f32")
+    ok = _session(eng, 0)
+    full = eng.session(max_context=13)
+    full.prefill(PROMPT[:12])
+    g = eng.graph(((1, "last", ok.max_context), (2, "last", full.max_context)), ())
+    before = [[(p.state(), p.appended) for p in s.cache.planes] for s in (ok, full)]
+    with pytest.raises(ContextOverflow):
+        g._prepare([ok, full], [np.array([5]), np.array([5, 6])], range(0, 1))
+    assert [[(p.state(), p.appended) for p in s.cache.planes] for s in (ok, full)] == before

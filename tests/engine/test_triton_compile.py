@@ -33,6 +33,31 @@ def test_every_engine_kernel_compiles_for_sm90(tmp_path):
             "_dequant_v3_kernel", "_matvec_nvfp4_kernel", "_dequant_nvfp4_kernel", "_norm_mul_kernel", "_norm2_kernel", "_qk_norm_rope_kernel",
             "_gate_kernel", "_qmatmul_i8_kernel", "_chunk_reduce_kernel", "_quant_q8_K_kernel", "_quant_q8_0_kernel"} <= kernels
     assert all(r["ok"] for r in rows)
+    # the step's kernels take PDL on sm_90 (engine/kernels/gdc.py), each waiting for the kernel
+    # before it ahead of every store and every load but the matvec's weights (pdl_order)
+    step = {"_attn_partial", "_attn_reduce", "_matvec_v3_kernel", "_act_prep_kernel", "_norm_mul_kernel",
+            "_norm2_kernel", "_qk_norm_rope_kernel", "_gate_kernel", "_kv_round_kernel", "_kv_store_kernel"}
+    pdl = [r for r in rows if r["kernel"] in step]
+    assert pdl and all(r["options"].get("launch_pdl") and r["pdl_order"] is None for r in pdl)
+
+
+def test_pdl_order_check_refuses_an_early_read_or_store(monkeypatch):
+    """tools/triton_aot_check.py's PTX check: a load through an activation pointer or any store
+    ahead of griddepcontrol.wait fails it; weight loads of the matvec pass."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tool refuses the interpreter
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    from triton_aot_check import pdl_order
+
+    head = ("ld.param.b64 %rd1, [_k_param_0];", "ld.param.b64 %rd2, [_k_param_1];", "add.s64 %rd3, %rd1, 16;",
+            "add.s64 %rd4, %rd2, 16;")
+    ok = "\n".join(head + ("@%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd4 + 0 ];", "griddepcontrol.wait;",
+                           "ld.global.b32 %r5, [%rd3];"))
+    assert pdl_order(ok, "_matvec_v3_kernel", ["x", "qp"]) is None
+    assert pdl_order(ok, "_matvec_v3_kernel", ["qp", "x"]).startswith("before the wait: ld.global")
+    assert pdl_order(ok, "_norm2_kernel", ["x", "qp"]).startswith("before the wait: ld.global")
+    store = "\n".join(head + ("st.global.b32 [%rd4], %r1;", "griddepcontrol.wait;"))
+    assert pdl_order(store, "_matvec_v3_kernel", ["x", "qp"]).startswith("before the wait: st.global")
+    assert pdl_order("ld.global.b32 %r5, [%rd3];", "_gate_kernel", []) == "no griddepcontrol.wait"
 
 
 def _sass_loop(tmp_path, *args: str) -> tuple[str, str, dict[str, int], int]:

@@ -31,8 +31,10 @@ MAX_CAPTURES = 32  # captures kept per shape (least recently used go first)
 # The step is captured as two graphs sharing one pool: the first FIRST_PART_LAYERS layers, then
 # the rest. A graph launch costs host time per node (the 740-node decode step: 0.57 ms on the
 # H200 host, 20261204T151710Z-step-profile-cuda.json), and the GPU starts a graph only once its
-# launch returns: the short first part starts at once and runs while the host launches the rest.
-FIRST_PART_LAYERS = 4
+# launch returns: the short first part starts at once and runs while the host reserves the later
+# layers' K/V slots and launches the rest (six layers are ~1.1 ms of GPU time at one row; the
+# later layers' reservation and launch ~0.8 ms of host time in that profile).
+FIRST_PART_LAYERS = 6
 
 
 def _even(n: int) -> int:
@@ -134,38 +136,51 @@ class StepGraph:
                          for sl in cfg.swa_pattern)
             self.scratch.append(AttnScratch(T, cfg.n_heads, cfg.head_dim, splits, dev))
         self.sessions: list = []
+        self.p0: list[int] = []  # each item's first position, read once a step (`_prepare`)
         self.graphs: OrderedDict = OrderedDict()  # storage key -> the step's CUDA graphs, in replay order
         self.copied = torch.cuda.Event() if self.cuda else None
         self.captures = 0
 
-    def _storage_key(self) -> tuple:
+    @staticmethod
+    def _storage_key(sessions: list) -> tuple:
         return tuple((id(s),) + tuple((p.keys.data_ptr(), p.values.data_ptr()) for p in s.cache.planes)
-                     for s in self.sessions)
+                     for s in sessions)
 
-    def _prepare(self, sessions: list, ids: list[np.ndarray]) -> None:
-        """Reserve this step's rows in every plane (host metadata, muser.kv) and upload."""
-        if self.copied is not None:
-            self.copied.synchronize()  # the previous upload has left the pinned buffer
-        self.sessions = list(sessions)
-        h = self.host.numpy()
+    def _prepare(self, sessions: list, ids: list[np.ndarray], layers: range) -> None:
+        """Reserve this step's rows in the planes of `layers` (host metadata, muser.kv) and upload.
+        The range starting at layer 0 also checks every plane of every item (a refusal reserves
+        nothing) and writes the tokens and positions; a replayed step prepares its first graph's
+        layers, launches that graph, then prepares the rest while the GPU runs it (`launch`).
+        Each upload copies the whole buffer (a few KB): a range's layers are final in it, the
+        later layers' slots are rewritten by the later upload before any graph reads them."""
         L = self.engine.cfg.n_layers
         N = self.N
-        for (a, b), (o, _), s, t in zip(self.bounds, self.blocks, sessions, ids):
+        h = self.host.numpy()
+        if layers.start == 0:
+            if self.copied is not None:
+                self.copied.synchronize()  # the previous upload has left the pinned buffer
+            self.sessions = list(sessions)
+            # n_past reads every plane, which disagree between the two ranges' reservations
+            self.p0 = [s.n_past for s in sessions]
+            for (a, b), s, p0 in zip(self.bounds, sessions, self.p0):
+                s.cache.check_batch_all(p0, b - a)
+            for (a, b), t, p0 in zip(self.bounds, ids, self.p0):
+                h[a:b] = t
+                h[N + a:N + b] = np.arange(p0, p0 + b - a)
+        lo, hi = layers.start, layers.stop
+        for (a, b), (o, _), s, p0 in zip(self.bounds, self.blocks, sessions, self.p0):
             T = b - a
-            p0 = s.n_past
-            h[a:b] = t
-            h[N + a:N + b] = np.arange(p0, p0 + T)
+            planes = s.cache.planes[lo:hi]
             # one assignment per block, not one per plane (host time of every graph step)
-            h[o:o + 4 * L] = np.array([(p.origin_logical, p.origin_physical, p.len, p.capacity)
-                                       for p in s.cache.planes], dtype=np.int64).reshape(-1)
-            o += 4 * L
-            h[o] = p0
-            o += 1
-            placements = s.cache.reserve_batch_all(p0, T)
+            h[o + 4 * lo:o + 4 * hi] = np.array([(p.origin_logical, p.origin_physical, p.len, p.capacity)
+                                                 for p in planes], dtype=np.int64).reshape(-1)
+            h[o + 4 * L] = p0
+            w = o + 4 * L + 1
+            placements = s.cache.reserve_batch_all(p0, T, layers)
             assert all(pl.source_first == 0 and len(pl.physical) == T for pl in placements)
-            h[o:o + L * T] = np.concatenate([pl.physical for pl in placements])
+            h[w + lo * T:w + hi * T] = np.concatenate([pl.physical for pl in placements])
         self.dev.copy_(self.host, non_blocking=self.cuda)
-        if self.copied is not None:
+        if self.copied is not None and hi == L:
             self.copied.record()
 
     def _step(self, layer_hook=None) -> None:
@@ -177,17 +192,25 @@ class StepGraph:
 
     def launch(self, sessions: list, ids: list[np.ndarray]) -> None:
         """Prepare inputs and run the step (replay, or eager + capture on first use)."""
-        self._prepare(sessions, ids)
+        L = self.engine.cfg.n_layers
+        key = self._storage_key(sessions) if self.cuda else ()
+        parts = self.graphs.get(key) if self.cuda else None
+        if parts is not None:
+            self.graphs.move_to_end(key)
+            # the first graph's layers, then the rest prepared while the GPU runs them: the host
+            # bookkeeping of the later layers leaves the step's critical path
+            split = min(FIRST_PART_LAYERS, L) if len(parts) > 1 else L
+            self._prepare(sessions, ids, range(0, split))
+            parts[0].replay()
+            if split < L:
+                self._prepare(sessions, ids, range(split, L))
+            for g in parts[1:]:
+                g.replay()
+            return
+        self._prepare(sessions, ids, range(0, L))
         if not self.cuda:
             with torch.inference_mode():
                 self._step()
-            return
-        key = self._storage_key()
-        parts = self.graphs.get(key)
-        if parts is not None:
-            self.graphs.move_to_end(key)
-            for g in parts:
-                g.replay()
             return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -220,15 +220,23 @@ class KvCache:
     def append_batch(self, layer: int, start: int, keys: Any, values: Any) -> BatchPlacement:
         return self.plane(layer).append_batch(start, keys, values)
 
-    def reserve_batch_all(self, start: int, count: int) -> list[BatchPlacement]:
-        """reserve_batch(start, count) on every plane, in layer order. Planes of one capacity in one
-        state (all sliding planes, all full ones) get the same placement, computed once: a graph
-        step's host bookkeeping is part of its decode time. All planes are checked first."""
+    def check_batch_all(self, start: int, count: int) -> None:
+        """Refuse (typed error, nothing reserved) unless every plane takes rows [start, start + count)
+        next: a step that reserves its layers in two calls checks them all before the first."""
         for p in self._planes:
+            p._check_next(start, count)
+
+    def reserve_batch_all(self, start: int, count: int, layers: range | None = None) -> list[BatchPlacement]:
+        """reserve_batch(start, count) on every plane of `layers` (all by default), in layer order.
+        Planes of one capacity in one state (all sliding planes, all full ones) get the same
+        placement, computed once: a graph step's host bookkeeping is part of its decode time.
+        The planes of the call are all checked first (a refusal reserves none of them)."""
+        planes = self._planes if layers is None else self._planes[layers.start:layers.stop]
+        for p in planes:
             p._check_next(start, count)
         shared: dict[tuple, tuple[tuple[int, int, int], BatchPlacement]] = {}
         out = []
-        for p in self._planes:
+        for p in planes:
             before = p.state()
             key = (p.capacity,) + before
             hit = shared.get(key)

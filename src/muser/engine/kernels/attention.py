@@ -64,6 +64,8 @@ from __future__ import annotations
 
 import torch
 
+from . import gdc
+
 try:
     import triton
     import triton.language as tl
@@ -198,6 +200,7 @@ def split_count(rows: int, capacity: int, window: int) -> int:
 
 
 if HAVE_TRITON:
+    from .gdc import after_prior
 
     @triton.jit
     def _tf32_hi(x):
@@ -240,11 +243,12 @@ if HAVE_TRITON:
                       r0, H, NSP, window, scale,
                       s_qt, s_qh, s_nt, s_nh, s_slot, s_head,
                       HPK: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                      S: tl.constexpr, PASS: tl.constexpr, SPLIT_KV: tl.constexpr):
+                      S: tl.constexpr, PASS: tl.constexpr, SPLIT_KV: tl.constexpr, PDL: tl.constexpr):
         # PASS 0: f32 operands, online softmax -> (m, l, acc) per split; both dots on tf32 tensor
         # cores with every product exact (_dot_exact; SPLIT_KV: f32 planes, K and V split too).
         # f16 operands, PASS 1: (m, l) per split from f16 K·Q; PASS 2: p = f16(exp(s - m_row) *
         # inv_row) with the row's reduced statistics (st_m, st_inv), acc = P·V per split.
+        after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         r = tl.program_id(0)  # row of this launch (row r0 + r of the call)
         g = tl.program_id(1)  # KV head
         k = tl.program_id(2)  # split, counted from the launch's first
@@ -329,9 +333,10 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["r0", "NSP", "window"])
     def _attn_reduce(m_in, l_in, o_in, out, st_m, st_inv, meta, pos, r0, H, NSP, window, s_ot, s_oh,
-                     D: tl.constexpr, S: tl.constexpr, SC: tl.constexpr, PASS: tl.constexpr):
+                     D: tl.constexpr, S: tl.constexpr, SC: tl.constexpr, PASS: tl.constexpr, PDL: tl.constexpr):
         # PASS 0: out = sum_s o_s w_s / sum_s l_s w_s, w_s = exp(m_s - max). f16 operands:
         # PASS 1 stores the row's (max, 1 / sum_s l_s w_s); PASS 2: out = sum_s o_s (p normalised).
+        after_prior(PDL)
         r = tl.program_id(0)
         h = tl.program_id(1)
         ol = tl.load(meta + 0).to(tl.int32)
@@ -449,10 +454,10 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                 r0, H, nsp, window, scale,
                 q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), s_slot, s_head,
                 HPK=hpk, HP=hp, D=D, BS=bs, S=S, PASS=ps, SPLIT_KV=k_plane.dtype == torch.float32,
-                **(PARTIAL_LAUNCH if ps == 0 else F16_LAUNCH))
+                **(PARTIAL_LAUNCH if ps == 0 else F16_LAUNCH), **gdc.kwargs(q))
             _attn_reduce[(r1 - r0, H)](sc.m, sc.l, sc.o, out, sc.st_m, sc.st_inv, meta, pos, r0, H, nsp, window,
                                        out.stride(0), out.stride(1), D=D, S=S, SC=REDUCE_CHUNK, PASS=ps,
-                                       num_warps=4)
+                                       num_warps=4, **gdc.kwargs(q))
     return out
 
 
@@ -467,7 +472,8 @@ __all__ = ["BLOCK", "BLOCK_EXACT", "HAVE_TRITON", "REDUCE_CHUNK", "SPLIT_FULL", 
 if HAVE_TRITON:
 
     @triton.jit
-    def _kv_round_kernel(k, v, kq, vq, N, BLOCK: tl.constexpr):
+    def _kv_round_kernel(k, v, kq, vq, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        after_prior(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = i < N
         # f32 -> the plane's type, round to nearest even: torch's .to, what the store keeps
@@ -475,7 +481,8 @@ if HAVE_TRITON:
         tl.store(vq + i, tl.load(v + i, mask=m).to(vq.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _kv_store_kernel(kq, vq, kp, vp, widx, s_row, s_slot, s_head, D: tl.constexpr):
+    def _kv_store_kernel(kq, vq, kp, vp, widx, s_row, s_slot, s_head, D: tl.constexpr, PDL: tl.constexpr):
+        after_prior(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
         d = tl.arange(0, D)
@@ -497,7 +504,7 @@ def kv_round(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torc
     vq = torch.empty(v.shape, dtype=dtype, device=v.device)
     n = k.numel()
     B = 1024
-    _kv_round_kernel[(triton.cdiv(n, B),)](k, v, kq, vq, n, BLOCK=B, num_warps=4)
+    _kv_round_kernel[(triton.cdiv(n, B),)](k, v, kq, vq, n, BLOCK=B, num_warps=4, **gdc.kwargs(k))
     return kq, vq
 
 
@@ -515,4 +522,5 @@ def kv_store(kq: torch.Tensor, vq: torch.Tensor, k_plane: torch.Tensor, v_plane:
     assert plane_strides(v_plane, head_major, n_kv, D) == (s_slot, s_head)
     assert (D & (D - 1)) == 0
     if T:
-        _kv_store_kernel[(T, n_kv)](kq, vq, k_plane, v_plane, widx, n_kv * D, s_slot, s_head, D=D, num_warps=1)
+        _kv_store_kernel[(T, n_kv)](kq, vq, k_plane, v_plane, widx, n_kv * D, s_slot, s_head, D=D, num_warps=1,
+                                    **gdc.kwargs(kq))

@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from . import gdc
+
 try:
     import triton
     import triton.language as tl
@@ -39,6 +41,7 @@ def _lib() -> bool:
 
 
 if HAVE_TRITON:
+    from .gdc import after_prior
 
     @triton.jit
     def _exp(x, LIB: tl.constexpr):
@@ -48,7 +51,9 @@ if HAVE_TRITON:
             return tl.exp(x)
 
     @triton.jit
-    def _norm_mul_kernel(x, w, res, out, N, sx, sr, so, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _norm_mul_kernel(x, w, res, out, N, sx, sr, so, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+        after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         r = tl.program_id(0)
         i = tl.arange(0, BLOCK)
         m = i < N
@@ -61,8 +66,10 @@ if HAVE_TRITON:
         tl.store(out + r * so + i, y, mask=m)
 
     @triton.jit
-    def _norm2_kernel(x, w, res, w2, out, out2, N, sx, sr, so, so2, eps, eps2, BLOCK: tl.constexpr):
+    def _norm2_kernel(x, w, res, w2, out, out2, N, sx, sr, so, so2, eps, eps2, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
         """out = res + rms_norm(x) * w; out2 = rms_norm(out) * w2 (one row per program)."""
+        after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         r = tl.program_id(0)
         i = tl.arange(0, BLOCK)
         m = i < N
@@ -77,7 +84,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _qk_norm_rope_kernel(y, sy, q_off, k_off, qn, kn, cos, sin, q_out, k_out, H, eps,
-                             ROPE: tl.constexpr, D: tl.constexpr):
+                             ROPE: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+        after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         t = tl.program_id(0)
         h = tl.program_id(1)  # q heads 0..H-1, then k heads
         is_q = h < H
@@ -104,7 +112,9 @@ if HAVE_TRITON:
         tl.store(dst + 2 * i + 1, o1)
 
     @triton.jit
-    def _gate_kernel(a, g, out, N, sa, sg, so, SILU: tl.constexpr, LIB: tl.constexpr, BLOCK: tl.constexpr):
+    def _gate_kernel(a, g, out, N, sa, sg, so, SILU: tl.constexpr, LIB: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+        after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         r = tl.program_id(0)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = i < N
@@ -141,7 +151,7 @@ def norm_mul(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor | N
     _norm_mul_kernel[(R,)](x, w, res if res is not None else x, out, N, x.stride(0),
                            res.stride(0) if res is not None else 0, out.stride(0), float(eps),
                            HAS_RES=res is not None, BLOCK=triton.next_power_of_2(N),
-                           num_warps=norm_warps(N), enable_fp_fusion=False)
+                           num_warps=norm_warps(N), enable_fp_fusion=False, **gdc.kwargs(x))
     return out
 
 
@@ -157,7 +167,7 @@ def norm2(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor, w2: t
     out2 = torch.empty((R, N), dtype=torch.float32, device=x.device)
     _norm2_kernel[(R,)](x, w, res, w2, out, out2, N, x.stride(0), res.stride(0), out.stride(0), out2.stride(0),
                         float(eps), float(eps2), BLOCK=triton.next_power_of_2(N), num_warps=norm_warps(N),
-                        enable_fp_fusion=False)
+                        enable_fp_fusion=False, **gdc.kwargs(x))
     return out, out2
 
 
@@ -177,7 +187,7 @@ def qk_norm_rope(y: torch.Tensor, q_off: int, k_off: int, H: int, KV: int, D: in
         assert cos.shape == (T, D // 2) and sin.shape == (T, D // 2) and cos.is_contiguous() and sin.is_contiguous()
     _qk_norm_rope_kernel[(T, H + KV)](y, y.stride(0), q_off, k_off, qn, kn, cos if rope else qn,
                                       sin if rope else qn, q, k, H, float(eps), ROPE=rope, D=D, num_warps=1,
-                                      enable_fp_fusion=False)
+                                      enable_fp_fusion=False, **gdc.kwargs(y))
     return q, k
 
 
@@ -189,7 +199,7 @@ def _gate(a: torch.Tensor, g: torch.Tensor, silu: bool) -> torch.Tensor:
     out = torch.empty((R, N), dtype=torch.float32, device=a.device)
     B = 1024
     _gate_kernel[(R, triton.cdiv(N, B))](a, g, out, N, a.stride(0), g.stride(0), out.stride(0), SILU=silu,
-                                         LIB=_lib(), BLOCK=B, num_warps=4, enable_fp_fusion=False)
+                                         LIB=_lib(), BLOCK=B, num_warps=4, enable_fp_fusion=False, **gdc.kwargs(a))
     return out
 
 

@@ -84,6 +84,7 @@ import torch
 
 from ...gguf.types import GgmlType as G
 from ..weights import QK, QWeight, decode_fields, index_maps
+from . import gdc
 from .qmatvec import _rows_bucket, check_matvec_args
 
 try:  # Triton is optional on the CPU; the CUDA backend requires it.
@@ -315,6 +316,7 @@ def decode(p: Packed) -> torch.Tensor:
 
 
 if HAVE_TRITON:
+    from .gdc import after_prior
     from .nvfp4 import _e4m3
     from .qmatvec import _lane_tree
 
@@ -584,7 +586,8 @@ if HAVE_TRITON:
             tl.store(out + row[:, None, None] * K + k[None, :, :], w, mask=m3)
 
     @triton.jit
-    def _act_prep_kernel(x, xq, xs, sx, NU, NUP, BU: tl.constexpr, J: tl.constexpr, SCALE: tl.constexpr):
+    def _act_prep_kernel(x, xq, xs, sx, NU, NUP, BU: tl.constexpr, J: tl.constexpr, SCALE: tl.constexpr,
+                         PDL: tl.constexpr):
         """The several-row path's activations, once per call (row program_id(0), units BU a
         program; NUP = NU rounded up to whole J-unit chunks, the units past NU zero):
         * xq [T, NUP * 32]: x * 2^(64 - P(e)) for element 4e + w of each unit (`_act_scale`:
@@ -596,6 +599,7 @@ if HAVE_TRITON:
         * xs [T, 3, NUP, 4] (SCALE only: the K-quants' factored dot reads them): the one-row path's
           unit sums in its order, x[4*0 + w] + x[4*1 + w] + ... + x[4*7 + w] (nibbles 0..7), then
           the same over nibbles 4h .. 4h + 3 (Q6_K's halves)."""
+        after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         r = tl.program_id(0).to(tl.int64)
         u = tl.program_id(1) * BU + tl.arange(0, BU)
         wi = tl.arange(0, 4)
@@ -716,7 +720,7 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["T", "zero"])
     def _matvec_v3_kernel(x, xsp, y, qp, hp, sp, dp, N, K, sx, ss, sy, T, zero, FMT: tl.constexpr, RT: tl.constexpr,
                           BN: tl.constexpr, J: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
-                          NW: tl.constexpr, ASM: tl.constexpr):
+                          NW: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         # program = (weight block, group of RT activation rows), the groups of one block adjacent
         # in launch order so that they run together and L2 serves their re-reads of its bytes
         G = (T + RT - 1) // RT
@@ -742,6 +746,9 @@ if HAVE_TRITON:
         if RT == 1:
             if PREFETCH:
                 nw, nh0, nh1, nsv, ndv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, 0, NU, zero, J)
+            # PDL (gdc.py): the first chunk's weight loads go out while the previous kernel
+            # finishes; the activations are read after it
+            after_prior(PDL)
             # STAGES > 1: Triton's pipeliner issues the loads of the next STAGES - 1 chunks as async
             # copies into shared memory (bytes in flight that cost no registers). Measured on the H200
             # it lost 3-5x at one row on every shape
@@ -792,6 +799,7 @@ if HAVE_TRITON:
             # whole chunks with unmasked activation loads, then the row's partial chunk
             # x is `_act_prep_kernel`'s chunk-ordered copy (K-quants: pre-scaled; row stride sx) and
             # xsp its unit sums (row stride ss)
+            after_prior(PDL)  # gdc.py
             x = x + r0 * sx
             xsp = xsp + r0 * ss
             for c in tl.range(0, n_chunks, num_stages=STAGES):
@@ -821,7 +829,7 @@ def act_prep(x: torch.Tensor, scale: bool = True) -> tuple[torch.Tensor, torch.T
     xs = torch.empty((T, 3, nup, 4), dtype=torch.float32, device=x.device) if scale else None
     _act_prep_kernel[(T, triton.cdiv(nup, ACT_PREP_UNITS))](x, xq, xq if xs is None else xs, x.stride(0), nu, nup,
                                                             BU=ACT_PREP_UNITS, J=J_UNITS, SCALE=scale,
-                                                            enable_fp_fusion=False)
+                                                            enable_fp_fusion=False, **gdc.kwargs(x))
     return xq, xs
 
 
@@ -991,7 +999,7 @@ def matvec_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
                             xs.stride(0) if xs is not x else 0, out.stride(0), T, 0,
                             FMT=_CODE[p.fmt], RT=rt, BN=bn, J=J_UNITS, PREFETCH=pipe == 1,
                             STAGES=max(pipe, 1), NW=num_warps, ASM=_asm(), num_warps=num_warps,
-                            enable_fp_fusion=False)
+                            enable_fp_fusion=False, **gdc.kwargs(x))
     return out
 
 
