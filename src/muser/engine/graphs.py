@@ -14,8 +14,9 @@ The attention kernels take each plane's storage as an argument, so a captured gr
 the storage addresses of the sessions it was captured with: a shape keeps one capture (the
 step's two graphs, FIRST_PART_LAYERS) per set of sessions (their plane storage), up to
 MAX_CAPTURES, and captures anew for sessions it has not seen or whose planes were swapped (a
-detached install or restore). The first call of a (shape, sessions) pair runs the step eagerly
-(that is its real result), then captures it.
+detached install or restore). The first call of a (shape, sessions) pair runs the step eagerly;
+the second runs it eagerly (its real result) and then captures it; later calls replay. A shape a
+session runs once (its prompt) is therefore never recorded.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ class StepGraph:
         self.sessions: list = []
         self.p0: list[int] = []  # each item's first position, read once a step (`_prepare`)
         self.graphs: OrderedDict = OrderedDict()  # storage key -> the step's CUDA graphs, in replay order
+        self.seen: OrderedDict = OrderedDict()  # storage keys run once, eagerly, not captured yet
         self.copied = torch.cuda.Event() if self.cuda else None
         self.captures = 0
 
@@ -208,10 +210,18 @@ class StepGraph:
                 g.replay()
             return
         self._prepare(sessions, ids, range(0, L))
-        if not self.cuda:
+        if not self.cuda or key not in self.seen:
+            # a (shape, sessions) pair runs eagerly the first time and is captured the second: a
+            # prompt's step comes once per session, and recording it cost its TTFT ~40 ms of
+            # capture (bench/NOTES.md, "capture on second use")
+            if self.cuda:
+                self.seen[key] = None
+                if len(self.seen) > 4 * MAX_CAPTURES:
+                    self.seen.popitem(last=False)
             with torch.inference_mode():
                 self._step()
             return
+        del self.seen[key]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.inference_mode():

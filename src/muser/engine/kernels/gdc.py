@@ -11,9 +11,16 @@ finishes only after its wait returned, so when it is done every kernel before it
 (a kernel launched without PDL waits for its predecessor's completion as always). The
 arithmetic of every kernel is unchanged: PDL moves launch times, never a value.
 
-`launch(t)` says whether a launch on t's device takes PDL (compiled kernels on a GPU of compute
-capability 9 or later, and ENABLED); the Triton interpreter and CPU tensors never do. ENABLED is
-configuration (tools time the step with it off), not a per-call switch.
+`launch(t)` says whether a launch over t (rows in its first dimension) takes PDL: compiled kernels
+on a GPU of compute capability 9 or later, ENABLED, and at most ROWS rows. The Triton interpreter
+and CPU tensors never do. ENABLED is configuration (tools time the step with it off), not a
+per-call switch.
+
+Why one row only: on the H200 the one-row graph step at depth 0 went from 10.65 to 9.68 ms with
+PDL, the 16-row step from 61.12 to 62.89 ms (`bench/receipts/20261204T192934Z-step-profile-cuda.json`,
+same call, same kernels); its kernels are long and its gaps few, and the cost of the early
+programs outweighed them. Row counts between were not measured, so they keep the launches they
+were measured with.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     HAVE_TRITON = False
 
 ENABLED = True
+ROWS = 1  # launches of at most this many rows take PDL (module doc)
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,8 +49,9 @@ def _capable(index: int) -> bool:
 
 
 def launch(t: torch.Tensor) -> bool:
-    """PDL for a launch whose tensors live where t does."""
-    if not ENABLED or not HAVE_TRITON or t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET"):
+    """PDL for a launch over t: t's rows (first dimension) at most ROWS, on a capable GPU."""
+    if not ENABLED or not HAVE_TRITON or t.device.type != "cuda" or t.shape[0] > ROWS \
+            or os.environ.get("TRITON_INTERPRET"):
         return False
     return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
@@ -65,4 +74,4 @@ if HAVE_TRITON:
             gdc_launch_dependents()
 
 
-__all__ = ["ENABLED", "HAVE_TRITON", "after_prior", "kwargs", "launch"]
+__all__ = ["ENABLED", "HAVE_TRITON", "ROWS", "after_prior", "kwargs", "launch"]
