@@ -14,9 +14,10 @@ The attention kernels take each plane's storage as an argument, so a captured gr
 the storage addresses of the sessions it was captured with: a shape keeps one capture (the
 step's two graphs, FIRST_PART_LAYERS) per set of sessions (their plane storage), up to
 MAX_CAPTURES, and captures anew for sessions it has not seen or whose planes were swapped (a
-detached install or restore). The first call of a (shape, sessions) pair runs the step eagerly;
-the second runs it eagerly (its real result) and then captures it; later calls replay. A shape a
-session runs once (its prompt) is therefore never recorded.
+detached install or restore). The first call of a (shape, sessions) pair runs the step eagerly
+(its real result) and captures it; later calls replay. A prompt-shaped step (an item of several
+rows with its last row out) is captured only on its second call: a session runs its prompt once,
+so that step is not recorded inside its TTFT.
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ class StepGraph:
         self.p0: list[int] = []  # each item's first position, read once a step (`_prepare`)
         self.graphs: OrderedDict = OrderedDict()  # storage key -> the step's CUDA graphs, in replay order
         self.seen: OrderedDict = OrderedDict()  # storage keys run once, eagerly, not captured yet
+        # prompt-shaped: some item has several rows and only its last row's logits out
+        self.prompt_like = any(T > 1 and mode == "last" for T, mode, _ in shape)
         self.copied = torch.cuda.Event() if self.cuda else None
         self.captures = 0
 
@@ -193,7 +196,8 @@ class StepGraph:
         torch.all(torch.isfinite(self.logits), out=self.finite)
 
     def launch(self, sessions: list, ids: list[np.ndarray]) -> None:
-        """Prepare inputs and run the step (replay, or eager + capture on first use)."""
+        """Prepare inputs and run the step (replay; eager + capture on first use; a prompt-shaped
+        step eagerly on its first use and captured on its second)."""
         L = self.engine.cfg.n_layers
         key = self._storage_key(sessions) if self.cuda else ()
         parts = self.graphs.get(key) if self.cuda else None
@@ -210,10 +214,10 @@ class StepGraph:
                 g.replay()
             return
         self._prepare(sessions, ids, range(0, L))
-        if not self.cuda or key not in self.seen:
-            # a (shape, sessions) pair runs eagerly the first time and is captured the second: a
-            # prompt's step comes once per session, and recording it cost its TTFT ~40 ms of
-            # capture (bench/NOTES.md, "capture on second use")
+        if not self.cuda or (self.prompt_like and key not in self.seen):
+            # a prompt's step (an item of several rows, last row out) comes once per session:
+            # it runs eagerly and is captured only if the same sessions run it again (recording
+            # it cost a 16-token prompt's TTFT 30-40 ms on the H200: bench/NOTES.md)
             if self.cuda:
                 self.seen[key] = None
                 if len(self.seen) > 4 * MAX_CAPTURES:
@@ -221,7 +225,7 @@ class StepGraph:
             with torch.inference_mode():
                 self._step()
             return
-        del self.seen[key]
+        self.seen.pop(key, None)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.inference_mode():

@@ -6,8 +6,7 @@ Triton compiles a kernel per specialization: the matvec per row bucket (1, 2, 4,
 qmatvec._rows_bucket); the attention kernels split keys at fixed absolute positions and take
 the split count as a runtime argument (kernels/attention.py), so one session capacity covers
 every depth. The warm-up runs, on a throwaway session, decodes, verify-shaped steps of each row
-bucket (graphs: eager run, eager run and capture, replay: engine/graphs.py captures a shape on
-its second use), and an eager prefill chunk of more than 16 rows (the
+bucket (graphs: eager run and capture, then the replay), and an eager prefill chunk of more than 16 rows (the
 cuBLAS path). Batched steps of several sessions launch the same binaries: every item's metadata
 in a step graph is 16-byte aligned like a single item's (Triton specializes on pointer
 alignment; engine/graphs.py). What the first request still does is capture its own graphs (a
@@ -41,8 +40,8 @@ def capacities(context_length: int) -> list[int]:
 
 def plan(context_length: int) -> list[tuple[int, str, int]]:
     """The warm-up's calls, in order: (session capacity, 'decode' | 'verify' | 'prefill', rows);
-    each session starts with one prefilled token, each shape runs three times (eager, eager +
-    capture, then the replay)."""
+    each session starts with one prefilled token, each shape runs twice (eager + capture, then
+    the replay)."""
     caps = capacities(context_length)
     big = caps[-1]
     shapes = [(c, "decode", 1) for c in caps[:-1]]
@@ -52,7 +51,7 @@ def plan(context_length: int) -> list[tuple[int, str, int]]:
     out = []
     used: dict[int, int] = {}
     for cap, what, rows in shapes:
-        for _ in range(3):
+        for _ in range(2):
             n = used.get(cap, 1)
             if n + rows <= cap:
                 out.append((cap, what, rows))

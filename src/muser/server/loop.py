@@ -351,7 +351,7 @@ class EngineLoop:
                                 f"the {len(self.slots)} slots")
             rows = [1] * k + prompts
             items = [(s.own, [(7 * i + j) % vocab for j in range(n)]) for i, (s, n) in enumerate(zip(self.slots, rows))]
-            for _ in range(2):  # a step graph is captured on its shape's second use (engine/graphs.py)
+            for _ in range(2):  # a batch with prompt rows is captured on its second use (engine/graphs.py)
                 for res in self.backend.step(items):
                     if isinstance(res, BaseException):
                         raise res
