@@ -156,8 +156,17 @@ def test_full_queue_is_503_and_timeouts_are_504(atem_gguf):
     try:
         body = {"model": s.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 450, "temperature": 0,
                 "logit_bias": {"1": -100, "2": -100}}  # no EOS/EOT: the queued request waits out a whole 450-token run, past 0.5 s
+        def post(_):
+            return httpx.post(s.base_url + "/chat/completions", json=body, timeout=60)
+
         with ThreadPoolExecutor(4) as ex:
-            rs = list(ex.map(lambda _: httpx.post(s.base_url + "/chat/completions", json=body, timeout=60), range(4)))
+            first = ex.submit(post, 0)
+            # the others once the first holds the slot: arriving while it still sat in the
+            # one-place queue, all three would be refused (503) and none would wait (504)
+            deadline = time.monotonic() + 30
+            while _health(s)["slots_busy"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            rs = list(ex.map(post, range(3))) + [first.result()]
         codes = sorted(r.status_code for r in rs)
         assert 503 in codes and 504 in codes, codes
         busy = next(r for r in rs if r.status_code == 503)
