@@ -257,3 +257,16 @@ def test_graph_inputs_refused_before_any_layer_is_reserved(tiny_gguf):
     with pytest.raises(ContextOverflow):
         g._prepare([ok, full], [np.array([5]), np.array([5, 6])], range(0, 1))
     assert [[(p.state(), p.appended) for p in s.cache.planes] for s in (ok, full)] == before
+
+
+def test_only_prompt_shaped_steps_wait_for_a_second_use_to_be_captured(tiny_gguf):
+    """On CUDA a step graph is recorded on its first call, except a prompt-shaped one (an item of
+    several rows with only its last row out), which a session runs once: it runs eagerly and is
+    recorded on its second call (graphs.StepGraph.launch)."""
+    eng = Engine.open(tiny_gguf, device="cpu", lane="exact", kv="f32")
+    mc = 128
+    assert eng.graph(((16, "last", mc),), ()).prompt_like
+    assert eng.graph(((1, "last", mc), (5, "last", mc)), ()).prompt_like  # a prompt beside a decoder
+    assert not eng.graph(((1, "last", mc),), ()).prompt_like  # decode
+    assert not eng.graph(((16, "all", mc),), ()).prompt_like  # verify
+    assert not eng.graph(((1, "last", mc), (1, "last", mc)), ()).prompt_like  # batched decode

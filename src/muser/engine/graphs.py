@@ -34,8 +34,8 @@ MAX_CAPTURES = 32  # captures kept per shape (least recently used go first)
 # the rest. A graph launch costs host time per node (the 740-node decode step: 0.57 ms on the
 # H200 host, 20261204T151710Z-step-profile-cuda.json), and the GPU starts a graph only once its
 # launch returns: the short first part starts at once and runs while the host reserves the later
-# layers' K/V slots and launches the rest (six layers are ~1.1 ms of GPU time at one row; the
-# later layers' reservation and launch ~0.8 ms of host time in that profile).
+# layers' K/V slots and launches the rest (six layers are ~1.1 ms of GPU time at one row against
+# that launch's ~0.5 ms and the reservation's few hundredths of a millisecond).
 FIRST_PART_LAYERS = 6
 
 

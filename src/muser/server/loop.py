@@ -351,12 +351,11 @@ class EngineLoop:
                                 f"the {len(self.slots)} slots")
             rows = [1] * k + prompts
             items = [(s.own, [(7 * i + j) % vocab for j in range(n)]) for i, (s, n) in enumerate(zip(self.slots, rows))]
-            for _ in range(2):  # a batch with prompt rows is captured on its second use (engine/graphs.py)
-                for res in self.backend.step(items):
-                    if isinstance(res, BaseException):
-                        raise res
-                for s in self.slots[:len(rows)]:
-                    s.own = self.backend.reset(s.own)
+            for res in self.backend.step(items):
+                if isinstance(res, BaseException):
+                    raise res
+            for s in self.slots[:len(rows)]:
+                s.own = self.backend.reset(s.own)
             if bar is not None:
                 bar.advance(1, f"{k} decoders" + (f" + {prompts[0]} prompt rows" if prompts else ""))
 
