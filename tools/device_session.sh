@@ -34,8 +34,9 @@
 #            its time in nv.done and logs/fixture-<mix>.log)
 #   kernels  python3 tools/device_kernels.py --out ...: row invariance on CUDA (every format, both
 #            K/V types) and each full-geometry matvec shape timed at 1..16 rows, the 1- and
-#            16-row tilings swept (the winners written as kernels/v3_tuning.json); DIR/qmatvec_v3_before.py,
-#            when carried, an earlier matvec module whose 4- and 16-row calls are timed beside, 260 s
+#            16-row tilings swept (the winners written as kernels/v3_tuning.json), the any-row GEMM's bits
+#            against the matvec's and its time at 16/48/512 rows (tilings swept on three shapes); DIR/qmatvec_v3_before.py,
+#            when carried, an earlier matvec module whose 4- and 16-row calls are timed beside, 320 s
 #   gate     Gate 2 at full width, 4 layers (tools/device_gate_wide.py), f16 K/V, Q4_K mix: the
 #            receipt the speed stage is gated by; in the background from t = 0 (CPU-bound oracle),
 #            boxed at the deadline - 60 s (the exact lane's takes ~335 s, the integer lane's ~360 s)
@@ -295,7 +296,7 @@ for st in "${STAGES[@]}"; do
           run_stage kernels 320 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 290 --lane fast "${KARGS[@]}"
         else
           vb=(); [ -s "$CARRY/qmatvec_v3_before.py" ] && vb=(--before "$CARRY/qmatvec_v3_before.py")
-          run_stage kernels 260 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 240 --lane $KLANE "${KARGS[@]}" "${vb[@]}"; fi
+          run_stage kernels 320 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 300 --lane $KLANE "${KARGS[@]}" "${vb[@]}"; fi
         if [ $INSTALL_TUNING = 1 ]; then  # the sweep's winners become this copy's table for the stages after it
           if [ -s "$R/kernels/v3_tuning.json" ] && $PY -c "import sys; sys.path.insert(0, 'src')
 from muser.engine.kernels import qmatvec_v3 as q; q.load_tuning(sys.argv[1])" "$R/kernels/v3_tuning.json"; then

@@ -6,6 +6,7 @@ instructions by class, then divide by the weights one thread decodes per iterati
 
     python3 tools/sass_loop.py v3 FMT T [--config BN,NUM_WARPS,PIPE] [--rt 2|4] [--dump]
     python3 tools/sass_loop.py split FMT T [--config ...] [--rows-kernel 0|1] [--dump]
+    python3 tools/sass_loop.py gemm FMT T [--config BM,BN,NUM_WARPS] [--dump]   (the any-row GEMM: its unit loop)
     python3 tools/sass_loop.py attn full|sliding T [--dump]   (the exact pass at depth 32,768)
 
 Used to predict a kernel's issue-bound ceiling before spending GPU time (bench/NOTES.md).
@@ -139,6 +140,10 @@ def _matmul_launch(a):
         ws, act = mod.pack(w), mod.split_act_ref(x)
         rk = None if a.rows_kernel is None else bool(a.rows_kernel)
         fn, args, kw, grid = capture(lambda: mod.launch_matmul(ws, act, torch.empty(a.T, a.n_out), cfg, rk))
+    elif a.kernel == "gemm":
+        from muser.engine.kernels import qmatvec_v3 as mod
+        w3 = mod.pack(w)
+        fn, args, kw, grid = capture(lambda: mod.gemm_v3(w3, x, torch.empty(a.T, a.n_out), config=cfg))
     else:
         from muser.engine.kernels import qmatvec_v3 as mod
         w3 = mod.pack(w)
@@ -162,7 +167,7 @@ def _attn_call(kind: str, T: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kernel", choices=["v3", "split", "attn"])
+    ap.add_argument("kernel", choices=["v3", "split", "gemm", "attn"])
     ap.add_argument("fmt")
     ap.add_argument("T", type=int)
     ap.add_argument("--n-out", type=int, default=4096)
@@ -192,6 +197,10 @@ def main(argv=None) -> int:
           f"kernel={sum(1 for ln in sass.splitlines() if ';' in ln)} instr, "
           f"local={'STL' in sass}")
     print("  " + ", ".join(f"{o}:{c}" for o, c in ops.most_common()))
+    if a.kernel == "gemm":  # one loop iteration: one unit (32 weights) of BM x BN outputs
+        bm, bn = kw["BM"], kw["BN"]
+        print(f"  {len(body) * kw['num_warps'] / (bm * bn):.3f} instructions per product "
+              f"(weight x activation row), FFMA {ops['FFMA'] * kw['num_warps'] * 32 / (32 * bm * bn):.3f}")
     if a.dump:
         print("\n".join(body))
     return 0

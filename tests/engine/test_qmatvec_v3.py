@@ -146,6 +146,31 @@ def test_v3_rows_are_bitwise_invariant(v3, fmt):
         assert torch.equal(m.matvec_v3(p, x[5:6], config=cfg).view(torch.int32), alone[5:6].view(torch.int32))
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_v3_gemm_gives_every_row_its_matvec_bits(v3, fmt):
+    """The any-row GEMM runs each output's matvec operations in the matvec's order: every row of
+    a 1-, 7- or 20-row call, under every tiling (partial row and weight tiles, a partial last
+    32-unit chunk), is bitwise the row decoded alone by the matvec."""
+    _, m = v3
+    w = _w(fmt, 12, 1280, 4)  # 40 units: a partial second chunk; 12 rows: partial weight tiles
+    p = m.pack(w)
+    x = torch.randn(20, 1280, generator=torch.Generator().manual_seed(9))
+    alone = torch.cat([m.matvec_v3(p, x[i:i + 1]) for i in range(20)])
+    for T, cfg in ((1, None), (7, (4, 8, 2)), (7, (2, 16, 4)), (20, None), (20, (8, 4, 1))):
+        got = m.gemm_v3(p, x[:T], config=cfg)
+        assert torch.equal(got.view(torch.int32), alone[:T].view(torch.int32)), (T, cfg)
+
+
+def test_v3_gemm_refuses(v3):
+    _, m = v3
+    p = m.pack(_w(G.Q4_K, 4, 256))
+    for cfg in ((3, 16, 2), (16, 256, 4), (16, 16, 32), (16, 16)):
+        with pytest.raises(ValueError, match="GEMM config"):
+            m.gemm_v3(p, torch.zeros(2, 256), config=cfg)
+    with pytest.raises(AssertionError):
+        m.gemm_v3(p, torch.zeros(2, 512))
+
+
 def test_v3_act_prep_layout_and_unit_sums(v3):
     """The several-row path's activations: element (unit u, nibble e, lane w) of a row at
     ((u // 32) * 8 + e) * 128 + 4 (u % 32) + w, times 2^(64 - P(e)) (P = 4e, 4e - 12 above nibble
@@ -259,8 +284,8 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
     """The CUDA forward's decode path on the CPU under the interpreter: K-quant matrices packed
     (fields dropped, as on the GPU), q|k|v|gate and gate|up stacked, decode-shaped steps through
     the v3 kernel, the fused element-wise tails (kernels/fused.py) in place of the torch chains;
-    logits meet the reference forward's within f32 reordering, and a prefill wider than 16 rows
-    decodes the packed layout for its GEMMs."""
+    logits meet the reference forward's within f32 reordering, and a prefill wider than
+    SLICED_ROWS runs the any-row GEMM over the packed layout."""
     import importlib
 
     from muser.engine.kernels import fused
@@ -272,6 +297,7 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
     _, m = v3
     # big tiles: few programs, so the interpreter's per-program cost stays small
     monkeypatch.setattr(m, "config_for", lambda p, rows: (32, 4, False) if rows == 1 else (16, 4, False))
+    monkeypatch.setattr(m, "GEMM_CONFIG", {16: (16, 64, 4), 64: (64, 128, 4)})
     path = make_gguf(SynthSpec(dtype="q4_k_xl", source="blocks"))
     ref = Engine.open(path, device="cpu", lane="exact", kv="f32")
     eng = Engine.open(path, device="cpu", lane="exact", kv="f32")
@@ -287,7 +313,7 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
     prompt = [6 + (i * 37) % 300 for i in range(SLICED_ROWS + 2)]
     rs, es = ref.session(max_context=128, graphs=False), eng.session(max_context=128, graphs=False)
     a = [rs.prefill(prompt)]
-    b = [es.prefill(prompt)]  # past SLICED_ROWS: GEMM over rows decoded from the packed layout
+    b = [es.prefill(prompt)]  # past SLICED_ROWS: the any-row GEMM
     for t in (7, 11):
         a.append(rs.decode(t))
         b.append(es.decode(t))  # one row: stacked v3 launches
@@ -299,10 +325,10 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
 
 @pytest.mark.parametrize("fmt", (G.Q4_K, G.NVFP4), ids=lambda f: f.name)
 def test_exact_lane_slices_keep_each_rows_bits(v3, fmt):
-    """The exact lane's CUDA projection of 17..SLICED_ROWS rows (Linear with the fused matvec):
-    slices of <= 16 rows, so every row has the bits of the same row projected alone, for a
-    matrix and for a stack; past SLICED_ROWS a GEMM (on this CPU the C GEMM; on CUDA the
-    decoded-chunk one), within f32 reordering."""
+    """The exact lane's CUDA projection (Linear with the Triton kernels) at every row count: slices
+    of <= 16 rows up to SLICED_ROWS, the any-row GEMM past it; every row has the bits of the same
+    row projected alone, for a matrix and for a stack, and meets the reference within f32
+    reordering."""
     from muser.engine.lanes import SLICED_ROWS, Lane, Linear
 
     qmv, m = v3
@@ -316,13 +342,17 @@ def test_exact_lane_slices_keep_each_rows_bits(v3, fmt):
     alone = torch.cat([lin(ws[0], x[i:i + 1]) for i in range(19)])
     for T in (17, 19):
         assert torch.equal(lin(ws[0], x[:T]).view(torch.int32), alone[:T].view(torch.int32)), T
-    assert lin.stacked_ok(SLICED_ROWS, st) and not lin.stacked_ok(SLICED_ROWS + 1, st)
+    assert lin.stacked_ok(SLICED_ROWS, st) and lin.stacked_ok(SLICED_ROWS + 1, st)
     both = lin.stacked_raw(st, x[:19])  # [19, 16]: member 0's columns first
     assert torch.equal(both[:, :8].view(torch.int32), alone.view(torch.int32))
     ref = qmv.matvec_ref(ws[0], x)
     wide = lin(ws[0], x)  # SLICED_ROWS + 1 rows: the GEMM
     scale = x.abs() @ ws[0].decode().abs().T
     assert torch.all((wide - ref).abs() <= 1e-6 * scale + 1e-30)
+    assert torch.equal(wide[:19].view(torch.int32), alone.view(torch.int32))
+    assert torch.equal(wide[SLICED_ROWS:].view(torch.int32), lin(ws[0], x[SLICED_ROWS:]).view(torch.int32))
+    both = lin.stacked_raw(st, x)  # the stack past SLICED_ROWS: the GEMM over both members
+    assert torch.equal(both[:, :8].view(torch.int32), wide.view(torch.int32))
 
 
 def _run_fp4_ptx(text: str, words: np.ndarray) -> list[np.ndarray]:

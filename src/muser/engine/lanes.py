@@ -1,10 +1,12 @@
 """Lanes and how a projection is computed on each (DESIGN.md "Exactness contract").
 
-* exact: f32 activations and f32 accumulation against the weights' exact values. Calls of up to
-  SLICED_ROWS (48) rows on CUDA use the fused Triton dequant-matvec in slices of <= 16 rows, which
-  factors each K-quant unit's scale out of its dot (kernels/qmatvec_v3.py: d1 sum q x - m1 sum x in
-  one order for every row count, so a row's bits are those it has decoded alone); wider calls
-  decode row chunks bit-exactly and run an f32 GEMM with TF32 off.
+* exact: f32 activations and f32 accumulation against the weights' exact values. On CUDA every
+  call is row-invariant: weights in the packed layout (K-quants, NVFP4) run the fused Triton
+  dequant-matvec in slices of <= 16 rows up to SLICED_ROWS (48) rows, which factors each K-quant
+  unit's scale out of its dot (kernels/qmatvec_v3.py: d1 sum q x - m1 sum x in one order for every
+  row count, so a row's bits are those it has decoded alone), and wider calls the any-row GEMM
+  beside it (qmatvec_v3.gemm_v3: each output the matvec's operations in its order, so the same
+  bits); other formats run their matvec in 16-row slices at every row count.
 * split: the exact lane's contract (Gate 2 against the oracle's f32 arithmetic), with every K-quant
   projection on CUDA through the split-activation integer GEMM (kernels/qgemm_split.py: the
   activations as three base-254 digits per 256-block, exact integer sums, one fixed f32 order of
@@ -87,13 +89,12 @@ def parse_kv(value: str) -> str:
     return value
 
 
-CHUNK_BYTES = 256 << 20  # decoded temporary per GEMM chunk on the GPU
-# Exact lane on CUDA: calls of up to SLICED_ROWS rows run the fused matvec in slices of <= 16 rows
-# (every row's bits those of the row decoded alone), wider calls the decoded-chunk GEMM. H200, full
-# geometry: a 16-row slice costs ~55 ms of matvec a step (3.5 ms a row,
-# bench/receipts/20261204T172658Z-step-profile-cuda.json); the GEMM ~1.1 ms a row past a fixed
-# ~175 ms of weight decoding (pp512 711.7 tok/s, 20261202T172114Z-prefill.json; a 32-token prompt's
-# TTFT 209 ms, 20261204T175457Z-sampling-cuda.json); they cross near 64 rows.
+CHUNK_BYTES = 256 << 20  # decoded temporary per row chunk (the CPU's GEMM past its cache budget)
+# Exact lane on CUDA, packed weights: calls of up to SLICED_ROWS rows run the fused matvec in slices
+# of <= 16 rows, wider calls the any-row GEMM (qmatvec_v3.gemm_v3). Both give every row the bits it
+# has decoded alone, so this is a speed choice only. H200, full geometry: a 16-row slice costs
+# ~55 ms of matvec a step (3.5 ms a row, bench/receipts/20261204T172658Z-step-profile-cuda.json);
+# the GEMM's cost a row awaits its device measurement (tools/device_kernels.py times both).
 SLICED_ROWS = 48
 CPU_CACHE_BYTES = 8 << 30  # decoded-weight cache budget on the CPU
 
@@ -191,25 +192,23 @@ class Linear:
         self.lane = lane
         self.device = device
         self.cuda = device.type == "cuda"
-        self.triton_rows = self.cuda  # fused dequant-matvec for <= SLICED_ROWS rows (CUDA)
+        self.triton_rows = self.cuda  # the Triton kernels (matvec slices, the any-row GEMM) serve (CUDA)
         self._cache: dict = {}
         self._cached_bytes = 0
         self._act_memo: tuple | None = None  # (x, x._version, its split activations)
 
     def stacked_ok(self, T: int, st=None) -> bool:
         """Stacked projections serve this call: on CUDA stacks of the split GEMM's layout
-        (kernels/qgemm_split) every call, other stacks (kernels/qmatvec_v3.Stack) decode-shaped
-        calls; on the CPU (cpu_native.CpuStack) every call of the C GEMM; in the fast lane
-        (FastStack) every call on both devices."""
+        (kernels/qgemm_split) and of the packed layout (kernels/qmatvec_v3.Stack: the matvec
+        slices or the any-row GEMM) every call; on the CPU (cpu_native.CpuStack) every call of
+        the C GEMM; in the fast lane (FastStack) every call on both devices."""
         if self.lane is Lane.FAST:
             return True
         if self.cuda and st is not None and _is_split(getattr(st, "packed", None)):
             return True
         if self.lane is Lane.W4A4 and 1 < T <= qmatvec.MAX_ROWS:
             return False  # verify rows of the W4A4 lane: each projection by itself (__call__)
-        if self.triton_rows:
-            return T <= SLICED_ROWS
-        return not self.cuda
+        return self.triton_rows or not self.cuda
 
     def stacked_raw(self, st, x: torch.Tensor) -> torch.Tensor:
         """x [T, n_in] -> [T, sum n_out] for a Stack (one launch / one GEMM)."""
@@ -220,13 +219,11 @@ class Linear:
 
             if isinstance(st, cpu_native.CpuStack):
                 return cpu_native.gemm(st.mat, x.contiguous())
-        from .kernels import qmatvec_v3
-
         if _is_split(st.packed):
             from .kernels import qgemm_split
 
             return qgemm_split.matmul(st.packed, self.split_act(x))
-        return _sliced(lambda xs, out: qmatvec_v3.matvec_v3(st.packed, xs, out), x, st.packed.n_out)
+        return _packed(st.packed, x)
 
     def stacked(self, st, x: torch.Tensor) -> list[torch.Tensor]:
         """x [T, n_in] -> the members' outputs of a Stack (column views of one [T, sum] result)."""
@@ -289,21 +286,15 @@ class Linear:
 
     def _exact(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:
         """The exact lane's projection: f32 activations against the exact decode of `w`."""
-        T = x.shape[0]
         if self.cuda and _is_split(w.packed):  # every row count: one row-invariant family
             from .kernels import qgemm_split
 
             return qgemm_split.matmul(w.packed, self.split_act(x))
-        if self.triton_rows and T <= SLICED_ROWS:
-            return _sliced(lambda xs, out: qmatvec.matvec(w, xs, out), x, w.n_out)
-        if not self.cuda:
+        if not self.triton_rows:
             return self._cpu_gemm(w, x.contiguous())
-        out = torch.empty((T, w.n_out), dtype=torch.float32, device=x.device)
-        rows = max(1, CHUNK_BYTES // (4 * w.n_in))
-        for n0 in range(0, w.n_out, rows):
-            n1 = min(w.n_out, n0 + rows)
-            out[:, n0:n1] = x @ decode_range(w, n0, n1).T
-        return out
+        if w.packed is not None and not _is_split(w.packed):  # qmatvec_v3's layout: matvec slices or the GEMM
+            return _packed(w.packed, x)
+        return _sliced(lambda xs, out: qmatvec.matvec(w, xs, out), x, w.n_out)
 
     def cpu_mat(self, w: QWeight):
         """The GEMM's form of `w` (cpu_native.CpuMat), cached; None past the byte budget."""
@@ -386,6 +377,17 @@ class Linear:
             part = dot.codes_from_fields(w.fmt, {k: v[n0:n1].numpy() for k, v in w.fields.items()}, w.n_in)
             out[:, n0:n1] = dot.matmul_codes(part, w.fmt, xn)
         return torch.from_numpy(out)
+
+
+def _packed(p, x: torch.Tensor) -> torch.Tensor:
+    """x [T, n_in] -> [T, n_out] over a qmatvec_v3 layout (a weight's or a stack's): the matvec in
+    slices of <= 16 rows up to SLICED_ROWS rows, the any-row GEMM past it; a row's bits are the
+    same either way (the GEMM runs the matvec's operations in its order)."""
+    from .kernels import qmatvec_v3
+
+    if x.shape[0] <= SLICED_ROWS:
+        return _sliced(lambda xs, out: qmatvec_v3.matvec_v3(p, xs, out), x, p.n_out)
+    return qmatvec_v3.gemm_v3(p, x.contiguous())
 
 
 def _is_split(packed) -> bool:

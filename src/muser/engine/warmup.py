@@ -6,8 +6,8 @@ Triton compiles a kernel per specialization: the matvec per row bucket (1, 2, 4,
 qmatvec._rows_bucket); the attention kernels split keys at fixed absolute positions and take
 the split count as a runtime argument (kernels/attention.py), so one session capacity covers
 every depth. The warm-up runs, on a throwaway session, decodes, verify-shaped steps of each row
-bucket (graphs: eager run and capture, then the replay), and an eager prefill chunk of more than 16 rows (the
-cuBLAS path). Batched steps of several sessions launch the same binaries: every item's metadata
+bucket (graphs: eager run and capture, then the replay), and an eager prefill chunk wider than the
+matvec slices (the any-row GEMM, kernels/qmatvec_v3.gemm_v3). Batched steps of several sessions launch the same binaries: every item's metadata
 in a step graph is 16-byte aligned like a single item's (Triton specializes on pointer
 alignment; engine/graphs.py). What the first request still does is capture its own graphs (a
 graph bakes in its session's plane addresses: engine/graphs.py), with every kernel already
@@ -30,7 +30,7 @@ from .lanes import SLICED_ROWS
 
 WARM_CAPACITY = 4096  # the warm-up session's capacity (at most the context length)
 ROW_BUCKETS = (2, 4, 8, MAX_VERIFY)  # verify-shaped steps, one per matvec row bucket past 1
-EAGER_ROWS = SLICED_ROWS + 8  # a prefill chunk past the matvec slices (the decoded-chunk GEMM)
+EAGER_ROWS = SLICED_ROWS + 8  # a prefill chunk past the matvec slices (the any-row GEMM)
 
 
 def capacities(context_length: int) -> list[int]:

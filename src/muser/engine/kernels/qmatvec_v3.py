@@ -71,6 +71,16 @@ with zeros to whole chunks, and each unit lane's sum of x in the one-row path's 
 half), which the loop then reads instead of adding. Bits: the one-row path's for every row
 (tests and tools/device_kernels.py hold them equal).
 
+Any row count (`gemm_v3`, prefill chunks past lanes.SLICED_ROWS): a GEMM tiled over BM activation
+rows x BN weight rows whose every output is the matvec's f32 operations in the matvec's order, so
+a row has the bits it has decoded alone whatever the chunk size. It reads `act_prep`'s activations
+and unit sums and walks the lane blocks j = 0..J-1 in order, each the four lanes 4j + w of every
+unit c J + j chunk by chunk (the several-row path's t and acc steps); a block's lanes are summed
+(l0 + l1) + (l2 + l3) and the J block sums join `_lane_tree`'s upper levels as a binary counter
+(a stack of log2 J partials), which is that tree exactly, since a sum of two is the same bits in
+either order. Per product one fma on CUDA cores, as the matvec; what it gains is reuse: each
+weight code loaded is used by BM rows and each activation by BN weight rows.
+
 Reference beside it: `qmatvec.matvec_ref(w, x)`; `unpack` inverts `pack` and `decode` decodes
 the packed form with the torch reference decoder.
 """
@@ -814,6 +824,141 @@ if HAVE_TRITON:
             _row_store(FMT, acc3, y, dp, row, n, nmask, r0 + 3, T, sy, BN, J)
 
 
+    @triton.jit
+    def _gemm_unit(FMT: tl.constexpr, u, NU, qp, hp, sp, dp, row, nmask, xe_base, xsp, ssm, ss, wi, acc,
+                   J: tl.constexpr, ASM: tl.constexpr):
+        """Unit u of the lane block j (u = c J + j) for a [BM, BN] tile: the several-row path's
+        operations on the unit's four lanes w (acc [BM, BN, 4]), in its order (`_rows_chunk`):
+        t = code x over the nibbles e (the first a product, then fmas), acc = fma(t, fa, fma(xs,
+        fb, acc)) at the unit's (Q6_K: half's; NVFP4: 16-block's) end. Units past NU load zeros,
+        as the matvec's masked loads do. xe_base [BM, 4]: the rows' activations of nibble 0 of
+        the unit (chunk order: nibble e at + 4 J e); xsp + ssm [BM, 4]: their unit sums."""
+        um = u < NU
+        m2 = nmask[:, None] & ((wi < 4) & um)[None, :]  # [BN, 4]
+        words = tl.load(qp + row[:, None] * (NU * 4) + u * 4 + wi[None, :], mask=m2, other=0)  # [BN, 4]
+        words = tl.reshape(words, (row.shape[0], 1, 4))  # the matvec's [BN, J, 4] with J = 1
+        sv = tl.load(sp + row * NU + u, mask=nmask & um, other=0).to(tl.int32)  # [BN]
+        NB = NU // 8
+        if FMT >= 8:
+            dv = sv * 0
+            h0 = dv
+            h1 = dv
+        else:
+            dv = tl.load(dp + row * NB + u // 8, mask=nmask & um, other=0)
+            if FMT == 6:
+                h0 = tl.load(hp + row * NU + u, mask=nmask & um, other=0)
+                h1 = h0
+            elif FMT == 7:
+                h0 = tl.load(hp + row * (NU * 2) + u * 2, mask=nmask & um, other=0)
+                h1 = tl.load(hp + row * (NU * 2) + u * 2 + 1, mask=nmask & um, other=0)
+            else:
+                h0 = sv * 0
+                h1 = h0
+        a, b = _scales(FMT, sv[:, None], dv[:, None])  # [BN, 1]
+        if FMT >= 8:
+            vals = _fp4_values(words, ASM)
+        else:
+            wsh = words >> 12
+        t = acc  # placeholder: set at the unit's first nibble
+        for e in tl.static_range(8):
+            if FMT >= 8:
+                v = tl.reshape(vals[e], (1, row.shape[0], 4))
+            else:
+                v = tl.reshape(_code_bits(FMT, e, words, wsh, h0[:, None], h1[:, None], wi), (1, row.shape[0], 4))
+            xe = tl.load(xe_base + e * (4 * J))[:, None, :]  # [BM, 1, 4]
+            if e % 4 == 0 if FMT >= 8 else (e == 0 or (FMT == 7 and e == 4)):
+                t = v * xe
+            else:
+                t = tl.fma(v, xe, t)
+            if e == 3 or e == 7:
+                if FMT >= 8 or FMT == 7 or e == 7:
+                    if FMT >= 8:
+                        if e == 3:
+                            fa = a
+                        else:
+                            fa = b
+                        acc = tl.fma(t, tl.reshape(fa, (1, row.shape[0], 1)), acc)
+                    else:
+                        fa, fb = _unit_factors(FMT, e, a, b)  # [BN, 1]
+                        if FMT == 7:  # the half's sums
+                            sh = xsp + ssm + (1 + e // 4) * (ss // 3)
+                        else:
+                            sh = xsp + ssm
+                        xs = tl.load(sh + u * 4)[:, None, :]  # [BM, 1, 4]
+                        acc = tl.fma(t, tl.reshape(fa, (1, row.shape[0], 1)),
+                                     tl.fma(xs, tl.reshape(fb, (1, row.shape[0], 1)), acc))
+        return acc
+
+    @triton.jit(do_not_specialize=["T"])
+    def _gemm_v3_kernel(x, xsp, y, qp, hp, sp, dp, N, K, sx, ss, sy, T, FMT: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, J: tl.constexpr, ASM: tl.constexpr):
+        """y [T, N] for any T, every output the matvec's f32 operations in its order (row
+        invariance at every row count). A program takes BM activation rows x BN weight rows
+        (programs along the rows fastest: a weight block's row groups run together and share its
+        bytes through L2) and walks the lane blocks j = 0..J-1 in order; block j is the four
+        lanes 4j + w of every unit c J + j, chunk by chunk (`_gemm_unit`), then (l0 + l1) + (l2 +
+        l3), and the J block sums join the pairwise tree (`_lane_tree`'s upper levels) as a
+        binary counter: a stack of log2(J) partial sums, a block's sum merged with the partials
+        of the levels whose bits of j are set. A sum of two is the same bits in either order, so
+        this is `_lane_tree` over the J * 4 lanes, and every output has the matvec's bits.
+        x, xsp: `act_prep`'s chunk-ordered activations and unit sums (row strides sx, ss)."""
+        m = tl.program_id(0) * BM + tl.arange(0, BM)
+        mr = tl.minimum(m, T - 1).to(tl.int64)  # rows past T read the last row (never stored)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < N
+        row = n.to(tl.int64)
+        wi = tl.arange(0, 4)
+        NU = K // 32
+        n_chunks = (NU + J - 1) // J
+        xm = x + (mr * sx)[:, None] + wi[None, :]  # [BM, 4]
+        ssm = (mr * ss)[:, None] + wi[None, :]
+        s0 = tl.zeros([BM, BN], dtype=tl.float32)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        s4 = s0
+        carry = s0
+        for j in tl.range(0, J):
+            acc = tl.zeros([BM, BN, 4], dtype=tl.float32)
+            for c in tl.range(0, n_chunks):
+                acc = _gemm_unit(FMT, c * J + j, NU, qp, hp, sp, dp, row, nmask, xm + (c * 8) * (4 * J) + 4 * j,
+                                 xsp, ssm, ss, wi, acc, J, ASM)
+            # lanes 4j .. 4j + 3: (l0 + l1) + (l2 + l3), `_lane_tree`'s first two levels
+            carry = tl.reshape(_lane_tree(tl.reshape(acc, (BM * BN, 4)), BM * BN, 4), (BM, BN))
+            # the upper levels: block j merges with the partial of every level k below its
+            # lowest zero bit and is kept at that level (J = 32: five levels)
+            for k in tl.static_range(5):
+                ones = (1 << (k + 1)) - 1
+                keep = (j & ones) == (ones >> 1)  # bits 0..k-1 set, bit k clear: kept at level k
+                merge = (j & ones) == ones  # bits 0..k set: joins level k's partial
+                if k == 0:
+                    s_k = s0
+                elif k == 1:
+                    s_k = s1
+                elif k == 2:
+                    s_k = s2
+                elif k == 3:
+                    s_k = s3
+                else:
+                    s_k = s4
+                kept = tl.where(keep, carry, s_k)
+                carry = tl.where(merge, s_k + carry, carry)
+                if k == 0:
+                    s0 = kept
+                elif k == 1:
+                    s1 = kept
+                elif k == 2:
+                    s2 = kept
+                elif k == 3:
+                    s3 = kept
+                else:
+                    s4 = kept
+        res = carry  # after block J - 1 (every bit set): the root
+        if FMT == 8:  # the companion form's per-row scale2, once per output
+            res = res * tl.load(dp + row, mask=nmask, other=0.0)[None, :]
+        tl.store(y + (m.to(tl.int64) * sy)[:, None] + n[None, :], res, mask=(m < T)[:, None] & nmask[None, :])
+
+
 ACT_PREP_UNITS = 64  # units a program of the activation prep takes
 
 
@@ -1003,5 +1148,51 @@ def matvec_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
     return out
 
 
-__all__ = ["CONFIGS", "FORMATS", "J_UNITS", "ROWS_PER_PROGRAM", "rows_per_program", "check_config", "HAVE_TRITON", "Packed", "decode", "decode_rows", "dequant_v3", "matvec_v3",
+# (BM activation rows, BN weight rows, num_warps) of the any-row GEMM (`gemm_v3`) for calls of up to
+# 16 rows and wider; configs change speed only, never values (every output is the matvec's sum in
+# its order). Chosen by the compiled sm_90 loop (tools/sass_loop.py gemm), not yet by a device
+# sweep: wide calls (32, 64, 4), 1.73-2.15 instructions a product with no local-memory access in
+# the loop, and a quarter of (64, 32, 8)'s activation re-reads per product (each activation is
+# used by BN weight rows a load); up to 16 rows (16, 16, 2), 2.19-2.90 with no spill (the upper
+# figures are Q6_K's: two half-unit sums).
+GEMM_CONFIG: dict[int, tuple[int, int, int]] = {16: (16, 16, 2), 64: (32, 64, 4)}
+
+
+def check_gemm_config(config) -> tuple[int, int, int]:
+    """(BM, BN, num_warps) or ValueError naming it: powers of two, BM and BN 1..128 (tl.arange
+    extents), num_warps 1..16."""
+    try:
+        bm, bn, nw = (int(v) for v in config)
+    except (TypeError, ValueError):
+        raise ValueError(f"GEMM config {config!r}: expected (BM, BN, num_warps)") from None
+    if not all(v > 0 and v & (v - 1) == 0 for v in (bm, bn, nw)) or bm > 128 or bn > 128 or nw > 16:
+        raise ValueError(f"GEMM config {list(config)!r}: BM, BN powers of two to 128, num_warps to 16")
+    return bm, bn, nw
+
+
+def gemm_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
+            config: tuple | None = None) -> torch.Tensor:
+    """x [T, n_in] f32, any T >= 1 -> [T, n_out] f32 over a Packed weight, every output bit for bit
+    the matvec's (`matvec_v3` of the row alone): the same f32 operations in the same order, tiled
+    over rows and weights (`_gemm_v3_kernel`). `config` = (BM, BN, num_warps) overrides
+    GEMM_CONFIG's entry for the call's rows; the bits never depend on it."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    T, K = x.shape
+    assert K == p.n_in, f"gemm: x has {K} columns, weight {p.name} has n_in {p.n_in}"
+    assert T >= 1 and x.dtype == torch.float32 and x.stride(1) == 1, "gemm: x must be f32 [T >= 1, n_in]"
+    if out is None:
+        out = torch.empty((T, p.n_out), dtype=torch.float32, device=x.device)
+    assert out.shape == (T, p.n_out) and out.stride(1) == 1 and out.dtype == torch.float32
+    bm, bn, num_warps = check_gemm_config(config if config is not None else GEMM_CONFIG[16 if T <= 16 else 64])
+    xq, sums = act_prep(x.contiguous(), scale=p.fmt not in NVFP4)
+    xs = xq if sums is None else sums
+    grid = (triton.cdiv(T, bm), triton.cdiv(p.n_out, bn))
+    _gemm_v3_kernel[grid](xq, xs, out, *p.pointers(), p.n_out, p.n_in, xq.stride(0),
+                          xs.stride(0) if sums is not None else 0, out.stride(0), T, FMT=_CODE[p.fmt], BM=bm,
+                          BN=bn, J=J_UNITS, ASM=_asm(), num_warps=num_warps, enable_fp_fusion=False)
+    return out
+
+
+__all__ = ["CONFIGS", "FORMATS", "J_UNITS", "ROWS_PER_PROGRAM", "rows_per_program", "check_config", "HAVE_TRITON", "Packed", "decode", "decode_rows", "dequant_v3", "matvec_v3", "gemm_v3", "GEMM_CONFIG", "check_gemm_config",
            "pack", "pack_matrices", "Stack", "stack", "config_for", "load_tuning", "supports", "unpack"]
