@@ -285,7 +285,8 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
     (fields dropped, as on the GPU), q|k|v|gate and gate|up stacked, decode-shaped steps through
     the v3 kernel, the fused element-wise tails (kernels/fused.py) in place of the torch chains;
     logits meet the reference forward's within f32 reordering, and a prefill wider than
-    SLICED_ROWS runs the any-row GEMM over the packed layout."""
+    SLICED_ROWS runs the any-row GEMM over the packed layout, a GEMM chunk's last row bitwise the
+    same tokens' through a matvec slice and one-row decodes."""
     import importlib
 
     from muser.engine.kernels import fused
@@ -297,7 +298,7 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
     _, m = v3
     # big tiles: few programs, so the interpreter's per-program cost stays small
     monkeypatch.setattr(m, "config_for", lambda p, rows: (32, 4, False) if rows == 1 else (16, 4, False))
-    monkeypatch.setattr(m, "GEMM_CONFIG", {16: (16, 64, 4), 64: (64, 128, 4)})
+    monkeypatch.setattr(m, "GEMM_CONFIG", {16: (8, 128, 4), 64: (64, 128, 4)})
     path = make_gguf(SynthSpec(dtype="q4_k_xl", source="blocks"))
     ref = Engine.open(path, device="cpu", lane="exact", kv="f32")
     eng = Engine.open(path, device="cpu", lane="exact", kv="f32")
@@ -321,6 +322,18 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
     b.append(es.verify([5, 9, 17])[-1])  # 3 rows: the several-row v3 path
     for x, y in zip(a, b):
         assert np.max(np.abs(x - y)) <= 2e-4 * max(1.0, float(np.max(np.abs(x))))
+    # row invariance through the CUDA dispatch (the crossover lowered to 4 rows to keep the
+    # interpreter's work small): 6 tokens as one GEMM chunk, and as a 4-row matvec slice and two
+    # one-row decodes, give the last position the same bits (every K/V row on the way too)
+    from muser.engine import lanes
+
+    monkeypatch.setattr(lanes, "SLICED_ROWS", 4)
+    g = eng.session(max_context=16, graphs=False).prefill(prompt[:6])
+    s2 = eng.session(max_context=16, graphs=False)
+    s2.prefill(prompt[:4])
+    s2.decode(prompt[4])
+    last = s2.decode(prompt[5])
+    assert np.array_equal(np.asarray(last).view(np.int32), np.asarray(g).view(np.int32))
 
 
 @pytest.mark.parametrize("fmt", (G.Q4_K, G.NVFP4), ids=lambda f: f.name)
