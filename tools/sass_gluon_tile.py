@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Static check of the int8 tensor-core tile with explicit layouts (triton.experimental.gluon, in
+the pinned Triton on both machines), without a GPU: a [BM, K] int8 activation tile times 4-bit
+weight codes unpacked in registers, straight into the mma operand layout, compiled for sm_90;
+prints the compiled loop's instruction counts and the kernel's shared memory.
+
+The weight words are laid out for the operand: per output column n and 32-element block, four
+int32 words; word t holds the codes of k = 4t .. 4t + 3 in its low nibbles (byte order) and of
+k = 16 + 4t .. 16 + 4t + 3 in its high nibbles, which are exactly the two registers a thread
+holds of an m16n8k32 B fragment. So a word is one 4-byte load and three instructions (shift, two
+ands) to two IMMA operand registers, with no shared-memory round trip (bench/NOTES.md, "The
+any-row GEMM", the next step).
+
+    python3 tools/sass_gluon_tile.py [--bm 16] [--bn 64] [--bk 64] [--warps 4] [--dump]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
+from triton.tools.disasm import get_sass  # noqa: E402
+
+from sass_loop import loop_body  # noqa: E402
+
+
+@gluon.jit
+def _tile(a_ptr, q_ptr, c_ptr, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, NW: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+    la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+    om = gl.arange(0, BM, layout=gl.SliceLayout(1, la))
+    oka = gl.arange(0, BK, layout=gl.SliceLayout(0, la))
+    okb = gl.arange(0, BK, layout=gl.SliceLayout(1, lb))
+    on = gl.arange(0, BN, layout=gl.SliceLayout(0, lb))
+    wsel = (okb % 16) // 4  # the word of a 32-element block holding code k
+    sh = (okb % 32 // 16) * 4  # its low (0) or high (4) nibbles
+    acc = gl.zeros([BM, BN], gl.int32, layout=mma)
+    for k0 in range(0, K, BK):
+        a = gl.load(a_ptr + om[:, None] * K + (k0 + oka)[None, :])  # [BM, BK] int8, the A fragments
+        words = gl.load(q_ptr + on[None, :] * (K // 8) + ((k0 + okb) // 32 * 4 + wsel)[:, None])  # [BK, BN]
+        shb = gl.full([BK, BN], 0, gl.int32, layout=lb) + sh[:, None]
+        codes = gl.inline_asm_elementwise("{ .reg .b32 t; shr.u32 t, $4, $8; and.b32 $0, t, 0x0F0F0F0F; }",
+                                          "=r,r,r,r,r,r,r,r,r", [words, shb], dtype=gl.int8, is_pure=True,
+                                          pack=4)  # four consecutive k of a thread: one register
+        acc = mma_v2(a, codes, acc)
+    cm = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+    cn = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+    gl.store(c_ptr + cm[:, None] * BN + cn[None, :], acc)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bm", type=int, default=16)
+    ap.add_argument("--bn", type=int, default=64)
+    ap.add_argument("--bk", type=int, default=64)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--dump", action="store_true")
+    a = ap.parse_args(argv)
+    sig = {"a_ptr": "*i8", "q_ptr": "*i32", "c_ptr": "*i32", "K": "i32", "BM": "constexpr", "BN": "constexpr",
+           "BK": "constexpr", "NW": "constexpr"}
+    src = GluonASTSource(_tile, sig, constexprs={(4,): a.bm, (5,): a.bn, (6,): a.bk, (7,): a.warps},
+                         attrs={(i,): [["tt.divisibility", 16]] for i in range(4)})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": a.warps})
+    sass = get_sass(k.asm["cubin"])
+    body = loop_body(sass)
+    ops = Counter(re.search(r"\t(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", ln).group(1).split(".")[0] for ln in body)
+    weights = a.bn * a.bk // a.warps  # weight codes a warp consumes per iteration
+    print(f"gluon int8 tile BM={a.bm} BN={a.bn} BK={a.bk} warps={a.warps}: shared={k.metadata.shared} B, "
+          f"loop={len(body)} instr a warp for {weights} weights x {a.bm} rows "
+          f"({len(body) / weights:.4f} warp-instructions a weight)")
+    print("  " + ", ".join(f"{o}:{c}" for o, c in ops.most_common()))
+    if a.dump:
+        print("\n".join(body))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
