@@ -23,7 +23,9 @@ rows (graph-timed), the winners whose outputs are bitwise the default tiling's w
 DIR/v3_tuning.json (the shipped table's form). Each packed shape also runs the any-row GEMM
 (qmatvec_v3.gemm_v3): its 16 rows and the first 16 of a 512-row call bitwise equal to the matvec's
 16 rows (`gemm_rows_equal_matvec`), timed at 16, 48 and 512 rows (TFLOP/s beside GB/s); on the
-GEMM_SWEEP_SHAPES each tiling of GEMM_SWEEP at 16 and 512 rows, bits compared.
+GEMM_SWEEP_SHAPES each tiling of GEMM_SWEEP at 16 and 512 rows, bits compared. Then, informational
+(exact lane, CUDA), the explicit-layout int8 tile of tools/sass_gluon_tile.py: its outputs against
+an exact product and its GB/s beside a device copy.
 
 With --lane fast, part 1 runs the integer lane's engines (every format it serves on the device)
 and part 2 times the integer GEMM (kernels/qmatmul_i8.py) at 1, 16, 64 and 512 rows, each shape's
@@ -579,6 +581,20 @@ def main(argv=None) -> int:
         table = tuning_table(rec["speed"])
         if table:  # the sweep's winners so far, in v3_tuning.json's form
             (out_dir / "v3_tuning.json").write_text(json.dumps(table, indent=1) + "\n")
+        save()
+    if a.device == "cuda" and a.lane == "exact":  # the explicit-layout int8 tile (informational, not gated)
+        try:
+            sys.path.insert(0, str(REPO / "tools"))
+            import sass_gluon_tile
+
+            rec["gluon_tile"] = [sass_gluon_tile.probe(), sass_gluon_tile.probe(bn=128, bk=128)]
+            for g in rec["gluon_tile"]:
+                print(f"gluon int8 tile {g['config']}: {g['tile_us']:.1f} us, {g['tile_GBps']:.0f} GB/s of weight "
+                      f"bytes (copy {g['copy_read_write_GBps']:.0f} GB/s read + write), exact {g['exact_vs_f64']}",
+                      flush=True)
+        except Exception as e:  # noqa: BLE001
+            rec["gluon_tile"] = {"error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-2000:]}
+            print(f"gluon int8 tile: {rec['gluon_tile']['error']}", flush=True)
         save()
     if a.device == "cuda":  # attention, both operand kinds: against the reference, invariance, time
         import subprocess

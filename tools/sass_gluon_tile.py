@@ -12,6 +12,9 @@ ands) to two IMMA operand registers, with no shared-memory round trip (bench/NOT
 any-row GEMM", the next step).
 
     python3 tools/sass_gluon_tile.py [--bm 16] [--bn 64] [--bk 64] [--warps 4] [--dump]
+
+On the GPU machine `probe()` runs it (tools/device_kernels.py): outputs against an exact product
+of the decoded codes, and GB/s of the weight bytes beside a device copy of them.
 """
 from __future__ import annotations
 
@@ -37,28 +40,87 @@ from sass_loop import loop_body  # noqa: E402
 
 
 @gluon.jit
-def _tile(a_ptr, q_ptr, c_ptr, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, NW: gl.constexpr):
+def _tile(a_ptr, q_ptr, c_ptr, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, NW: gl.constexpr):
+    """c [BM, N] int32 = a [BM, K] int8 x codes [N, K]^T, the codes 4-bit in the fragment word
+    layout (module doc); a program takes BN columns. N % BN == 0 and K % BK == 0."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+    n0 = gl.program_id(0) * BN
     om = gl.arange(0, BM, layout=gl.SliceLayout(1, la))
     oka = gl.arange(0, BK, layout=gl.SliceLayout(0, la))
     okb = gl.arange(0, BK, layout=gl.SliceLayout(1, lb))
-    on = gl.arange(0, BN, layout=gl.SliceLayout(0, lb))
+    on = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, lb))
     wsel = (okb % 16) // 4  # the word of a 32-element block holding code k
     sh = (okb % 32 // 16) * 4  # its low (0) or high (4) nibbles
     acc = gl.zeros([BM, BN], gl.int32, layout=mma)
     for k0 in range(0, K, BK):
         a = gl.load(a_ptr + om[:, None] * K + (k0 + oka)[None, :])  # [BM, BK] int8, the A fragments
-        words = gl.load(q_ptr + on[None, :] * (K // 8) + ((k0 + okb) // 32 * 4 + wsel)[:, None])  # [BK, BN]
+        words = gl.load(q_ptr + on[None, :].to(gl.int64) * (K // 8) + ((k0 + okb) // 32 * 4 + wsel)[:, None])
         shb = gl.full([BK, BN], 0, gl.int32, layout=lb) + sh[:, None]
         codes = gl.inline_asm_elementwise("{ .reg .b32 t; shr.u32 t, $4, $8; and.b32 $0, t, 0x0F0F0F0F; }",
                                           "=r,r,r,r,r,r,r,r,r", [words, shb], dtype=gl.int8, is_pure=True,
                                           pack=4)  # four consecutive k of a thread: one register
         acc = mma_v2(a, codes, acc)
     cm = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
-    cn = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-    gl.store(c_ptr + cm[:, None] * BN + cn[None, :], acc)
+    cn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+    gl.store(c_ptr + cm[:, None] * N + cn[None, :], acc)
+
+
+def codes_of(words):
+    """The fragment word layout's codes: int32 words [N, K/8] -> uint8 codes [N, K] (torch)."""
+    import torch
+
+    n = words.shape[0]
+    w = words.view(n, -1, 4)  # [N, K/32 blocks, word t]
+    b = torch.stack([(w >> (8 * i)) & 0xFF for i in range(4)], -1)  # [N, blocks, t, byte i]: k = 4t + i
+    lo, hi = (b & 0xF).reshape(n, -1, 16), ((b >> 4) & 0xF).reshape(n, -1, 16)
+    return torch.cat([lo, hi], -1).reshape(n, -1).to(torch.uint8)
+
+
+def probe(device: str = "cuda", n: int = 39936, k: int = 6656, bm: int = 16, bn: int = 64, bk: int = 64,
+          warps: int = 4, launches: int = 20, reps: int = 5) -> dict:
+    """The tile on random codes and activations on `device`: its int32 outputs against an exact f64
+    product of the decoded codes (the layout's index math), and its time per launch in a CUDA graph
+    (one warm replay, then `reps`) beside a device copy of the same weight bytes."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    words = torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32).to(device)
+    a = torch.randint(-127, 128, (bm, k), generator=g, dtype=torch.int64).to(torch.int8).to(device)
+    c = torch.empty(bm, n, dtype=torch.int32, device=device)
+
+    def run():
+        _tile[(n // bn,)](a, words, c, n, k, BM=bm, BN=bn, BK=bk, NW=warps, num_warps=warps)
+
+    run()
+    ref = (a.double() @ codes_of(words).double().T).to(torch.int64)
+    exact = bool(torch.equal(c.to(torch.int64), ref))
+
+    def timed(fn):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(launches):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        out = []
+        for _ in range(reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            graph.replay()
+            e1.record()
+            e1.synchronize()
+            out.append(e0.elapsed_time(e1) / 1e3 / launches)
+        return out
+
+    dst = torch.empty_like(words)
+    tile_s, copy_s = timed(run), timed(lambda: dst.copy_(words))
+    nbytes = words.numel() * 4
+    mean = sum(tile_s) / len(tile_s)
+    return {"n": n, "k": k, "config": [bm, bn, bk, warps], "exact_vs_f64": exact, "weight_bytes": nbytes,
+            "tile_us": mean * 1e6, "tile_samples_s": tile_s, "tile_GBps": nbytes / mean / 1e9,
+            "copy_read_write_GBps": 2 * nbytes / (sum(copy_s) / len(copy_s)) / 1e9, "copy_samples_s": copy_s}
 
 
 def main(argv=None) -> int:
@@ -69,10 +131,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--dump", action="store_true")
     a = ap.parse_args(argv)
-    sig = {"a_ptr": "*i8", "q_ptr": "*i32", "c_ptr": "*i32", "K": "i32", "BM": "constexpr", "BN": "constexpr",
-           "BK": "constexpr", "NW": "constexpr"}
-    src = GluonASTSource(_tile, sig, constexprs={(4,): a.bm, (5,): a.bn, (6,): a.bk, (7,): a.warps},
-                         attrs={(i,): [["tt.divisibility", 16]] for i in range(4)})
+    sig = {"a_ptr": "*i8", "q_ptr": "*i32", "c_ptr": "*i32", "N": "i32", "K": "i32", "BM": "constexpr",
+           "BN": "constexpr", "BK": "constexpr", "NW": "constexpr"}
+    src = GluonASTSource(_tile, sig, constexprs={(5,): a.bm, (6,): a.bn, (7,): a.bk, (8,): a.warps},
+                         attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": a.warps})
     sass = get_sass(k.asm["cubin"])
     body = loop_body(sass)

@@ -137,3 +137,29 @@ def test_gluon_int8_tile_takes_its_operands_from_registers(tmp_path):
     assert counts.get("IMMA") == 4 and "BAR" not in counts and "LDS" not in counts and "STS" not in counts, ops
     assert "shared=0 B" in head, head
     assert float(head.split("(")[1].split()[0]) < 0.06, head
+
+
+def test_gluon_tile_reference_reads_the_fragment_word_layout(tmp_path):
+    """tools/sass_gluon_tile.codes_of, the reference the GPU probe checks the tile against: word t
+    of a 32-element block holds k = 4t + i in byte i's low nibble and 16 + 4t + i in its high one
+    (run in a process of its own: the explicit-layout module cannot load under the interpreter)."""
+    script = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import sass_gluon_tile
+code = torch.randint(0, 16, (3, 64), generator=torch.Generator().manual_seed(1))  # [N, K]
+words = torch.zeros(3, 8, dtype=torch.int64)
+for blk in range(2):
+    for t in range(4):
+        for i in range(4):
+            lo, hi = code[:, 32 * blk + 4 * t + i], code[:, 32 * blk + 16 + 4 * t + i]
+            words[:, 4 * blk + t] |= (lo | hi << 4) << (8 * i)
+words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+assert torch.equal(sass_gluon_tile.codes_of(words).to(torch.int64), code)
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    p = subprocess.run([sys.executable, "-c", script, str(REPO / "tools")], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout[-2000:] + p.stderr[-2000:]
