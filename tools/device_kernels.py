@@ -274,9 +274,12 @@ SWEEP = {
 
 def tuning_table(speed: list[dict]) -> list[dict]:
     """The sweep's winner per (format, row bucket, shape): v3_tuning.json's entries, only from
-    configs whose outputs were bitwise those of the default tiling."""
+    configs whose outputs were bitwise those of the default tiling. Where the any-row GEMM's rows
+    were bitwise the matvec's and its fastest 16-row tiling beat the matvec's 16-row winner (or,
+    unswept, its default), an entry with "path": "gemm" routes that shape's 9..16-row calls to it."""
     table = []
     for r in speed:
+        mv16 = r.get("T16", {}).get("us")
         for T in SWEEP:
             from muser.engine.kernels.qmatvec_v3 import rows_per_program
             from muser.gguf.types import GgmlType as G
@@ -288,6 +291,20 @@ def tuning_table(speed: list[dict]) -> list[dict]:
                 table.append({"fmt": r["fmt"], "rows": T, "n_out": r["n_out"], "n_in": r["n_in"],
                               "config": json.loads(best)[:3],
                               "us": round(ok[best], 1)})
+                if T == 16:
+                    mv16 = ok[best]
+        if r.get("gemm_rows_equal_matvec") and mv16 is not None:
+            cands = {}
+            if "gemm_T16" in r:
+                cands[json.dumps(r["gemm_T16"]["config"])] = r["gemm_T16"]["us"]
+            for c, v in r.get("gemm_T16_sweep", {}).items():
+                if v.get("bitwise_equal_default"):
+                    cands[json.dumps(json.loads(c))] = v["us"]
+            if cands:
+                best = min(cands, key=cands.__getitem__)
+                if cands[best] < mv16:
+                    table.append({"fmt": r["fmt"], "rows": 16, "n_out": r["n_out"], "n_in": r["n_in"],
+                                  "config": json.loads(best), "path": "gemm", "us": round(cands[best], 1)})
     return table
 
 

@@ -280,6 +280,39 @@ def test_v3_tuning_file(v3, tmp_path):
         m.TUNED.update(saved)
 
 
+def test_v3_tuning_file_routes_a_row_bucket_to_the_gemm(v3, tmp_path, monkeypatch):
+    """A table entry with "path": "gemm" sends that shape's row bucket to the any-row GEMM with its
+    tiling (same bits); other buckets and shapes keep the matvec; bad entries are refused whole."""
+    import json
+
+    from muser.errors import LaneError
+
+    _, m = v3
+    monkeypatch.setattr(m, "GEMM_TUNED", {})
+    monkeypatch.setattr(m, "TUNED", dict(m.TUNED))
+    p = m.pack(_w(G.Q4_K, 8, 512))
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps([{"fmt": "Q4_K", "rows": 16, "n_out": 8, "n_in": 512, "config": [8, 8, 1],
+                              "path": "gemm"}]))
+    assert m.load_tuning(str(f)) == 1
+    assert m.gemm_for(p, 12) == (8, 8, 1) and m.gemm_for(p, 8) is None and m.gemm_for(p, 1) is None
+    calls = []
+    real = m.gemm_v3
+    monkeypatch.setattr(m, "gemm_v3", lambda *a: calls.append(a[3]) or real(*a))
+    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(5))
+    got = m.project(p, x)
+    assert calls == [(8, 8, 1)]
+    assert torch.equal(got.view(torch.int32), m.matvec_v3(p, x).view(torch.int32))
+    m.project(p, x[:4])
+    assert calls == [(8, 8, 1)]  # the 4-row bucket keeps the matvec
+    for bad in ({"path": "gemm", "rows": 1}, {"path": "gemm", "config": [3, 8, 1]}, {"path": "tiles"}):
+        e = {"fmt": "Q4_K", "rows": 16, "n_out": 8, "n_in": 512, "config": [8, 8, 1]} | bad
+        f.write_text(json.dumps([{"fmt": "Q4_K", "rows": 1, "n_out": 8, "n_in": 512, "config": [8, 4, 0]}, e]))
+        with pytest.raises(LaneError, match="t.json"):
+            m.load_tuning(str(f))
+        assert m.GEMM_TUNED == {("Q4_K", 16, 8, 512): (8, 8, 1)} and ("Q4_K", 1, 8, 512) not in m.TUNED
+
+
 def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypatch):
     """The CUDA forward's decode path on the CPU under the interpreter: K-quant matrices packed
     (fields dropped, as on the GPU), q|k|v|gate and gate|up stacked, decode-shaped steps through

@@ -380,13 +380,14 @@ class Linear:
 
 
 def _packed(p, x: torch.Tensor) -> torch.Tensor:
-    """x [T, n_in] -> [T, n_out] over a qmatvec_v3 layout (a weight's or a stack's): the matvec in
-    slices of <= 16 rows up to SLICED_ROWS rows, the any-row GEMM past it; a row's bits are the
-    same either way (the GEMM runs the matvec's operations in its order)."""
+    """x [T, n_in] -> [T, n_out] over a qmatvec_v3 layout (a weight's or a stack's): slices of <= 16
+    rows up to SLICED_ROWS rows (each the matvec, or the any-row GEMM where the tuning table routes
+    that row bucket to it: qmatvec_v3.project), the any-row GEMM past it; a row's bits are the same
+    either way (the GEMM runs the matvec's operations in its order)."""
     from .kernels import qmatvec_v3
 
     if x.shape[0] <= SLICED_ROWS:
-        return _sliced(lambda xs, out: qmatvec_v3.matvec_v3(p, xs, out), x, p.n_out)
+        return _sliced(lambda xs, out: qmatvec_v3.project(p, xs, out), x, p.n_out)
     return qmatvec_v3.gemm_v3(p, x.contiguous())
 
 

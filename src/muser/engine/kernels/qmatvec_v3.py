@@ -1080,25 +1080,64 @@ def check_config(config, rows: int) -> tuple[int, int, int]:
     return bn, nw, pipe
 
 
+# (BM activation rows, BN weight rows, num_warps) of the any-row GEMM (`gemm_v3`) for calls of up to
+# 16 rows and wider; configs change speed only, never values (every output is the matvec's sum in
+# its order). Chosen by the compiled sm_90 loop (tools/sass_loop.py gemm), not yet by a device
+# sweep: wide calls (32, 64, 4), 1.73-2.15 instructions a product with no local-memory access in
+# the loop, and a quarter of (64, 32, 8)'s activation re-reads per product (each activation is
+# used by BN weight rows a load); up to 16 rows (16, 16, 2), 2.19-2.90 with no spill (the upper
+# figures are Q6_K's: two half-unit sums).
+GEMM_CONFIG: dict[int, tuple[int, int, int]] = {16: (16, 16, 2), 64: (32, 64, 4)}
+
+
+def check_gemm_config(config) -> tuple[int, int, int]:
+    """(BM, BN, num_warps) or ValueError naming it: powers of two, BM and BN 1..128 (tl.arange
+    extents), num_warps 1..16."""
+    try:
+        bm, bn, nw = (int(v) for v in config)
+    except (TypeError, ValueError):
+        raise ValueError(f"GEMM config {config!r}: expected (BM, BN, num_warps)") from None
+    if not all(v > 0 and v & (v - 1) == 0 for v in (bm, bn, nw)) or bm > 128 or bn > 128 or nw > 16:
+        raise ValueError(f"GEMM config {list(config)!r}: BM, BN powers of two to 128, num_warps to 16")
+    return bm, bn, nw
+
+
+# Row buckets whose calls the any-row GEMM serves instead of the matvec, per (format, rows bucket,
+# n_out, n_in): its (BM, BN, num_warps). Entries of v3_tuning.json with "path": "gemm", written
+# where the device sweep timed the GEMM faster than the matvec's best tiling (bits equal).
+GEMM_TUNED: dict[tuple[str, int, int, int], tuple[int, int, int]] = {}
+
+
 def load_tuning(path: str) -> int:
-    """Merge a v3_tuning.json (list of {fmt, rows, n_out, n_in, config: [BN, num_warps, PIPE]})
-    into TUNED; returns the number of entries. Every config is checked before any is taken."""
+    """Merge a v3_tuning.json (list of {fmt, rows, n_out, n_in, config: [BN, num_warps, PIPE]},
+    or with "path": "gemm" a config [BM, BN, num_warps] of the any-row GEMM for that row bucket)
+    into TUNED and GEMM_TUNED; returns the number of entries. Every config is checked before any
+    is taken."""
     import json
 
     from ...errors import LaneError
 
     try:
         entries = json.loads(open(path).read())
-        parsed = []
+        parsed, gemm = [], []
         for e in entries:
             key = (str(e["fmt"]), int(e["rows"]), int(e["n_out"]), int(e["n_in"]))
+            route = e.get("path", "matvec")
+            if route not in ("matvec", "gemm"):
+                raise ValueError(f"path {route!r} for {key}: expected 'matvec' or 'gemm'")
             if len(e["config"]) != 3:
-                raise ValueError(f"config {e['config']!r} for {key}: expected [BN, num_warps, PIPE]")
-            parsed.append((key, check_config(e["config"], key[1])))
-    except (OSError, ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"config {e['config']!r} for {key}: expected three values")
+            if route == "gemm":
+                if key[1] not in CONFIGS or key[1] == 1:
+                    raise ValueError(f"gemm entry for the {key[1]}-row bucket (2, 4, 8 or 16)")
+                gemm.append((key, check_gemm_config(e["config"])))
+            else:
+                parsed.append((key, check_config(e["config"], key[1])))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise LaneError(f"v3 tuning file {path!r}: {err}") from None
     TUNED.update(parsed)  # all or nothing
-    return len(parsed)
+    GEMM_TUNED.update(gemm)
+    return len(parsed) + len(gemm)
 
 
 # The shipped table: the winners of the CUDA-graph-timed sweep over the full geometry's launch
@@ -1148,26 +1187,18 @@ def matvec_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
     return out
 
 
-# (BM activation rows, BN weight rows, num_warps) of the any-row GEMM (`gemm_v3`) for calls of up to
-# 16 rows and wider; configs change speed only, never values (every output is the matvec's sum in
-# its order). Chosen by the compiled sm_90 loop (tools/sass_loop.py gemm), not yet by a device
-# sweep: wide calls (32, 64, 4), 1.73-2.15 instructions a product with no local-memory access in
-# the loop, and a quarter of (64, 32, 8)'s activation re-reads per product (each activation is
-# used by BN weight rows a load); up to 16 rows (16, 16, 2), 2.19-2.90 with no spill (the upper
-# figures are Q6_K's: two half-unit sums).
-GEMM_CONFIG: dict[int, tuple[int, int, int]] = {16: (16, 16, 2), 64: (32, 64, 4)}
+def gemm_for(p: Packed, rows: int) -> tuple[int, int, int] | None:
+    """The GEMM's tiling where the table routes this weight's `rows`-row bucket to it, else None."""
+    return GEMM_TUNED.get((p.fmt.name, _rows_bucket(rows), p.n_out, p.n_in))
 
 
-def check_gemm_config(config) -> tuple[int, int, int]:
-    """(BM, BN, num_warps) or ValueError naming it: powers of two, BM and BN 1..128 (tl.arange
-    extents), num_warps 1..16."""
-    try:
-        bm, bn, nw = (int(v) for v in config)
-    except (TypeError, ValueError):
-        raise ValueError(f"GEMM config {config!r}: expected (BM, BN, num_warps)") from None
-    if not all(v > 0 and v & (v - 1) == 0 for v in (bm, bn, nw)) or bm > 128 or bn > 128 or nw > 16:
-        raise ValueError(f"GEMM config {list(config)!r}: BM, BN powers of two to 128, num_warps to 16")
-    return bm, bn, nw
+def project(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, n_in] (T <= 16) -> [T, n_out]: the matvec, or the any-row GEMM where the tuning table
+    routes the row bucket to it (`gemm_for`); the same bits either way."""
+    cfg = gemm_for(p, x.shape[0])
+    if cfg is not None:
+        return gemm_v3(p, x, out, cfg)
+    return matvec_v3(p, x, out)
 
 
 def gemm_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
@@ -1194,5 +1225,5 @@ def gemm_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
     return out
 
 
-__all__ = ["CONFIGS", "FORMATS", "J_UNITS", "ROWS_PER_PROGRAM", "rows_per_program", "check_config", "HAVE_TRITON", "Packed", "decode", "decode_rows", "dequant_v3", "matvec_v3", "gemm_v3", "GEMM_CONFIG", "check_gemm_config",
+__all__ = ["CONFIGS", "FORMATS", "J_UNITS", "ROWS_PER_PROGRAM", "rows_per_program", "check_config", "HAVE_TRITON", "Packed", "decode", "decode_rows", "dequant_v3", "matvec_v3", "gemm_v3", "gemm_for", "project", "GEMM_CONFIG", "GEMM_TUNED", "check_gemm_config",
            "pack", "pack_matrices", "Stack", "stack", "config_for", "load_tuning", "supports", "unpack"]
