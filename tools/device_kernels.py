@@ -604,9 +604,10 @@ def main(argv=None) -> int:
             sys.path.insert(0, str(REPO / "tools"))
             import sass_gluon_tile
 
-            rec["gluon_tile"] = [sass_gluon_tile.probe(), sass_gluon_tile.probe(bn=128, bk=128)]
+            rec["gluon_tile"] = [sass_gluon_tile.probe(), sass_gluon_tile.probe(bn=128, bk=128),
+                                 sass_gluon_tile.probe(bn=128, bk=128, scaled=True)]
             for g in rec["gluon_tile"]:
-                print(f"gluon int8 tile {g['config']}: {g['tile_us']:.1f} us, {g['tile_GBps']:.0f} GB/s of weight "
+                print(f"gluon int8 tile {g['config']} scaled {g['scaled']}: {g['tile_us']:.1f} us, {g['tile_GBps']:.0f} GB/s of weight "
                       f"bytes (copy {g['copy_read_write_GBps']:.0f} GB/s read + write), exact {g['exact_vs_f64']}",
                       flush=True)
         except Exception as e:  # noqa: BLE001

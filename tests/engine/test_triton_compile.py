@@ -137,6 +137,14 @@ def test_gluon_int8_tile_takes_its_operands_from_registers(tmp_path):
     assert counts.get("IMMA") == 4 and "BAR" not in counts and "LDS" not in counts and "STS" not in counts, ops
     assert "shared=0 B" in head, head
     assert float(head.split("(")[1].split()[0]) < 0.06, head
+    # each 32-element block's sums scaled per column in int32 (a K-quant sub-block scale): still
+    # no shared memory, under 0.1 warp-instructions a weight for 16 rows
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "sass_gluon_tile.py"), "--scaled"], env=env,
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    head, ops = p.stdout.strip().splitlines()[:2]
+    assert "IMMA:4" in ops and "LDS" not in ops and "BAR" not in ops and "shared=0 B" in head, head + ops
+    assert float(head.split("(")[1].split()[0]) < 0.1, head
 
 
 def test_gluon_tile_reference_reads_the_fragment_word_layout(tmp_path):
