@@ -115,25 +115,10 @@ def probe(device: str = "cuda", n: int = 39936, k: int = 6656, bm: int = 16, bn:
         ref = (a.double() @ codes.view(n, k).T).to(torch.int64)
     exact = bool(torch.equal(c.to(torch.int64), ref))
 
-    def timed(fn):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(launches):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        out = []
-        for _ in range(reps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            graph.replay()
-            e1.record()
-            e1.synchronize()
-            out.append(e0.elapsed_time(e1) / 1e3 / launches)
-        return out
+    from device_kernels import graph_seconds  # the stage's CUDA-graph timer
 
     dst = torch.empty_like(words)
-    tile_s, copy_s = timed(run), timed(lambda: dst.copy_(words))
+    tile_s, copy_s = graph_seconds(run, launches, reps), graph_seconds(lambda: dst.copy_(words), launches, reps)
     nbytes = words.numel() * 4 + (sc.numel() if scaled else 0)
     mean = sum(tile_s) / len(tile_s)
     return {"n": n, "k": k, "config": [bm, bn, bk, warps], "scaled": scaled, "exact_vs_f64": exact, "weight_bytes": nbytes,

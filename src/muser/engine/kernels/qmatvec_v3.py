@@ -889,6 +889,17 @@ if HAVE_TRITON:
                                      tl.fma(xs, tl.reshape(fb, (1, row.shape[0], 1)), acc))
         return acc
 
+    @triton.jit
+    def _counter_level(j, k: tl.constexpr, carry, part):
+        """Level k of the pairwise tree over block sums kept as a binary counter: block j's running
+        sum `carry` joins level k's partial when bits 0..k of j are set (part + carry, either order
+        the same bits), and is kept there when bits 0..k-1 are set and bit k is clear.
+        Returns (carry, the level's partial)."""
+        ones = (1 << (k + 1)) - 1
+        kept = tl.where((j & ones) == (ones >> 1), carry, part)
+        carry = tl.where((j & ones) == ones, part + carry, carry)
+        return carry, kept
+
     @triton.jit(do_not_specialize=["T"])
     def _gemm_v3_kernel(x, xsp, y, qp, hp, sp, dp, N, K, sx, ss, sy, T, FMT: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, J: tl.constexpr, ASM: tl.constexpr):
@@ -908,6 +919,7 @@ if HAVE_TRITON:
         nmask = n < N
         row = n.to(tl.int64)
         wi = tl.arange(0, 4)
+        tl.static_assert(J == 32, "the block counter below has log2(J) = 5 levels")
         NU = K // 32
         n_chunks = (NU + J - 1) // J
         xm = x + (mr * sx)[:, None] + wi[None, :]  # [BM, 4]
@@ -927,32 +939,11 @@ if HAVE_TRITON:
             carry = tl.reshape(_lane_tree(tl.reshape(acc, (BM * BN, 4)), BM * BN, 4), (BM, BN))
             # the upper levels: block j merges with the partial of every level k below its
             # lowest zero bit and is kept at that level (J = 32: five levels)
-            for k in tl.static_range(5):
-                ones = (1 << (k + 1)) - 1
-                keep = (j & ones) == (ones >> 1)  # bits 0..k-1 set, bit k clear: kept at level k
-                merge = (j & ones) == ones  # bits 0..k set: joins level k's partial
-                if k == 0:
-                    s_k = s0
-                elif k == 1:
-                    s_k = s1
-                elif k == 2:
-                    s_k = s2
-                elif k == 3:
-                    s_k = s3
-                else:
-                    s_k = s4
-                kept = tl.where(keep, carry, s_k)
-                carry = tl.where(merge, s_k + carry, carry)
-                if k == 0:
-                    s0 = kept
-                elif k == 1:
-                    s1 = kept
-                elif k == 2:
-                    s2 = kept
-                elif k == 3:
-                    s3 = kept
-                else:
-                    s4 = kept
+            carry, s0 = _counter_level(j, 0, carry, s0)
+            carry, s1 = _counter_level(j, 1, carry, s1)
+            carry, s2 = _counter_level(j, 2, carry, s2)
+            carry, s3 = _counter_level(j, 3, carry, s3)
+            carry, s4 = _counter_level(j, 4, carry, s4)
         res = carry  # after block J - 1 (every bit set): the root
         if FMT == 8:  # the companion form's per-row scale2, once per output
             res = res * tl.load(dp + row, mask=nmask, other=0.0)[None, :]
