@@ -30,7 +30,10 @@ an exact product and its GB/s beside a device copy.
 With --lane fast, part 1 runs the integer lane's engines (every format it serves on the device)
 and part 2 times the integer GEMM (kernels/qmatmul_i8.py) at 1, 16, 64 and 512 rows, each shape's
 outputs on a row subset checked bitwise against muser.quant.dot.matmul_ggml (the lane's contract),
-and one row alone against the same row inside the 16- and 512-row launches (bitwise).
+and one row alone against the same row inside the 16- and 512-row launches (bitwise); on the
+K-quant shapes the int8 tile (kernels/qtile_i8.py, the lane's CUDA path for them) beside it: bitwise
+matmul_ggml on the row subset and bitwise the reference at 1, 16 and 512 rows (both gated), timed at
+1, 16, 64 and 512 rows, tilings swept.
 
     python3 tools/device_kernels.py --out DIR [--budget 140] [--device cuda|cpu --smoke] [--lane exact|fast]
                                     [--before FILE]   (an earlier qmatvec_v3.py: its 4/16-row calls beside)
@@ -452,7 +455,59 @@ def i8_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -> d
                 except Exception as e:  # noqa: BLE001
                     sweep[f"T{T} {list(cfg)}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         r["sweep"] = sweep
+    from muser.engine.kernels import qtile_i8
+
+    if qtile_i8.supports(fmt) and qtile_i8.available(device):
+        r["tile"] = tile_part(w, x, yb, raw, rows, ref, nbytes, device)
     return r
+
+
+def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
+    """The int8 tile (kernels/qtile_i8.py) on one shape beside its reference (qmatmul_i8, the
+    default-tiled `yb` of every row): bitwise against matmul_ggml (`ref` on output rows `rows`) and
+    against the reference at 1, 16 and all rows, its time per launch at 1, 16, 64 and all rows, and
+    tilings swept (speed only; each one's bits compared with the default's)."""
+    import numpy as np
+    import torch
+
+    from muser.engine.kernels import qmatmul_i8, qtile_i8
+    from muser.gguf.types import GgmlType as G
+
+    big = x.shape[0]
+    bits = lambda t: t.contiguous().view(torch.int32)  # noqa: E731
+    acts = {T: qmatmul_i8.quantize_act(x[:T].contiguous(), G.Q8_K) for T in (1, 16, 64, big)}
+    t: dict = {}
+    y16 = qtile_i8.matmul_tile(w, acts[16])
+    got = y16[:, torch.from_numpy(rows).to(device)].cpu().numpy()
+    t["bitwise_vs_matmul_ggml"] = bool(np.array_equal(got.view(np.int32), ref.view(np.int32)))
+    t["max_abs_delta_vs_matmul_ggml"] = float(np.abs(got - ref).max())
+    same = {}
+    for T in (1, 16, big):
+        y = y16 if T == 16 else qtile_i8.matmul_tile(w, acts[T])
+        same[f"T{T}"] = bool(torch.equal(bits(y), bits(yb[:T])))
+    t["bitwise_vs_reference"] = same
+    for T in (1, 16, 64, big):
+        out = torch.empty(T, w.n_out, device=device)
+        samples = graph_seconds(lambda: qtile_i8.matmul_tile(w, acts[T], out), 20 if T <= 64 else 3, 5)
+        mean = float(np.mean(samples))
+        t[f"T{T}"] = {"us": mean * 1e6, "cv": float(np.std(samples) / mean), "samples_s": samples,
+                      "GBps": nbytes / mean / 1e9, "TOPS": 2.0 * T * w.n_out * w.n_in / mean / 1e12}
+    t["T16_over_T1"] = t["T16"]["us"] / t["T1"]["us"]
+    sweep = {}
+    for T, cfgs in ((1, [(16, 8, 1), (32, 8, 2), (128, 8, 8), (128, 8, 4)]),
+                    (16, [(32, 16, 2), (128, 16, 8), (128, 16, 4)]),
+                    (big, [(32, 16, 2), (128, 16, 8), (64, 8, 4), (128, 8, 4)])):
+        for cfg in cfgs:
+            try:
+                out = torch.empty(T, w.n_out, device=device)
+                got_t = qtile_i8.matmul_tile(w, acts[T], out, config=cfg)
+                eq = bool(torch.equal(bits(got_t), bits(yb[:T])))
+                sec = graph_seconds(lambda: qtile_i8.matmul_tile(w, acts[T], out, config=cfg), 10 if T <= 16 else 3, 1)[0]
+                sweep[f"T{T} {list(cfg)}"] = {"us": sec * 1e6, "bitwise_equal_default": eq}
+            except Exception as e:  # noqa: BLE001
+                sweep[f"T{T} {list(cfg)}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    t["sweep"] = sweep
+    return t
 
 
 def main(argv=None) -> int:
@@ -562,6 +617,14 @@ def main(argv=None) -> int:
                       f"T16 {r['T16']['us']:.1f} us ({r['T16_over_T1']:.2f}x), T{big} {r[f'T{big}']['TOPS']:.1f} TOPS, "
                       f"bitwise vs matmul_ggml {r['bitwise_vs_matmul_ggml']}, alone==in16==in{big} "
                       f"{r['row_alone_equals_row_in_16_and_big']}", flush=True)
+                if "tile" in r:
+                    tr = r["tile"]
+                    print(f"  tile: T1 {tr['T1']['us']:.1f} us {tr['T1']['GBps']:.0f} GB/s, T16 {tr['T16']['us']:.1f} us "
+                          f"({tr['T16_over_T1']:.2f}x), T{big} {tr[f'T{big}']['us']:.1f} us {tr[f'T{big}']['TOPS']:.1f} TOPS, "
+                          f"bitwise vs matmul_ggml {tr['bitwise_vs_matmul_ggml']}, vs reference "
+                          f"{tr['bitwise_vs_reference']}", flush=True)
+                    print("  tile sweep " + ", ".join(f"{k}: {v.get('us', 0):.1f} us {v.get('bitwise_equal_default', v.get('error'))}"
+                                                      for k, v in tr["sweep"].items()), flush=True)
             except Exception as e:  # noqa: BLE001
                 r = {"fmt": fmt, "n_out": n_out, "n_in": n_in, "error": f"{type(e).__name__}: {e}",
                      "trace": traceback.format_exc()[-2000:]}
@@ -628,7 +691,9 @@ def main(argv=None) -> int:
         save()
     if a.lane == "fast":
         rec["ok"] = all(r.get("ok") for r in rec["invariance"]) and all(
-            r.get("row_alone_equals_row_in_16_and_big") and r.get("bitwise_vs_matmul_ggml") for r in rec["speed"])
+            r.get("row_alone_equals_row_in_16_and_big") and r.get("bitwise_vs_matmul_ggml")
+            and (r["tile"]["bitwise_vs_matmul_ggml"] and all(r["tile"]["bitwise_vs_reference"].values())
+                 if "tile" in r else True) for r in rec["speed"])
     elif a.lane == "split":
         rec["ok"] = all(r.get("ok") for r in rec["invariance"]) and bool(rec.get("split")) and all(
             r.get("row_alone_equals_row_in_2_16_and_big") and r.get("bitwise_vs_matmul_ref")
@@ -651,7 +716,9 @@ def main(argv=None) -> int:
                      "bitwise equal to it inside 2, 16 and 512 rows" if a.lane == "split" else
                      "logits of every position bitwise equal decoded alone, verified in blocks, prefilled in "
                      "chunks of any size and stepped beside other sessions; each GEMM shape bitwise equal to "
-                     "matmul_ggml on a row subset and a row alone bitwise equal to it inside 16 and 512 rows"),
+                     "matmul_ggml on a row subset and a row alone bitwise equal to it inside 16 and 512 rows; "
+                     "the K-quant int8 tile (the lane's CUDA path for them) bitwise matmul_ggml on the row subset "
+                     "and bitwise its reference at 1, 16 and 512 rows"),
             "per_case": checked, "skipped": rec["skipped"]}
     receipt = write_receipt(f"kernels-{a.device}", model={"fixtures": "muser.model.synth default widths per dtype; "
                                                              "the full geometry's matvec shapes (random blocks)"},

@@ -7,6 +7,8 @@ instructions by class, then divide by the weights one thread decodes per iterati
     python3 tools/sass_loop.py v3 FMT T [--config BN,NUM_WARPS,PIPE] [--rt 2|4] [--dump]
     python3 tools/sass_loop.py split FMT T [--config ...] [--rows-kernel 0|1] [--dump]
     python3 tools/sass_loop.py gemm FMT T [--config BM,BN,NUM_WARPS] [--dump]   (the any-row GEMM: its unit loop)
+    python3 tools/sass_loop.py tile FMT T [--config BN,BM,NUM_WARPS] [--dump]   (the integer lane's int8 tile:
+                                                                             its super-block loop)
     python3 tools/sass_loop.py attn full|sliding T [--dump]   (the exact pass at depth 32,768)
 
 Used to predict a kernel's issue-bound ceiling before spending GPU time (bench/NOTES.md).
@@ -28,6 +30,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 from triton.tools.disasm import get_sass  # noqa: E402
 
@@ -82,8 +85,9 @@ def compile_like_jit(fn, args, kw):
                     attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[n] = "fp32"
-    k = triton.compile(ASTSource(fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=opts)
+    src = (GluonASTSource(fn, sig, constexprs=consts, attrs=attrs) if isinstance(fn, GluonJITFunction)
+           else ASTSource(fn, signature=sig, constexprs=consts, attrs=attrs))
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     return k, opts
 
 
@@ -140,6 +144,11 @@ def _matmul_launch(a):
         ws, act = mod.pack(w), mod.split_act_ref(x)
         rk = None if a.rows_kernel is None else bool(a.rows_kernel)
         fn, args, kw, grid = capture(lambda: mod.launch_matmul(ws, act, torch.empty(a.T, a.n_out), cfg, rk))
+    elif a.kernel == "tile":
+        from muser.engine.kernels import qmatmul_i8, qtile_i8
+        act = qmatmul_i8.Act(G.Q8_K, torch.zeros(a.T, a.n_in, dtype=torch.int8), torch.zeros(a.T, a.n_in // 256),
+                             torch.zeros(a.T, a.n_in // 32, dtype=torch.int32))
+        fn, args, kw, grid = capture(lambda: qtile_i8.matmul_tile(w, act, torch.empty(a.T, a.n_out), cfg), 0)
     elif a.kernel == "gemm":
         from muser.engine.kernels import qmatvec_v3 as mod
         w3 = mod.pack(w)
@@ -167,7 +176,7 @@ def _attn_call(kind: str, T: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kernel", choices=["v3", "split", "gemm", "attn"])
+    ap.add_argument("kernel", choices=["v3", "split", "gemm", "tile", "attn"])
     ap.add_argument("fmt")
     ap.add_argument("T", type=int)
     ap.add_argument("--n-out", type=int, default=4096)
@@ -201,6 +210,10 @@ def main(argv=None) -> int:
         bm, bn = kw["BM"], kw["BN"]
         print(f"  {len(body) * kw['num_warps'] / (bm * bn):.3f} instructions per product "
               f"(weight x activation row), FFMA {ops['FFMA'] * kw['num_warps'] * 32 / (32 * bm * bn):.3f}")
+    if a.kernel == "tile":  # one loop iteration: one 256-block of BN weight rows, BN / num_warps a warp
+        per_warp = kw["BN"] // kw["num_warps"] * 256
+        print(f"  {len(body) / per_warp:.4f} warp-instructions a weight for {kw['BM']} activation rows "
+              f"(IMMA {ops['IMMA']}, shared memory {k.metadata.shared} B)")
     if a.dump:
         print("\n".join(body))
     return 0

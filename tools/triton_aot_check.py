@@ -179,6 +179,15 @@ def drive(rec: Recorder) -> None:
                 i8.matmul_i8(w, torch.zeros(T, n_in), torch.empty(T, n_out))
         for cfg in ((16, 16, 4, 1), (64, 32, 4, 2), (128, 64, 8, 2)):  # sweep corners (< 227 KB shared)
             i8.matmul_i8(w, torch.zeros(64, n_in), config=cfg)
+    from muser.engine.kernels import qtile_i8 as ti
+    from muser.gguf.types import GgmlType as G
+
+    for fmt in ti.FORMATS:  # the integer lane's K-quant tile: decode, verify, prefill buckets, split and walked chunks
+        for n_in, n_out in ((512, 24), (2560, 136)):
+            w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy()))
+            for T in (1, 16, 17):
+                ti.matmul_tile(w, i8.Act(G.Q8_K, torch.zeros(T, n_in, dtype=torch.int8), torch.zeros(T, n_in // 256),
+                                         torch.zeros(T, n_in // 32, dtype=torch.int32)), torch.empty(T, n_out))
     from muser.engine.kernels import qgemm_split as sg
 
     for fmt in sg.FORMATS:  # the exact lane's K-quant GEMM: the CUDA-core rows, the 16-row and wide tiles
@@ -245,13 +254,18 @@ def main(argv=None) -> int:
         drive(rec)
     finally:
         JITFunction.run = orig
+    # gluon loads only here: its import needs Triton's standard library compiled, not interpreted
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+
     target = GPUTarget("cuda", a.arch, 32)
     results, bad = [], 0
     t0 = time.time()
     for (name, sig, consts, opts), (fn, s, c, o) in rec.launches.items():
         t = time.time()
         try:
-            k = triton.compile(ASTSource(fn, signature=s, constexprs=c), target=target, options=dict(o))
+            src = (GluonASTSource(fn, s, constexprs=c) if isinstance(fn, GluonJITFunction)
+                   else ASTSource(fn, signature=s, constexprs=c))
+            k = triton.compile(src, target=target, options=dict(o))
             meta = getattr(k, "metadata", None)
             r = {"kernel": name, "constexprs": {fn.arg_names[i[0]]: v for i, v in c.items()}, "options": o,
                  "ok": True, "n_regs": getattr(k, "n_regs", None), "shared": getattr(meta, "shared", None),

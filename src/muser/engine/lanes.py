@@ -17,7 +17,9 @@
   `muser.quant.dot.matmul_ggml` bit for bit: the activations are converted to the weight type's
   vec_dot_type (Q8_K per 256 for the K-quants, Q8_0 per 32 for Q8_0/Q4_0/NVFP4), integer block
   sums, per-block float64 terms summed in block order, one f32 rounding (ggml-cpu quants.c
-  ggml_vec_dot_*). CUDA: kernels/qmatmul_i8.py; CPU: dot.matmul_codes over codes built once
+  ggml_vec_dot_*). CUDA: kernels/qtile_i8.py for the K-quants (int8 tensor-core tiles with the
+  operands unpacked in registers; checked bitwise against qmatmul_i8 on the device before it
+  serves), kernels/qmatmul_i8.py for Q8_0/Q4_0; CPU: dot.matmul_codes over codes built once
   from the repacked fields. Each output row depends only on its own input row, so the lane is
   row-invariant by construction. F32/F16/BF16 weights: the activations are rounded to the
   vec_dot_type (f16/bf16 round-to-nearest-even, f32 as is) and the exact lane's fixed-order f32
@@ -196,6 +198,15 @@ class Linear:
         self._cache: dict = {}
         self._cached_bytes = 0
         self._act_memo: tuple | None = None  # (x, x._version, its split activations)
+        # the fast lane's K-quant projections on CUDA: the int8 tile (kernels/qtile_i8.py), checked
+        # bitwise against its reference on this device first (LaneError if it differs)
+        self.tile = False
+        if lane is Lane.FAST and self.cuda:
+            from .kernels import qtile_i8
+
+            self.tile = qtile_i8.available(device)
+            if self.tile:
+                qtile_i8.self_check(str(device))
 
     def stacked_ok(self, T: int, st=None) -> bool:
         """Stacked projections serve this call: on CUDA stacks of the split GEMM's layout
@@ -239,9 +250,9 @@ class Linear:
                                       for t0 in range(0, T, qmatvec.MAX_ROWS)])
                 return self._exact(w, xr)
             if self.cuda:
-                from .kernels import qmatmul_i8  # the integer lane's GEMM (SPEC of dot.py)
+                from .kernels import qmatmul_i8
 
-                return qmatmul_i8.matmul_i8(w, x.contiguous())
+                return self._i8(w, qmatmul_i8.quantize_act(x.contiguous(), dot.VEC_DOT_TYPE[w.fmt]))
             return self._cpu_int(w, x)
         if self.lane is Lane.W4A4 and 1 < T <= qmatvec.MAX_ROWS and "isi" in w.fields:
             from .w4a4 import matmul_w4a4  # book 7.4.3: the verify forward of a W4A4 file
@@ -260,11 +271,22 @@ class Linear:
 
             act = qmatmul_i8.quantize_act(x.contiguous(), dot.VEC_DOT_TYPE[st.groups[0][0].fmt])
             for w, a, b in st.groups:
-                qmatmul_i8.matmul_i8_act(w, act, out=out[:, a:b])
+                self._i8(w, act, out[:, a:b])
             return out
         for w, a, b in st.groups:
             out[:, a:b] = self(w, x)
         return out
+
+    def _i8(self, w: QWeight, act, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fast lane's GEMM on CUDA (the SPEC of dot.matmul_ggml): K-quants through the int8 tile
+        where it serves, other integer formats (and devices without it) through kernels/qmatmul_i8."""
+        from .kernels import qtile_i8
+
+        if self.tile and qtile_i8.supports(w.fmt):
+            return qtile_i8.matmul_tile(w, act, out)
+        from .kernels import qmatmul_i8
+
+        return qmatmul_i8.matmul_i8_act(w, act, out)
 
     def split_act(self, x: torch.Tensor):
         """kernels/qgemm_split.split_act of x, formed once for the projections that read the same

@@ -458,10 +458,17 @@ def matmul_i8_act(w: QWeight, act: Act, out: torch.Tensor | None = None, config=
                              FMT=_CODE[w.fmt], BM=bm, BN=bn, CB=cb, SPLIT=split, num_warps=nw, num_stages=ns,
                              enable_fp_fusion=False)
     if split and nch > 1:
-        rb = 1024
-        _chunk_reduce_kernel[(triton.cdiv(T * N, rb),)](part, out, N, T, out.stride(0), nch, BLOCK=rb, num_warps=4,
-                                                         enable_fp_fusion=False)
+        reduce_chunks(part, out)
     return out
+
+
+def reduce_chunks(part: torch.Tensor, out: torch.Tensor) -> None:
+    """out[t, n] = f32(+0.0 + part[0, t, n] + part[1, t, n] + ...): the chunk sums f64
+    [n_chunks, T, N] of a split call added in chunk order (dot._chunk_sum's second level)."""
+    nch, T, N = part.shape
+    rb = 1024
+    _chunk_reduce_kernel[(triton.cdiv(T * N, rb),)](part, out, N, T, out.stride(0), nch, BLOCK=rb, num_warps=4,
+                                                     enable_fp_fusion=False)
 
 
 def matmul_i8(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
@@ -471,4 +478,4 @@ def matmul_i8(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None, conf
 
 
 __all__ = ["Act", "CONFIGS", "FORMATS", "HAVE_TRITON", "KINDS", "check_config", "config_for", "matmul_i8",
-           "matmul_i8_act", "quantize_act", "supports", "WIDE_BY_FORMAT"]
+           "matmul_i8_act", "quantize_act", "reduce_chunks", "supports", "WIDE_BY_FORMAT"]

@@ -1,0 +1,409 @@
+"""The integer lane's K-quant GEMM on int8 tensor cores with explicit layouts (Triton's gluon):
+y = x @ W^T for Q4_K, Q5_K and Q6_K weights, bit for bit `muser.quant.dot.matmul_ggml`, at any
+number of activation rows (one row is an 8-row tile with 7 idle rows).
+
+Why a second kernel beside kernels/qmatmul_i8.py (its reference, same contract, interpretable):
+there each 32-element sub-block is a `tl.dot` whose weight operand Triton stages through shared
+memory with a barrier, so the one-row call ran at 1.2-2x the exact lane's matvec (bench/NOTES.md,
+"The integer lane on the H200"). Here the codes are read from the engine's repacked fields
+(ggml's own byte order, weights.FIELDS) one 32-bit word per operand register and unpacked in
+registers straight into the m16n8k32 IMMA fragments: no shared memory, no barrier.
+
+Orientation: weights are the mma's M side (BN weight rows a program, 16 a warp per m-tile) and
+activation rows its N side (BM, a multiple of 8), so a decode step wastes 7 of 8 columns of an
+n8 tile instead of 15 of 16 rows.
+
+Why ggml's layout already is the operand layout: an m16n8k32 s8 A fragment gives thread l the
+codes k = 4(l % 4) .. +3 and 16 + 4(l % 4) .. +3 of rows l / 4 and l / 4 + 8, four consecutive
+bytes of a sub-block a register. Q4_K/Q5_K keep sub-block 2c in the low nibbles and 2c + 1 in the
+high nibbles of the same 32 bytes (qs[32c + k]), so one word load gives the thread its register
+for both sub-blocks; Q5_K's fifth bit is bit 2c + h of qh[k], the same word position; Q6_K's
+32-element quarter q of half h reads ql[64h + 32(q % 2) + k] (low or high nibble) and bits 2q of
+qh[32h + k]. Each register is (word >> s) & 0x0F0F0F0F (| the high bits << 4) in PTX; Q6_K's
+code - 32 is a SWAR byte subtraction ((v | 0x80..) - 0x20.. ) ^ 0x80.. (every byte v < 64, so no
+borrow crosses a byte).
+
+Arithmetic (dot.py's, one fixed float order; the integer steps are exact whatever the tiling):
+- Q4_K/Q5_K: isum_j per 32-element sub-block (an IMMA into zeros), sumi = sum_j sc_j isum_j and
+  summ = sum_j m_j bsum32_j in int32 (|sumi| < 2^26, |summ| < 2^21); the block term
+  f64(f32(ad * wd)) * f64(sumi) + f64(f32(-ad * wmin)) * f64(summ), each step rounded once.
+- Q6_K: per 16-element sub-block one IMMA against the activations with the other half loaded as
+  zeros (a masked load; the zeros add nothing), sumi = sum_s sc_s isum_s (|sumi| < 2^28), term
+  f64(f32(ad * wd)) * f64(sumi).
+- The terms are summed in f64 per chunk of dot.CHUNK_ELEMS elements from +0.0 in block order,
+  then the chunks from +0.0 in chunk order, rounded to f32 at the store. Calls of <= SPLIT_ROWS
+  rows give each chunk its own program and add the chunk sums with qmatmul_i8's reduce launch.
+Launched with enable_fp_fusion=False: no multiply and add contract into an FMA.
+
+Gluon has no interpreter: the bits are checked on the GPU against qmatmul_i8 and matmul_ggml
+(tools/device_kernels.py; `self_check` at the fast lane's first CUDA call), the index and
+bit identities on the CPU against dot.codes_from_fields (`codes_ref`, the same operations in
+numpy), and every launch compiles for sm_90 in the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from ...errors import LaneError
+from ...gguf.types import GgmlType as G
+from ...quant.dot import CHUNK_ELEMS
+from ..weights import FIELDS, QWeight
+
+try:  # the explicit-layout API ships with Triton >= 3.5; optional like Triton itself
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    HAVE_GLUON = True
+except (ImportError, AssertionError):  # pragma: no cover - absent, or Triton already loaded interpreted
+    HAVE_GLUON = False
+
+FORMATS = (G.Q4_K, G.Q5_K, G.Q6_K)
+_CODE = {G.Q4_K: 2, G.Q5_K: 3, G.Q6_K: 4}  # qmatmul_i8's FMT numbers
+SPLIT_ROWS = 16  # as qmatmul_i8.SPLIT_ROWS: one program per chunk up to this many rows
+
+# (BN weight rows, BM activation rows, num_warps) per row bucket. BN = 16 x warps (one m-tile a
+# warp); BM 8 serves decode, 16 verify and prefill tiles. From the compiled loop (sm_90 SASS,
+# tools/sass_loop.py tile): Q4_K 0.096 warp-instructions a weight at BM 8 (124 registers), 0.127 at
+# BM 16 (174-206); BM 32 spills (255 registers, local memory). The device sweep overrides through
+# `config`, never the bits.
+CONFIGS: dict[int, tuple[int, int, int]] = {8: (64, 8, 4), 16: (64, 16, 4), 64: (64, 16, 4)}
+
+
+def _bucket(t: int) -> int:
+    return 8 if t <= 8 else 16 if t <= 16 else 64
+
+
+def supports(fmt: G) -> bool:
+    return fmt in FORMATS
+
+
+def available(device: torch.device | str) -> bool:
+    """The tile runs here: gluon importable and a CUDA device of compute capability >= 8.0 (mma.sync
+    s8.s8.s32 m16n8k32)."""
+    dev = torch.device(device)
+    return (HAVE_GLUON and dev.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(dev)[0] >= 8)
+
+
+def check_config(config) -> tuple[int, int, int]:
+    """(BN, BM, num_warps) or ValueError naming it: num_warps a power of two to 8, BN a multiple
+    of 16 x num_warps up to 256, BM a power of two from 8 to 64."""
+    try:
+        bn, bm, nw = (int(v) for v in config)
+    except (TypeError, ValueError):
+        raise ValueError(f"config {config!r}: expected (BN, BM, num_warps)") from None
+    if not (nw in (1, 2, 4, 8) and bm in (8, 16, 32, 64) and 16 * nw <= bn <= 256 and bn % (16 * nw) == 0
+            and bn & (bn - 1) == 0):
+        raise ValueError(f"config {list(config)!r}: num_warps 1, 2, 4 or 8; BN a power of two, a multiple of "
+                         f"16 x num_warps, <= 256; BM 8, 16, 32 or 64")
+    return bn, bm, nw
+
+
+def config_for(rows: int) -> tuple[int, int, int]:
+    return CONFIGS[_bucket(rows)]
+
+
+# ---------------------------------------------------------------------------------------------
+# numpy model of the operand registers (the PTX below, step for step), for the CPU tests
+
+_LO = 0x0F0F0F0F
+
+
+def _words(b: np.ndarray) -> np.ndarray:
+    """u8 [..., 4n] -> u32 [..., n] little-endian words."""
+    return np.ascontiguousarray(b).view(np.uint32)
+
+
+def _bytes(w: np.ndarray) -> np.ndarray:
+    """u32 [..., n] -> the 4n bytes as int8 (the register's four int8 operands)."""
+    return np.ascontiguousarray(w).view(np.int8)
+
+
+def codes_ref(fmt: G, fields: dict[str, np.ndarray], n_in: int) -> np.ndarray:
+    """int8 codes [N, n_in // 16 sub-blocks of 16 (Q6_K) or n_in // 32 of 32, k] as the kernel's
+    registers hold them, built by the register operations the kernel's PTX performs on the words
+    of `fields` (numpy views of the repacked fields): Q4_K/Q5_K codes 0..31, Q6_K code - 32. The
+    tests compare them with dot.codes_from_fields, the contract's codes."""
+    fmt = G(fmt)
+    nb = n_in // 256
+    if fmt in (G.Q4_K, G.Q5_K):
+        qs = _words(fields["qs"]).reshape(-1, nb, 4, 8)  # [N, block, chunk c, word k // 4]
+        if fmt == G.Q5_K:
+            qh = _words(fields["qh"]).reshape(-1, nb, 1, 8)
+        subs = []
+        for c in range(4):
+            for s in range(2):
+                r = (qs[:, :, c] >> np.uint32(4 * s)) & np.uint32(_LO)
+                if fmt == G.Q5_K:
+                    r = r | (((qh[:, :, 0] >> np.uint32(2 * c + s)) & np.uint32(0x01010101)) << np.uint32(4))
+                subs.append(r)
+        return _bytes(np.stack(subs, 2)).reshape(-1, nb * 8, 32)
+    if fmt == G.Q6_K:
+        ql = _words(fields["ql"]).reshape(-1, nb, 2, 2, 8)  # [N, block, half h, g, word]
+        qh = _words(fields["qh"]).reshape(-1, nb, 2, 8)
+        quarters = []
+        for h in range(2):
+            for q in range(4):
+                v = (ql[:, :, h, q % 2] >> np.uint32(4 * (q // 2))) & np.uint32(_LO)
+                v = v | (((qh[:, :, h] >> np.uint32(2 * q)) & np.uint32(0x03030303)) << np.uint32(4))
+                v = ((v | np.uint32(0x80808080)) - np.uint32(0x20202020)) ^ np.uint32(0x80808080)
+                quarters.append(v)
+        return _bytes(np.stack(quarters, 2)).reshape(-1, nb * 16, 16)
+    raise LaneError(f"qtile_i8: no tile for {fmt.name}")
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _nib(words, sh):
+        """int8 operands: byte i = (word >> sh) & 0xF (four codes a register)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t; shr.u32 t, $1, $5; and.b32 $0, t, 0x0F0F0F0F; }",
+            "=r,r,r,r,r,r,r,r,r", [words, sh], dtype=gl.int8, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _as_i8(words):
+        """int8 operands: the four bytes of a word (four activation codes a register)."""
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [words], dtype=gl.int8, is_pure=True,
+                                         pack=4)
+
+    @gluon.jit
+    def _nib5(words, sh, hw, hs):
+        """Q5_K: the low nibble at sh, the fifth bit from the qh word at bit hs (bit 4)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t, u; shr.u32 t, $1, $5; and.b32 t, t, 0x0F0F0F0F; shr.u32 u, $9, $13; "
+            "and.b32 u, u, 0x01010101; shl.b32 u, u, 4; or.b32 $0, t, u; }",
+            "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r", [words, sh, hw, hs], dtype=gl.int8, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _six(words, sh, hw, hs):
+        """Q6_K: (low nibble at sh | two bits of the qh word at hs << 4) - 32 per byte (SWAR)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t, u; shr.u32 t, $1, $5; and.b32 t, t, 0x0F0F0F0F; shr.u32 u, $9, $13; "
+            "and.b32 u, u, 0x03030303; shl.b32 u, u, 4; or.b32 t, t, u; or.b32 t, t, 0x80808080; "
+            "sub.u32 t, t, 0x20202020; xor.b32 $0, t, 0x80808080; }",
+            "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r", [words, sh, hw, hs], dtype=gl.int8, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _byte_of(w0, w1, w2, w3, i: gl.constexpr, SIGNED: gl.constexpr):
+        """Byte i (0..15) of four int32 words [BN] (little-endian), as int32."""
+        if i // 4 == 0:
+            w = w0
+        elif i // 4 == 1:
+            w = w1
+        elif i // 4 == 2:
+            w = w2
+        else:
+            w = w3
+        if SIGNED:
+            return (w << (24 - 8 * (i % 4))) >> 24  # arithmetic shift: int8 sign
+        return (w >> (8 * (i % 4))) & 0xFF
+
+    @gluon.jit
+    def _term(FMT: gl.constexpr, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, K,
+              arow, kw, amask, bptr, bmask, bmask_lo, bmask_hi, srow, snm, stok, stm,
+              BN: gl.constexpr, BM: gl.constexpr, mma: gl.constexpr, la: gl.constexpr):
+        """The float64 term [BN, BM] of 256-block b, formed as dot.py forms it."""
+        nb = K // 256
+        zero = gl.zeros([BN, BM], gl.int32, layout=mma)
+        sumi = gl.zeros([BN, BM], gl.int32, layout=mma)
+        if FMT <= 3:  # Q4_K / Q5_K: w0 qs, w1 d, w2 dmin, w3 sc, w4 m, w5 qh (words)
+            summ = gl.zeros([BN, BM], gl.int32, layout=mma)
+            sc0 = gl.load(w3 + srow * (nb * 2) + b * 2, mask=snm, other=0)  # [BN] sc bytes 0..3
+            sc1 = gl.load(w3 + srow * (nb * 2) + b * 2 + 1, mask=snm, other=0)
+            mn0 = gl.load(w4 + srow * (nb * 2) + b * 2, mask=snm, other=0)
+            mn1 = gl.load(w4 + srow * (nb * 2) + b * 2 + 1, mask=snm, other=0)
+            if FMT == 3:
+                hw = gl.load(w5 + arow * (nb * 8) + b * 8 + kw, mask=amask, other=0)  # [BN, 32]
+            for c in gl.static_range(4):
+                words = gl.load(w0 + arow * (nb * 32) + b * 32 + 8 * c + kw, mask=amask, other=0)  # [BN, 32]
+                for s in gl.static_range(2):
+                    j = 2 * c + s
+                    sh = gl.full([BN, 32], 4 * s, gl.int32, layout=la)
+                    if FMT == 3:
+                        codes = _nib5(words, sh, hw, gl.full([BN, 32], j, gl.int32, layout=la))
+                    else:
+                        codes = _nib(words, sh)
+                    x = _as_i8(gl.load(bptr + b * 64 + 8 * j, mask=bmask, other=0))  # [32, BM] int8
+                    isum = mma_v2(codes, x, zero)  # [BN, BM] exact
+                    scj = _byte_of(sc0, sc1, sc0, sc1, j, False)
+                    mj = _byte_of(mn0, mn1, mn0, mn1, j, False)
+                    bs = gl.load(ab + stok * (K // 32) + b * 8 + j, mask=stm, other=0)  # [BM] int32
+                    sumi = sumi + isum * scj[:, None]
+                    summ = summ + mj[:, None] * bs[None, :]
+            a_d = gl.load(ad + stok * nb + b, mask=stm, other=0.0)  # [BM] f32
+            wd = gl.load(w1 + srow * nb + b, mask=snm, other=0.0).to(gl.float32)  # [BN] f16 -> f32
+            wm = gl.load(w2 + srow * nb + b, mask=snm, other=0.0).to(gl.float32)
+            dd = wd[:, None] * a_d[None, :]  # f32: y.d * fp16(x.d)
+            dm = wm[:, None] * (-a_d)[None, :]  # f32: -y.d * fp16(x.dmin)
+            term = dd.to(gl.float64) * sumi.to(gl.float64) + dm.to(gl.float64) * summ.to(gl.float64)
+        else:  # Q6_K: w0 ql, w1 qh, w2 sc, w3 d (words)
+            s0 = gl.load(w2 + srow * (nb * 4) + b * 4, mask=snm, other=0)  # [BN] sc bytes 0..15
+            s1 = gl.load(w2 + srow * (nb * 4) + b * 4 + 1, mask=snm, other=0)
+            s2 = gl.load(w2 + srow * (nb * 4) + b * 4 + 2, mask=snm, other=0)
+            s3 = gl.load(w2 + srow * (nb * 4) + b * 4 + 3, mask=snm, other=0)
+            for hh in gl.static_range(2):  # 128-element halves
+                hw = gl.load(w1 + arow * (nb * 16) + b * 16 + 8 * hh + kw, mask=amask, other=0)
+                for g in gl.static_range(2):
+                    lw = gl.load(w0 + arow * (nb * 32) + b * 32 + 16 * hh + 8 * g + kw, mask=amask, other=0)
+                    for hi in gl.static_range(2):
+                        qq = g + 2 * hi  # quarter: elements 128 hh + 32 qq + k
+                        codes = _six(lw, gl.full([BN, 32], 4 * hi, gl.int32, layout=la), hw,
+                                     gl.full([BN, 32], 2 * qq, gl.int32, layout=la))
+                        xp = bptr + b * 64 + 32 * hh + 8 * qq
+                        xl = _as_i8(gl.load(xp, mask=bmask_lo, other=0))  # k < 16: sub-block 8 hh + 2 qq
+                        xh = _as_i8(gl.load(xp, mask=bmask_hi, other=0))  # k >= 16: the next
+                        il = mma_v2(codes, xl, zero)
+                        ih = mma_v2(codes, xh, zero)
+                        sl = _byte_of(s0, s1, s2, s3, 8 * hh + 2 * qq, True)
+                        sh_ = _byte_of(s0, s1, s2, s3, 8 * hh + 2 * qq + 1, True)
+                        sumi = sumi + il * sl[:, None]
+                        sumi = sumi + ih * sh_[:, None]
+            a_d = gl.load(ad + stok * nb + b, mask=stm, other=0.0)
+            wd = gl.load(w3 + srow * nb + b, mask=snm, other=0.0).to(gl.float32)
+            dd = wd[:, None] * a_d[None, :]
+            term = dd.to(gl.float64) * sumi.to(gl.float64)
+        return term
+
+    @gluon.jit
+    def _qtile_kernel(aq, ad, ab, y, part, w0, w1, w2, w3, w4, w5, N, K, T, sy,
+                     FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr,
+                     CB: gl.constexpr, SPLIT: gl.constexpr):
+        """y [T, N] f32 (or, SPLIT over several chunks, part [n_chunks, T, N] f64): program (i, j[, c])
+        takes activation rows i*BM.. and weight rows j*BN.. (and chunk c)."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+        m0 = gl.program_id(0) * BM  # activation tiles vary fastest: a weight tile's readers run together (L2)
+        n0 = gl.program_id(1) * BN
+        # the weight operand [BN, 32]: row n, code k in word k // 4 of a sub-block's 32 bytes
+        an = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, la))
+        ak = gl.arange(0, 32, layout=gl.SliceLayout(0, la))
+        amask = (an < N)[:, None] & (ak < 32)[None, :]
+        arow = an.to(gl.int64)[:, None]
+        kw = (ak // 4)[None, :]
+        # the activation operand [32, BM]: element k of a sub-block, activation row t
+        bk = gl.arange(0, 32, layout=gl.SliceLayout(1, lb))
+        bt = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, lb))
+        bok = (bt < T)[None, :]
+        bmask = (bk < 32)[:, None] & bok
+        bmask_lo = (bk < 16)[:, None] & bok
+        bmask_hi = (bk >= 16)[:, None] & bok
+        bptr = aq + bt.to(gl.int64)[None, :] * (K // 4) + (bk // 4)[:, None]  # activation words (4 codes)
+        # per weight row / per activation row vectors of the accumulator's layout
+        sn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        snm = sn < N
+        srow = sn.to(gl.int64)
+        st = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+        stm = st < T
+        stok = st.to(gl.int64)
+        omask = snm[:, None] & stm[None, :]
+        nb = K // 256
+        if SPLIT:
+            c = gl.program_id(2)
+            acc = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
+            for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
+                acc = acc + _term(FMT, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, bptr, bmask,
+                                  bmask_lo, bmask_hi, srow, snm, stok, stm, BN, BM, mma, la)
+            if (nb + CB - 1) // CB == 1:  # +0.0 + acc is acc (acc starts at +0.0, never -0.0)
+                gl.store(y + stok[None, :] * sy + srow[:, None], acc.to(gl.float32), mask=omask)
+            else:
+                gl.store(part + (c * T + stok[None, :]) * N + srow[:, None], acc, mask=omask)
+        else:
+            tot = gl.zeros([BN, BM], gl.float64, layout=mma)
+            for c in range(0, (nb + CB - 1) // CB):
+                acc = gl.zeros([BN, BM], gl.float64, layout=mma)
+                for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
+                    acc = acc + _term(FMT, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, bptr, bmask,
+                                      bmask_lo, bmask_hi, srow, snm, stok, stm, BN, BM, mma, la)
+                tot = tot + acc
+            gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
+
+
+def _need_gluon() -> None:
+    if not HAVE_GLUON:
+        raise RuntimeError("triton.experimental.gluon is not installed")
+
+
+def _word_fields(w: QWeight) -> list[torch.Tensor]:
+    """The fields in FIELDS order as the kernel reads them: byte fields as int32 words (4 bytes a
+    word, row lengths are multiples of 4), d/dmin as stored (f16)."""
+    out = []
+    for k in FIELDS[w.fmt]:
+        t = w.fields[k]
+        out.append(t if t.dtype == torch.float16 else t.view(torch.int32))
+    return out
+
+
+def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """Q8_K activations (qmatmul_i8.Act) [T, K] x K-quant weight [N, K] -> f32 [T, N], bitwise
+    matmul_ggml. `out` may be a column slice of a wider output (unit column stride); `config` =
+    (BN, BM, num_warps) overrides the table (speed only)."""
+    from . import qmatmul_i8
+
+    if w.fmt not in FORMATS:
+        raise LaneError(f"tensor {w.name!r}: {G(w.fmt).name} has no int8 tile (served: "
+                        f"{', '.join(f.name for f in FORMATS)})")
+    qmatmul_i8._check_weight(w)
+    if act.kind != G.Q8_K or act.n_in != w.n_in:
+        raise ValueError(f"tensor {w.name!r} ({G(w.fmt).name}, n_in {w.n_in}) reads Q8_K activations of "
+                         f"{w.n_in} columns, got {G(act.kind).name} [{act.rows}, {act.n_in}]")
+    T, N = act.rows, w.n_out
+    if out is None:
+        out = torch.empty((T, N), dtype=torch.float32, device=act.qs.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (T, N) or out.stride(1) != 1:
+        raise ValueError(f"out {out.dtype} {list(out.shape)} (stride {list(out.stride())}): "
+                         f"need float32 [{T}, {N}] with unit column stride")
+    bn, bm, nw = check_config(config) if config is not None else config_for(T)
+    _need_gluon()
+    ptrs = _word_fields(w)
+    ptrs += [ptrs[0]] * (6 - len(ptrs))  # absent slots repeat the first field (never read)
+    cb = CHUNK_ELEMS // 256
+    nch = -(-(w.n_in // 256) // cb)
+    split = T <= SPLIT_ROWS
+    part = out  # never read unless split over several chunks
+    if split and nch > 1:
+        part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
+    grid = (-(-T // bm), -(-N // bn), nch if split else 1)
+    _qtile_kernel[grid](act.qs.view(torch.int32), act.d, act.bsum32, out, part, *ptrs, N, w.n_in, T, out.stride(0),
+                       FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, num_warps=nw,
+                       enable_fp_fusion=False)
+    if split and nch > 1:
+        qmatmul_i8.reduce_chunks(part, out)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def self_check(device: str) -> None:
+    """The tile against its reference (qmatmul_i8's Triton kernel, the same contract) on this
+    device, once a process, before the fast lane serves a K-quant projection with it: every format
+    at 1, 3, 16 and 40 rows, on a shape with a partial last chunk and a partial last weight tile.
+    LaneError naming the format, the row count and the first differing output if a bit differs
+    (the lane refuses rather than compute with a tile this device or compiler gets wrong)."""
+    from . import qmatmul_i8
+    from ..weights import random_bytes, repack
+
+    g = torch.Generator(device="cpu").manual_seed(7)
+    n_out, n_in = 72, 1280  # 5 blocks: chunks of 4 and 1; 72 rows: a partial 64-row tile
+    for fmt in FORMATS:
+        raw = torch.from_numpy(random_bytes(fmt, n_out, n_in, 11).copy()).to(device)
+        w = repack("selfcheck", fmt, n_out, n_in, raw)
+        for T in (1, 3, 16, 40):
+            x = torch.randn(T, n_in, generator=g).to(device)
+            act = qmatmul_i8.quantize_act(x, G.Q8_K)
+            ref = qmatmul_i8.matmul_i8_act(w, act).view(torch.int32)
+            got = matmul_tile(w, act).view(torch.int32)
+            if not torch.equal(got, ref):
+                t, n = (got != ref).nonzero()[0].tolist()
+                raise LaneError(f"lane 'fast' on {device}: the int8 tile's {fmt.name} output [{t}, {n}] of a "
+                                f"{T}-row call differs from its reference (bits {got[t, n].item():#x} against "
+                                f"{ref[t, n].item():#x}); refusing the tile on this device")
+
+
+__all__ = ["CONFIGS", "FORMATS", "HAVE_GLUON", "available", "check_config", "codes_ref", "config_for",
+           "matmul_tile", "self_check", "supports"]

@@ -1,0 +1,103 @@
+"""The integer lane's int8 tile (kernels/qtile_i8.py) on the CPU: gluon has no interpreter, so
+what can be checked here is checked here, and the bits are checked on the GPU (the tile's
+self-check against qmatmul_i8 at the fast lane's first CUDA call, tools/device_kernels.py against
+matmul_ggml).
+
+- The operand registers: `codes_ref` applies the PTX's word operations (shift, mask, the fifth
+  bit, Q6_K's two high bits and its SWAR "- 32") to the engine's repacked fields, and they must be
+  the contract's codes (dot.codes_from_fields), element for element, sub-block for sub-block.
+- The compiled kernel (sm_90 SASS, tools/sass_loop.py tile): its IMMAs with no shared memory, no
+  barrier and no spill, within the instruction budget the design rests on.
+- The host checks: wrong activations, formats and tilings are refused before any launch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from muser.engine.weights import random_bytes, repack
+from muser.gguf.types import GgmlType as G
+from muser.quant.dot import codes_from_fields
+
+pytest.importorskip("triton")
+qtile_i8 = pytest.importorskip("muser.engine.kernels.qtile_i8")
+from muser.engine.kernels import qmatmul_i8  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _weight(fmt: G, n_out: int = 5, n_in: int = 768, seed: int = 3):
+    raw = random_bytes(fmt, n_out, n_in, seed)
+    return repack("t", fmt, n_out, n_in, torch.from_numpy(raw.copy()))
+
+
+@pytest.mark.parametrize("fmt", [G.Q4_K, G.Q5_K, G.Q6_K])
+def test_operand_registers_hold_the_contracts_codes(fmt):
+    w = _weight(fmt)
+    fields = {k: v.numpy() for k, v in w.fields.items()}
+    want = codes_from_fields(fmt, fields, w.n_in)["q"]  # float32 [S, k, O]
+    got = qtile_i8.codes_ref(fmt, fields, w.n_in)  # int8 [O, S, k]
+    assert got.dtype == np.int8 and got.shape == (w.n_out,) + want.shape[:2]
+    assert np.array_equal(got.astype(np.float32), want.transpose(2, 0, 1))
+    lo, hi = {G.Q4_K: (0, 15), G.Q5_K: (0, 31), G.Q6_K: (-32, 31)}[fmt]
+    assert got.min() >= lo and got.max() <= hi
+    # every code value occurs (random bytes): the bit operations are exercised over the range
+    assert set(np.unique(got).tolist()) == set(range(lo, hi + 1))
+
+
+def test_config_and_inputs_are_refused_before_any_launch():
+    for bad in [(48, 8, 4), (64, 8, 3), (64, 12, 4), (32, 8, 4), (512, 8, 4), "64,8"]:
+        with pytest.raises(ValueError, match="config"):
+            qtile_i8.check_config(bad)
+    assert qtile_i8.check_config((128, 16, 8)) == (128, 16, 8)
+    assert {qtile_i8.config_for(t) for t in (1, 8)} == {qtile_i8.CONFIGS[8]}
+    assert qtile_i8.config_for(9) == qtile_i8.CONFIGS[16] and qtile_i8.config_for(512) == qtile_i8.CONFIGS[64]
+    w = _weight(G.Q4_K)
+    q8 = qmatmul_i8.Act(G.Q8_0, torch.zeros(2, 768, dtype=torch.int8), torch.zeros(2, 24), None)
+    with pytest.raises(ValueError, match="Q8_K activations of 768"):
+        qtile_i8.matmul_tile(w, q8)
+    short = qmatmul_i8.Act(G.Q8_K, torch.zeros(2, 512, dtype=torch.int8), torch.zeros(2, 2),
+                           torch.zeros(2, 16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="768 columns"):
+        qtile_i8.matmul_tile(w, short)
+    act = qmatmul_i8.Act(G.Q8_K, torch.zeros(2, 768, dtype=torch.int8), torch.zeros(2, 3),
+                         torch.zeros(2, 24, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out"):
+        qtile_i8.matmul_tile(w, act, torch.empty(2, 4))
+    from muser.errors import LaneError
+
+    with pytest.raises(LaneError, match="Q8_0 has no int8 tile"):
+        qtile_i8.matmul_tile(_weight(G.Q8_0, n_in=768), act)
+    assert not qtile_i8.available("cpu")
+
+
+def _sass(tmp_path, *args: str) -> tuple[str, str, dict[str, int]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "sass_loop.py"), "tile", *args], env=env,
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    head, ops, budget = p.stdout.strip().splitlines()[:3]
+    counts = {o.split(":")[0]: int(o.split(":")[1]) for o in ops.strip().split(", ")}
+    return head + budget, ops, counts
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fmt,rows,imma,limit", [("Q4_K", "1", 8, 0.1), ("Q6_K", "1", 16, 0.13),
+                                                 ("Q5_K", "16", 16, 0.16), ("Q4_K", "512", 16, 0.135)])
+def test_tile_loop_unpacks_operands_in_registers(tmp_path, fmt, rows, imma, limit):
+    """A 256-block of the tile's loop as compiled for sm_90: per m-tile of a warp one IMMA per 32
+    codes (Q6_K: per 16) and n-tile, the operands straight from 32-bit loads (no shared memory, no
+    barrier), no local memory, within the warp-instruction budget a weight that keeps a decode
+    under the weight stream (bench/NOTES.md: ~0.1 a weight is ~2.7 ms a token of the 28 G)."""
+    head, ops, counts = _sass(tmp_path, fmt, rows)
+    assert counts.get("IMMA") == imma, ops
+    assert not {"BAR", "LDS", "STS", "LDL", "STL"} & set(counts), ops
+    assert "shared=0" in head and "local=False" in head, head
+    assert float(head.split("  ")[-1].split()[0]) <= limit, head
