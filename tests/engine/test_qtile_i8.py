@@ -101,3 +101,64 @@ def test_tile_loop_unpacks_operands_in_registers(tmp_path, fmt, rows, imma, limi
     assert not {"BAR", "LDS", "STS", "LDL", "STL"} & set(counts), ops
     assert "shared=0" in head and "local=False" in head, head
     assert float(head.split("  ")[-1].split()[0]) <= limit, head
+
+
+_LAYOUT_SCRIPT = '''
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+
+@gluon.jit
+def operands(x, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    gl.static_print(gl.to_linear_layout(gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4), [BN, 32]))
+    gl.static_print(gl.to_linear_layout(gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4), [32, BM]))
+
+
+for cfg in sys.argv[1:]:
+    bn, bm, nw = (int(v) for v in cfg.split(","))
+    print("config", cfg, flush=True)
+    src = GluonASTSource(operands, {"x": "*i8", "BN": "constexpr", "BM": "constexpr", "NW": "constexpr"},
+                         constexprs={(1,): bn, (2,): bm, (3,): nw})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_register_of_four_int8_operands_is_one_word(tmp_path):
+    """The inline PTX takes four operands at a time (pack=4) and treats them as one 32-bit word of
+    ggml's bytes: that holds only if a thread's registers 0-3 of each group are four consecutive k
+    of one weight row (A) or activation row (B). The operand layouts as Triton lays them out
+    (linear layouts, compiled for sm_90) for every shipped and swept tiling: register bases k+1,
+    k+2 first, lanes over k in steps of 4 and 8 (the m16n8k32 fragment), warps over weight rows
+    only (each warp its own rows; activations shared)."""
+    script = tmp_path / "layouts.py"
+    script.write_text(_LAYOUT_SCRIPT)
+    cfgs = sorted({*qtile_i8.CONFIGS.values(), (16, 8, 1), (32, 8, 2), (128, 8, 8), (128, 16, 8), (32, 16, 2)})
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    p = subprocess.run([sys.executable, str(script), *(",".join(map(str, c)) for c in cfgs)], env=env,
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    import ast
+    import re
+
+    def bases(line: str) -> dict:
+        return {k: ast.literal_eval(re.search(k + r"=(\[(?:\[[-\d, ]*\](?:, )?)*\])", line).group(1))
+                for k in ("reg_bases", "lane_bases", "warp_bases")}
+
+    lines = p.stdout.splitlines()
+    heads = [i for i, ln in enumerate(lines) if ln.startswith("config ")]
+    assert len(heads) == len(cfgs), p.stdout[-3000:]
+    for i in heads:
+        cfg, a, b = lines[i], bases(lines[i + 1]), bases(lines[i + 2])
+        ra, la, wa = a["reg_bases"], a["lane_bases"], a["warp_bases"]  # A [BN, k]
+        assert ra[:2] == [[0, 1], [0, 2]] and la[:2] == [[0, 4], [0, 8]], (cfg, ra, la)
+        assert [0, 16] in ra and all(w[1] == 0 for w in wa), (cfg, ra, wa)
+        rb, lb, wb = b["reg_bases"], b["lane_bases"], b["warp_bases"]  # B [k, BM]
+        assert rb[:2] == [[1, 0], [2, 0]] and lb[:2] == [[4, 0], [8, 0]], (cfg, rb, lb)
+        assert [16, 0] in rb and all(w == [0, 0] for w in wb), (cfg, rb, wb)
