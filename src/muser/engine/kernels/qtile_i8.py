@@ -36,9 +36,10 @@ Arithmetic (dot.py's, one fixed float order; the integer steps are exact whateve
 Launched with enable_fp_fusion=False: no multiply and add contract into an FMA.
 
 Gluon has no interpreter: the bits are checked on the GPU against qmatmul_i8 and matmul_ggml
-(tools/device_kernels.py; `self_check` at the fast lane's first CUDA call), the index and
+(tools/device_kernels.py; `self_check` when the fast lane is set up on a GPU), the index and
 bit identities on the CPU against dot.codes_from_fields (`codes_ref`, the same operations in
-numpy), and every launch compiles for sm_90 in the tests.
+numpy), the operand layouts Triton assigns (four consecutive k of one row a register group: one
+word) and every launch compiling for sm_90 in the tests.
 """
 
 from __future__ import annotations
