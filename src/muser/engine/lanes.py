@@ -200,13 +200,13 @@ class Linear:
         self._act_memo: tuple | None = None  # (x, x._version, its split activations)
         # the fast lane's K-quant projections on CUDA: the int8 tile (kernels/qtile_i8.py), checked
         # bitwise against its reference on this device first (LaneError if it differs)
-        self.tile = False
+        self.tile_formats: tuple[G, ...] = ()
         if lane is Lane.FAST and self.cuda:
             from .kernels import qtile_i8
 
-            self.tile = qtile_i8.available(device)
-            if self.tile:
+            if qtile_i8.available(device):
                 qtile_i8.self_check(str(device))
+                self.tile_formats = qtile_i8.FORMATS
 
     def stacked_ok(self, T: int, st=None) -> bool:
         """Stacked projections serve this call: on CUDA stacks of the split GEMM's layout
@@ -280,9 +280,9 @@ class Linear:
     def _i8(self, w: QWeight, act, out: torch.Tensor | None = None) -> torch.Tensor:
         """The fast lane's GEMM on CUDA (the SPEC of dot.matmul_ggml): K-quants through the int8 tile
         where it serves, other integer formats (and devices without it) through kernels/qmatmul_i8."""
-        from .kernels import qtile_i8
+        if w.fmt in self.tile_formats:
+            from .kernels import qtile_i8
 
-        if self.tile and qtile_i8.supports(w.fmt):
             return qtile_i8.matmul_tile(w, act, out)
         from .kernels import qmatmul_i8
 

@@ -425,11 +425,10 @@ def _check_weight(w: QWeight) -> None:
             raise ValueError(f"tensor {w.name!r}: field {k!r} is {got}; need contiguous [{w.n_out}, ...]")
 
 
-def matmul_i8_act(w: QWeight, act: Act, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
-    """Quantized activations [T, K] x weight [N, K] -> f32 [T, N] (y = x @ W^T), bitwise
-    matmul_ggml. `out` may be a column slice of a wider output (unit column stride);
-    `config` = (BM, BN, num_warps, num_stages) overrides the table (speed only)."""
-    _need_triton()
+def check_call(w: QWeight, act: Act, out: torch.Tensor | None) -> torch.Tensor:
+    """The integer GEMMs' arguments checked before any launch (ValueError naming the value): the
+    weight's fields, activations in its vec_dot_type and width, `out` f32 [T, N] with unit column
+    stride (a column slice of a wider output allowed). Returns `out`, allocated when None."""
     _check_weight(w)
     want = VEC_DOT_TYPE[w.fmt]
     if act.kind != want or act.n_in != w.n_in:
@@ -437,10 +436,20 @@ def matmul_i8_act(w: QWeight, act: Act, out: torch.Tensor | None = None, config=
                          f"of {w.n_in} columns, got {G(act.kind).name} [{act.rows}, {act.n_in}]")
     T, N = act.rows, w.n_out
     if out is None:
-        out = torch.empty((T, N), dtype=torch.float32, device=act.qs.device)
-    elif out.dtype != torch.float32 or tuple(out.shape) != (T, N) or out.stride(1) != 1:
+        return torch.empty((T, N), dtype=torch.float32, device=act.qs.device)
+    if out.dtype != torch.float32 or tuple(out.shape) != (T, N) or out.stride(1) != 1:
         raise ValueError(f"out {out.dtype} {list(out.shape)} (stride {list(out.stride())}): "
                          f"need float32 [{T}, {N}] with unit column stride")
+    return out
+
+
+def matmul_i8_act(w: QWeight, act: Act, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """Quantized activations [T, K] x weight [N, K] -> f32 [T, N] (y = x @ W^T), bitwise
+    matmul_ggml. `out` may be a column slice of a wider output (unit column stride);
+    `config` = (BM, BN, num_warps, num_stages) overrides the table (speed only)."""
+    _need_triton()
+    out = check_call(w, act, out)
+    T, N = act.rows, w.n_out
     bm, bn, nw, ns = check_config(config) if config is not None else config_for(T, G(w.fmt))
     f = w.fields
     ptrs = [f[k] for k in FIELDS[w.fmt]]
@@ -477,5 +486,5 @@ def matmul_i8(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None, conf
     return matmul_i8_act(w, quantize_act(x, VEC_DOT_TYPE[w.fmt]), out, config)
 
 
-__all__ = ["Act", "CONFIGS", "FORMATS", "HAVE_TRITON", "KINDS", "check_config", "config_for", "matmul_i8",
+__all__ = ["Act", "CONFIGS", "FORMATS", "HAVE_TRITON", "KINDS", "check_call", "check_config", "config_for", "matmul_i8",
            "matmul_i8_act", "quantize_act", "reduce_chunks", "supports", "WIDE_BY_FORMAT"]

@@ -350,16 +350,8 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None) -
     if w.fmt not in FORMATS:
         raise LaneError(f"tensor {w.name!r}: {G(w.fmt).name} has no int8 tile (served: "
                         f"{', '.join(f.name for f in FORMATS)})")
-    qmatmul_i8._check_weight(w)
-    if act.kind != G.Q8_K or act.n_in != w.n_in:
-        raise ValueError(f"tensor {w.name!r} ({G(w.fmt).name}, n_in {w.n_in}) reads Q8_K activations of "
-                         f"{w.n_in} columns, got {G(act.kind).name} [{act.rows}, {act.n_in}]")
+    out = qmatmul_i8.check_call(w, act, out)
     T, N = act.rows, w.n_out
-    if out is None:
-        out = torch.empty((T, N), dtype=torch.float32, device=act.qs.device)
-    elif out.dtype != torch.float32 or tuple(out.shape) != (T, N) or out.stride(1) != 1:
-        raise ValueError(f"out {out.dtype} {list(out.shape)} (stride {list(out.stride())}): "
-                         f"need float32 [{T}, {N}] with unit column stride")
     bn, bm, nw = check_config(config) if config is not None else config_for(T)
     _need_gluon()
     ptrs = _word_fields(w)
