@@ -408,9 +408,7 @@ def _packed(p, x: torch.Tensor) -> torch.Tensor:
     either way (the GEMM runs the matvec's operations in its order)."""
     from .kernels import qmatvec_v3
 
-    if x.shape[0] <= SLICED_ROWS:
-        return _sliced(lambda xs, out: qmatvec_v3.project(p, xs, out), x, p.n_out)
-    return qmatvec_v3.gemm_v3(p, x.contiguous())
+    return _sliced(lambda xs, out: qmatvec_v3.project(p, xs, out), x, p.n_out)
 
 
 def _is_split(packed) -> bool:
