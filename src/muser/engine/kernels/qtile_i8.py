@@ -93,22 +93,18 @@ def available(device: torch.device | str) -> bool:
             and torch.cuda.get_device_capability(dev)[0] >= 8)
 
 
-def check_config(config) -> tuple[int, ...]:
-    """(BN, BM, num_warps[, unroll]) or ValueError naming it: num_warps a power of two to 8, BN a
-    multiple of 16 x num_warps up to 256, BM a power of two from 8 to 64, unroll 0 or 1 (1: a
-    chunk's blocks unrolled, so their loads can be in flight together; the bits never change)."""
+def check_config(config) -> tuple[int, int, int]:
+    """(BN, BM, num_warps) or ValueError naming it: num_warps a power of two to 8, BN a multiple
+    of 16 x num_warps up to 256, BM a power of two from 8 to 64."""
     try:
-        vals = tuple(int(v) for v in config)
-        if len(vals) not in (3, 4):
-            raise ValueError
+        bn, bm, nw = (int(v) for v in config)
     except (TypeError, ValueError):
-        raise ValueError(f"config {config!r}: expected (BN, BM, num_warps[, unroll])") from None
-    bn, bm, nw = vals[:3]
+        raise ValueError(f"config {config!r}: expected (BN, BM, num_warps)") from None
     if not (nw in (1, 2, 4, 8) and bm in (8, 16, 32, 64) and 16 * nw <= bn <= 256 and bn % (16 * nw) == 0
-            and bn & (bn - 1) == 0 and vals[3:] in ((), (0,), (1,))):
+            and bn & (bn - 1) == 0):
         raise ValueError(f"config {list(config)!r}: num_warps 1, 2, 4 or 8; BN a power of two, a multiple of "
-                         f"16 x num_warps, <= 256; BM 8, 16, 32 or 64; unroll 0 or 1")
-    return vals
+                         f"16 x num_warps, <= 256; BM 8, 16, 32 or 64")
+    return bn, bm, nw
 
 
 def config_for(rows: int) -> tuple[int, int, int]:
@@ -280,7 +276,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _qtile_kernel(aq, ad, ab, y, part, w0, w1, w2, w3, w4, w5, N, K, T, sy,
                      FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr,
-                     CB: gl.constexpr, SPLIT: gl.constexpr, UNROLL: gl.constexpr):
+                     CB: gl.constexpr, SPLIT: gl.constexpr):
         """y [T, N] f32 (or, SPLIT over several chunks, part [n_chunks, T, N] f64): program (i, j[, c])
         takes activation rows i*BM.. and weight rows j*BN.. (and chunk c)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -314,15 +310,9 @@ if HAVE_GLUON:
         if SPLIT:
             c = gl.program_id(2)
             acc = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
-            if UNROLL:  # a past-the-end block reads the last one and adds +0.0: acc, never -0.0, is unchanged
-                for i in gl.static_range(CB):
-                    t_ = _term(FMT, gl.minimum(c * CB + i, nb - 1), aq, ad, ab, w0, w1, w2, w3, w4, w5, K, arow,
-                               kw, amask, bptr, bmask, bmask_lo, bmask_hi, srow, snm, stok, stm, BN, BM, mma, la)
-                    acc = acc + gl.where(c * CB + i < nb, t_, 0.0)
-            else:
-                for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
-                    acc = acc + _term(FMT, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, bptr, bmask,
-                                      bmask_lo, bmask_hi, srow, snm, stok, stm, BN, BM, mma, la)
+            for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
+                acc = acc + _term(FMT, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, bptr, bmask,
+                                  bmask_lo, bmask_hi, srow, snm, stok, stm, BN, BM, mma, la)
             if (nb + CB - 1) // CB == 1:  # +0.0 + acc is acc (acc starts at +0.0, never -0.0)
                 gl.store(y + stok[None, :] * sy + srow[:, None], acc.to(gl.float32), mask=omask)
             else:
@@ -331,15 +321,9 @@ if HAVE_GLUON:
             tot = gl.zeros([BN, BM], gl.float64, layout=mma)
             for c in range(0, (nb + CB - 1) // CB):
                 acc = gl.zeros([BN, BM], gl.float64, layout=mma)
-                if UNROLL:
-                    for i in gl.static_range(CB):
-                        t_ = _term(FMT, gl.minimum(c * CB + i, nb - 1), aq, ad, ab, w0, w1, w2, w3, w4, w5, K, arow,
-                                   kw, amask, bptr, bmask, bmask_lo, bmask_hi, srow, snm, stok, stm, BN, BM, mma, la)
-                        acc = acc + gl.where(c * CB + i < nb, t_, 0.0)
-                else:
-                    for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
-                        acc = acc + _term(FMT, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, bptr,
-                                          bmask, bmask_lo, bmask_hi, srow, snm, stok, stm, BN, BM, mma, la)
+                for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
+                    acc = acc + _term(FMT, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, bptr, bmask,
+                                      bmask_lo, bmask_hi, srow, snm, stok, stm, BN, BM, mma, la)
                 tot = tot + acc
             gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
 
@@ -370,7 +354,7 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None) -
                         f"{', '.join(f.name for f in FORMATS)})")
     out = qmatmul_i8.check_call(w, act, out)
     T, N = act.rows, w.n_out
-    bn, bm, nw, *unroll = check_config(config) if config is not None else config_for(T)
+    bn, bm, nw = check_config(config) if config is not None else config_for(T)
     _need_gluon()
     ptrs = _word_fields(w)
     ptrs += [ptrs[0]] * (6 - len(ptrs))  # absent slots repeat the first field (never read)
@@ -382,7 +366,7 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None) -
         part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
     grid = (-(-T // bm), -(-N // bn), nch if split else 1)
     _qtile_kernel[grid](act.qs.view(torch.int32), act.d, act.bsum32, out, part, *ptrs, N, w.n_in, T, out.stride(0),
-                       FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, UNROLL=bool(unroll and unroll[0]), num_warps=nw,
+                       FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, num_warps=nw,
                        enable_fp_fusion=False)
     if split and nch > 1:
         qmatmul_i8.reduce_chunks(part, out)
