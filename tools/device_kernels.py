@@ -8,8 +8,8 @@ both K/V types, a synthetic model (muser.model.synth, default widths, 80 positio
 ring wraps) on the engine's device; the logits of every position decoded alone are compared
 bitwise with the same positions verified in blocks of 2, 7 and 16, prefilled in chunks of 1, 5 and
 16 (every call <= 16 rows: the matvec family), and stepped in one Engine.step beside three other
-sessions, and prefilled in chunks of 33 and 64 (on CUDA 33 rows run the matvec in 16-row slices
-up to lanes.SLICED_ROWS, 64 the any-row GEMM qmatvec_v3.gemm_v3; both are asserted bitwise).
+sessions, and prefilled in chunks of 33 and 64 (on CUDA the matvec in 16-row slices; both are
+asserted bitwise).
 
 Part 2, speed: each K-quant shape of the full geometry's launches through the split GEMM
 (kernels/qgemm_split.py, `split_case`: bitwise against its reference, a row alone against the same
@@ -20,12 +20,9 @@ table's keys), random valid blocks, timed at 1, 2, 4, 8 and 16 rows through a CU
 launches (warm-up, 5 repetitions, mean and CV), achieved GB/s of the weight bytes, and one row
 alone against the same row inside a 16-row launch (bitwise); then each tiling of SWEEP at 1 and 16
 rows (graph-timed), the winners whose outputs are bitwise the default tiling's written as
-DIR/v3_tuning.json (the shipped table's form). Each packed shape also runs the any-row GEMM
-(qmatvec_v3.gemm_v3): its 16 rows and the first 16 of a 512-row call bitwise equal to the matvec's
-16 rows (`gemm_rows_equal_matvec`), timed at 16, 48 and 512 rows (TFLOP/s beside GB/s); on the
-GEMM_SWEEP_SHAPES each tiling of GEMM_SWEEP at 16 and 512 rows, bits compared. Then, informational
-(exact lane, CUDA), the explicit-layout int8 tile of tools/sass_gluon_tile.py: its outputs against
-an exact product and its GB/s beside a device copy.
+DIR/v3_tuning.json (the shipped table's form). Then, informational (exact lane, CUDA), the
+explicit-layout int8 tile of tools/sass_gluon_tile.py: its outputs against an exact product and
+its GB/s beside a device copy.
 
 With --lane fast, part 1 runs the integer lane's engines (every format it serves on the device)
 and part 2 times the integer GEMM (kernels/qmatmul_i8.py) at 1, 16, 64 and 512 rows, each shape's
@@ -210,56 +207,6 @@ def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool, b
                 except Exception as e:  # noqa: BLE001
                     sweep[str(list(cfg))] = {"error": f"{type(e).__name__}: {e}"[:300]}
             r[f"T{T}_sweep"] = sweep
-    if w.packed is not None:
-        r.update(gemm_part(w.packed, x, y16, nbytes, device, smoke, sweep=(fmt_name, n_out, n_in) in GEMM_SWEEP_SHAPES))
-    return r
-
-
-# (BM, BN, num_warps) of the any-row GEMM timed per row count (qmatvec_v3.check_gemm_config; the
-# compiled loops' registers and instructions a product: tools/sass_loop.py gemm)
-GEMM_SWEEP = {16: ((16, 16, 2), (16, 32, 2), (16, 64, 4)),
-              512: ((32, 64, 4), (64, 32, 8), (64, 16, 4), (32, 32, 4))}
-GEMM_SWEEP_SHAPES = (("Q4_K", 39936, 6656), ("Q6_K", 6656, 19968), ("Q5_K", 202048, 6656))
-
-
-def gemm_part(p, x, y16, nbytes: int, device: str, smoke: bool, sweep: bool) -> dict:
-    """The any-row GEMM over packed weight p: bits against the matvec's 16 rows y16 (x [16, n_in]),
-    alone and as the first rows of a wide call, then its time at 16, 48 and the wide call's rows
-    (default tilings) and, with `sweep`, GEMM_SWEEP's tilings."""
-    import numpy as np
-    import torch
-
-    from muser.engine.kernels import qmatvec_v3
-
-    big = 64 if smoke else 512
-    g = torch.Generator(device="cpu").manual_seed(2)
-    xb = torch.randn(big, p.n_in, generator=g).to(device)
-    xb[:16] = x
-    yb = qmatvec_v3.gemm_v3(p, xb)
-    same16 = bool(torch.equal(qmatvec_v3.gemm_v3(p, x).view(torch.int32), y16.view(torch.int32)))
-    r: dict = {"gemm_rows_equal_matvec": same16 and bool(torch.equal(yb[:16].view(torch.int32), y16.view(torch.int32)))}
-    for T in (16, 48, big):
-        xt, out = xb[:T].contiguous(), torch.empty(T, p.n_out, device=device)
-        samples = call_seconds(lambda: qmatvec_v3.gemm_v3(p, xt, out), device, 20 if T <= 64 else 3)
-        mean = float(np.mean(samples))
-        r[f"gemm_T{T}"] = {"us": mean * 1e6, "cv": float(np.std(samples) / mean) if len(samples) > 1 else None,
-                           "samples_s": samples, "GBps": nbytes / mean / 1e9,
-                           "TFLOPs": 2.0 * T * p.n_out * p.n_in / mean / 1e12, "config": list(
-                               qmatvec_v3.GEMM_CONFIG[16 if T <= 16 else 64])}
-    if sweep and device == "cuda":  # tilings change speed only: each compared with the default's bits
-        for T, cfgs in GEMM_SWEEP.items():
-            res = {}
-            ref = yb[:T] if T > 16 else y16
-            xt, out = xb[:T].contiguous(), torch.empty(T, p.n_out, device=device)
-            for cfg in cfgs:
-                try:
-                    got = qmatvec_v3.gemm_v3(p, xt, out, config=cfg)
-                    same = bool(torch.equal(got.view(torch.int32), ref.view(torch.int32)))
-                    sec = graph_seconds(lambda: qmatvec_v3.gemm_v3(p, xt, out, config=cfg), 20 if T <= 64 else 3, 1)[0]
-                    res[str(list(cfg))] = {"us": sec * 1e6, "bitwise_equal_default": same}
-                except Exception as e:  # noqa: BLE001
-                    res[str(list(cfg))] = {"error": f"{type(e).__name__}: {e}"[:300]}
-            r[f"gemm_T{T}_sweep"] = res
     return r
 
 
@@ -277,16 +224,13 @@ SWEEP = {
 
 def tuning_table(speed: list[dict]) -> list[dict]:
     """The sweep's winner per (format, row bucket, shape): v3_tuning.json's entries, only from
-    configs whose outputs were bitwise those of the default tiling. Where the any-row GEMM's rows
-    were bitwise the matvec's and its fastest 16-row tiling beat the matvec's 16-row winner (or,
-    unswept, its default), an entry with "path": "gemm" routes that shape's 9..16-row calls to it."""
+    configs whose outputs were bitwise those of the default tiling."""
+    from muser.engine.kernels.qmatvec_v3 import rows_per_program
+    from muser.gguf.types import GgmlType as G
+
     table = []
     for r in speed:
-        mv16 = r.get("T16", {}).get("us")
         for T in SWEEP:
-            from muser.engine.kernels.qmatvec_v3 import rows_per_program
-            from muser.gguf.types import GgmlType as G
-
             ok = {c: v["us"] for c, v in r.get(f"T{T}_sweep", {}).items() if v.get("bitwise_equal_default")
                   and json.loads(c)[3:] in ([], [rows_per_program(G[r["fmt"]], T)])}
             if ok:
@@ -294,20 +238,6 @@ def tuning_table(speed: list[dict]) -> list[dict]:
                 table.append({"fmt": r["fmt"], "rows": T, "n_out": r["n_out"], "n_in": r["n_in"],
                               "config": json.loads(best)[:3],
                               "us": round(ok[best], 1)})
-                if T == 16:
-                    mv16 = ok[best]
-        if r.get("gemm_rows_equal_matvec") and mv16 is not None:
-            cands = {}
-            if "gemm_T16" in r:
-                cands[json.dumps(r["gemm_T16"]["config"])] = r["gemm_T16"]["us"]
-            for c, v in r.get("gemm_T16_sweep", {}).items():
-                if v.get("bitwise_equal_default"):
-                    cands[json.dumps(json.loads(c))] = v["us"]
-            if cands:
-                best = min(cands, key=cands.__getitem__)
-                if cands[best] < mv16:
-                    table.append({"fmt": r["fmt"], "rows": 16, "n_out": r["n_out"], "n_in": r["n_in"],
-                                  "config": json.loads(best), "path": "gemm", "us": round(cands[best], 1)})
     return table
 
 
@@ -666,14 +596,6 @@ def main(argv=None) -> int:
             if "T16_sweep" in r:
                 print("  T16 sweep " + ", ".join(f"{k}: {v.get('us', 0):.1f} us {v.get('bitwise_equal_default', v.get('error'))}"
                                                  for k, v in r["T16_sweep"].items()), flush=True)
-            if "gemm_rows_equal_matvec" in r:
-                print("  gemm " + ", ".join(f"T{k[6:]} {v['us']:.1f} us {v['TFLOPs']:.1f} TFLOP/s" for k, v in r.items()
-                                            if k.startswith("gemm_T") and not k.endswith("sweep"))
-                      + f", rows equal the matvec's {r['gemm_rows_equal_matvec']}", flush=True)
-                for k in ("gemm_T16_sweep", "gemm_T512_sweep"):
-                    if k in r:
-                        print(f"  {k} " + ", ".join(f"{c}: {v.get('us', 0):.1f} us {v.get('bitwise_equal_default', v.get('error'))}"
-                                                    for c, v in r[k].items()), flush=True)
         except Exception as e:  # noqa: BLE001
             r = {"fmt": fmt, "n_out": n_out, "n_in": n_in, "error": f"{type(e).__name__}: {e}",
                  "trace": traceback.format_exc()[-2000:]}
@@ -721,7 +643,7 @@ def main(argv=None) -> int:
             and r.get("split_act_bitwise_vs_ref") for r in rec.get("split", []))
     else:
         rec["ok"] = all(r.get("ok") for r in rec["invariance"]) and all(
-            r.get("row_alone_equals_row_in_16") and r.get("gemm_rows_equal_matvec", True) for r in rec["speed"])
+            r.get("row_alone_equals_row_in_16") for r in rec["speed"])
     save()
     from muser.bench.receipt import device_description, write_receipt
 
@@ -729,7 +651,7 @@ def main(argv=None) -> int:
     gate = {"status": ("partial" if rec["skipped"] else "pass") if rec["ok"] else "fail",
             "rule": ("logits of every position bitwise equal decoded alone, verified in blocks, prefilled in "
                      "chunks of any size and stepped beside other sessions; each matvec shape's row alone bitwise "
-                     "equal to it inside 16 rows, and the any-row GEMM's rows bitwise the matvec's"
+                     "equal to it inside 16 rows"
                      if a.lane == "exact" else
                      "logits of every position bitwise equal decoded alone, verified in blocks, prefilled in "
                      "chunks of any size and stepped beside other sessions; each split GEMM shape bitwise equal to "

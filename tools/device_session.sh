@@ -34,8 +34,7 @@
 #            its time in nv.done and logs/fixture-<mix>.log)
 #   kernels  python3 tools/device_kernels.py --out ...: row invariance on CUDA (every format, both
 #            K/V types) and each full-geometry matvec shape timed at 1..16 rows, the 1- and
-#            16-row tilings swept (the winners written as kernels/v3_tuning.json), the any-row GEMM's bits
-#            against the matvec's and its time at 16/48/512 rows (tilings swept on three shapes); DIR/qmatvec_v3_before.py,
+#            16-row tilings swept (the winners written as kernels/v3_tuning.json); DIR/qmatvec_v3_before.py,
 #            when carried, an earlier matvec module whose 4- and 16-row calls are timed beside, 320 s
 #   gate     Gate 2 at full width, 4 layers (tools/device_gate_wide.py), f16 K/V, Q4_K mix: the
 #            receipt the speed stage is gated by; in the background from t = 0 (CPU-bound oracle),

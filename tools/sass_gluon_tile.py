@@ -8,8 +8,8 @@ The weight words are laid out for the operand: per output column n and 32-elemen
 int32 words; word t holds the codes of k = 4t .. 4t + 3 in its low nibbles (byte order) and of
 k = 16 + 4t .. 16 + 4t + 3 in its high nibbles, which are exactly the two registers a thread
 holds of an m16n8k32 B fragment. So a word is one 4-byte load and three instructions (shift, two
-ands) to two IMMA operand registers, with no shared-memory round trip (bench/NOTES.md, "The
-any-row GEMM", the next step).
+ands) to two IMMA operand registers, with no shared-memory round trip (bench/NOTES.md, "Verify
+at decode cost needs tensor cores").
 
     python3 tools/sass_gluon_tile.py [--bm 16] [--bn 64] [--bk 64] [--warps 4] [--scaled] [--dump]
 

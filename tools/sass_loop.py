@@ -6,7 +6,6 @@ instructions by class, then divide by the weights one thread decodes per iterati
 
     python3 tools/sass_loop.py v3 FMT T [--config BN,NUM_WARPS,PIPE] [--rt 2|4] [--dump]
     python3 tools/sass_loop.py split FMT T [--config ...] [--rows-kernel 0|1] [--dump]
-    python3 tools/sass_loop.py gemm FMT T [--config BM,BN,NUM_WARPS] [--dump]   (the any-row GEMM: its unit loop)
     python3 tools/sass_loop.py tile FMT T [--config BN,BM,NUM_WARPS] [--dump]   (the integer lane's int8 tile:
                                                                              its super-block loop)
     python3 tools/sass_loop.py attn full|sliding T [--dump]   (the exact pass at depth 32,768)
@@ -149,10 +148,6 @@ def _matmul_launch(a):
         act = qmatmul_i8.Act(G.Q8_K, torch.zeros(a.T, a.n_in, dtype=torch.int8), torch.zeros(a.T, a.n_in // 256),
                              torch.zeros(a.T, a.n_in // 32, dtype=torch.int32))
         fn, args, kw, grid = capture(lambda: qtile_i8.matmul_tile(w, act, torch.empty(a.T, a.n_out), cfg), 0)
-    elif a.kernel == "gemm":
-        from muser.engine.kernels import qmatvec_v3 as mod
-        w3 = mod.pack(w)
-        fn, args, kw, grid = capture(lambda: mod.gemm_v3(w3, x, torch.empty(a.T, a.n_out), config=cfg))
     else:
         from muser.engine.kernels import qmatvec_v3 as mod
         w3 = mod.pack(w)
@@ -176,7 +171,7 @@ def _attn_call(kind: str, T: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kernel", choices=["v3", "split", "gemm", "tile", "attn"])
+    ap.add_argument("kernel", choices=["v3", "split", "tile", "attn"])
     ap.add_argument("fmt")
     ap.add_argument("T", type=int)
     ap.add_argument("--n-out", type=int, default=4096)
@@ -206,10 +201,6 @@ def main(argv=None) -> int:
           f"kernel={sum(1 for ln in sass.splitlines() if ';' in ln)} instr, "
           f"local={'STL' in sass}")
     print("  " + ", ".join(f"{o}:{c}" for o, c in ops.most_common()))
-    if a.kernel == "gemm":  # one loop iteration: one unit (32 weights) of BM x BN outputs
-        bm, bn = kw["BM"], kw["BN"]
-        print(f"  {len(body) * kw['num_warps'] / (bm * bn):.3f} instructions per product "
-              f"(weight x activation row), FFMA {ops['FFMA'] * kw['num_warps'] * 32 / (32 * bm * bn):.3f}")
     if a.kernel == "tile":  # one loop iteration: one 256-block of BN weight rows, BN / num_warps a warp
         per_warp = kw["BN"] // kw["num_warps"] * 256
         print(f"  {len(body) / per_warp:.4f} warp-instructions a weight for {kw['BM']} activation rows "

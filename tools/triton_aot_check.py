@@ -147,8 +147,6 @@ def drive(rec: Recorder) -> None:
             for (f, rows, _, _), cfg in q3.TUNED.items():
                 if f == fmt.name:
                     q3.matvec_v3(p3, torch.zeros(rows, n_in), torch.empty(rows, n_out), config=cfg)
-            for T in (16, 49):  # the any-row GEMM at both default tilings
-                q3.gemm_v3(p3, torch.zeros(T, n_in), torch.empty(T, n_out))
         for T in (1, 2, 3, 5, 9, 16):
             q1.matvec_triton(w, torch.zeros(T, n_in), torch.empty(T, n_out))
     from muser.engine import nvfp4 as nv
@@ -168,8 +166,6 @@ def drive(rec: Recorder) -> None:
         for T in (1, 2, 3, 5, 9, 16):
             q3.matvec_v3(p3, torch.zeros(T, n_in), torch.empty(T, n_out))
         q3.matvec_v3(p3, torch.zeros(16, n_in), torch.empty(16, n_out), rt=2)
-        for T in (16, 49):
-            q3.gemm_v3(p3, torch.zeros(T, n_in), torch.empty(T, n_out))
     from muser.engine.kernels import qmatmul_i8 as i8
 
     for fmt in i8.FORMATS:  # the integer lane: decode (BM 16, narrow and wide N), verify, prefill tiles

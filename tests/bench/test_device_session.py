@@ -165,15 +165,3 @@ def test_the_tuning_table_takes_the_fastest_tiling_with_the_default_bits():
     table = device_kernels.tuning_table(speed)
     assert table == [{"fmt": "Q4_K", "rows": 1, "n_out": 64, "n_in": 512, "config": [16, 4, 3], "us": 7.5},
                      {"fmt": "Q4_K", "rows": 16, "n_out": 64, "n_in": 512, "config": [8, 8, 0], "us": 40.0}]
-    # the any-row GEMM takes the 16-row bucket only where its rows were the matvec's bits and its
-    # fastest bitwise tiling beat the matvec's winner
-    gemm = {"gemm_rows_equal_matvec": True, "gemm_T16": {"us": 35.0, "config": [16, 16, 2]},
-            "gemm_T16_sweep": {"[16, 32, 2]": {"us": 30.0, "bitwise_equal_default": True},
-                               "[16, 64, 4]": {"us": 10.0, "bitwise_equal_default": False}}}
-    table = device_kernels.tuning_table([speed[0] | gemm])
-    assert table[-1] == {"fmt": "Q4_K", "rows": 16, "n_out": 64, "n_in": 512, "config": [16, 32, 2], "path": "gemm",
-                         "us": 30.0}
-    slow = gemm | {"gemm_T16": {"us": 45.0, "config": [16, 16, 2]}, "gemm_T16_sweep": {}}
-    assert all("path" not in e for e in device_kernels.tuning_table([speed[0] | slow]))
-    other_bits = gemm | {"gemm_rows_equal_matvec": False}
-    assert all("path" not in e for e in device_kernels.tuning_table([speed[0] | other_bits]))

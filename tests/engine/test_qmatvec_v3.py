@@ -146,31 +146,6 @@ def test_v3_rows_are_bitwise_invariant(v3, fmt):
         assert torch.equal(m.matvec_v3(p, x[5:6], config=cfg).view(torch.int32), alone[5:6].view(torch.int32))
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_v3_gemm_gives_every_row_its_matvec_bits(v3, fmt):
-    """The any-row GEMM runs each output's matvec operations in the matvec's order: every row of
-    a 1-, 7- or 20-row call, under every tiling (partial row and weight tiles, a partial last
-    32-unit chunk), is bitwise the row decoded alone by the matvec."""
-    _, m = v3
-    w = _w(fmt, 12, 1280, 4)  # 40 units: a partial second chunk; 12 rows: partial weight tiles
-    p = m.pack(w)
-    x = torch.randn(20, 1280, generator=torch.Generator().manual_seed(9))
-    alone = torch.cat([m.matvec_v3(p, x[i:i + 1]) for i in range(20)])
-    for T, cfg in ((1, None), (7, (4, 8, 2)), (7, (2, 16, 4)), (20, None), (20, (8, 4, 1))):
-        got = m.gemm_v3(p, x[:T], config=cfg)
-        assert torch.equal(got.view(torch.int32), alone[:T].view(torch.int32)), (T, cfg)
-
-
-def test_v3_gemm_refuses(v3):
-    _, m = v3
-    p = m.pack(_w(G.Q4_K, 4, 256))
-    for cfg in ((3, 16, 2), (16, 256, 4), (16, 16, 32), (16, 16)):
-        with pytest.raises(ValueError, match="GEMM config"):
-            m.gemm_v3(p, torch.zeros(2, 256), config=cfg)
-    with pytest.raises(AssertionError):
-        m.gemm_v3(p, torch.zeros(2, 512))
-
-
 def test_v3_act_prep_layout_and_unit_sums(v3):
     """The several-row path's activations: element (unit u, nibble e, lane w) of a row at
     ((u // 32) * 8 + e) * 128 + 4 (u % 32) + w, times 2^(64 - P(e)) (P = 4e, 4e - 12 above nibble
@@ -280,46 +255,35 @@ def test_v3_tuning_file(v3, tmp_path):
         m.TUNED.update(saved)
 
 
-def test_v3_tuning_file_routes_a_row_bucket_to_the_gemm(v3, tmp_path, monkeypatch):
-    """A table entry with "path": "gemm" sends that shape's row bucket to the any-row GEMM with its
-    tiling (same bits); other buckets and shapes keep the matvec; bad entries are refused whole."""
+def test_v3_tuning_file_refuses_an_entry_for_another_path(v3, tmp_path, monkeypatch):
+    """The table tunes the matvec only: an entry whose "path" names anything else ("gemm", or a
+    typo) refuses the whole file, naming the value; "path": "matvec" is the default spelled out."""
     import json
 
     from muser.errors import LaneError
 
     _, m = v3
-    monkeypatch.setattr(m, "GEMM_TUNED", {})
     monkeypatch.setattr(m, "TUNED", dict(m.TUNED))
-    p = m.pack(_w(G.Q4_K, 8, 512))
     f = tmp_path / "t.json"
-    f.write_text(json.dumps([{"fmt": "Q4_K", "rows": 16, "n_out": 8, "n_in": 512, "config": [8, 8, 1],
-                              "path": "gemm"}]))
-    assert m.load_tuning(str(f)) == 1
-    assert m.gemm_for(p, 12) == (8, 8, 1) and m.gemm_for(p, 8) is None and m.gemm_for(p, 1) is None
-    calls = []
-    real = m.gemm_v3
-    monkeypatch.setattr(m, "gemm_v3", lambda *a: calls.append(a[3]) or real(*a))
-    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(5))
-    got = m.project(p, x)
-    assert calls == [(8, 8, 1)]
-    assert torch.equal(got.view(torch.int32), m.matvec_v3(p, x).view(torch.int32))
-    m.project(p, x[:4])
-    assert calls == [(8, 8, 1)]  # the 4-row bucket keeps the matvec
-    for bad in ({"path": "gemm", "rows": 1}, {"path": "gemm", "config": [3, 8, 1]}, {"path": "tiles"}):
-        e = {"fmt": "Q4_K", "rows": 16, "n_out": 8, "n_in": 512, "config": [8, 8, 1]} | bad
-        f.write_text(json.dumps([{"fmt": "Q4_K", "rows": 1, "n_out": 8, "n_in": 512, "config": [8, 4, 0]}, e]))
-        with pytest.raises(LaneError, match="t.json"):
+    good = {"fmt": "Q4_K", "rows": 1, "n_out": 8, "n_in": 512, "config": [8, 4, 0]}
+    f.write_text(json.dumps([good | {"path": "matvec"}]))
+    assert m.load_tuning(str(f)) == 1 and m.TUNED[("Q4_K", 1, 8, 512)] == (8, 4, 0)
+    before = dict(m.TUNED)
+    for route in ("gemm", "tiles", None):
+        e = {"fmt": "Q4_K", "rows": 16, "n_out": 8, "n_in": 512, "config": [8, 8, 1], "path": route}
+        f.write_text(json.dumps([good | {"n_out": 16}, e]))
+        with pytest.raises(LaneError, match=f"t.json.*path {route!r}"):
             m.load_tuning(str(f))
-        assert m.GEMM_TUNED == {("Q4_K", 16, 8, 512): (8, 8, 1)} and ("Q4_K", 1, 8, 512) not in m.TUNED
+        assert m.TUNED == before  # nothing half-taken
 
 
 def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypatch):
     """The CUDA forward's decode path on the CPU under the interpreter: K-quant matrices packed
     (fields dropped, as on the GPU), q|k|v|gate and gate|up stacked, decode-shaped steps through
     the v3 kernel, the fused element-wise tails (kernels/fused.py) in place of the torch chains;
-    logits meet the reference forward's within f32 reordering, and a prefill wider than
-    SLICED_ROWS runs the any-row GEMM over the packed layout, a GEMM chunk's last row bitwise the
-    same tokens' through a matvec slice and one-row decodes."""
+    logits meet the reference forward's within f32 reordering through a prefill past 48 rows (16-row
+    matvec slices over the packed layout), and a chunk's last row is bitwise the same tokens'
+    through a shorter slice and one-row decodes."""
     import importlib
 
     from muser.engine.kernels import fused
@@ -331,7 +295,6 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
     _, m = v3
     # big tiles: few programs, so the interpreter's per-program cost stays small
     monkeypatch.setattr(m, "config_for", lambda p, rows: (32, 4, False) if rows == 1 else (16, 4, False))
-    monkeypatch.setattr(m, "GEMM_CONFIG", {16: (8, 128, 4), 64: (64, 128, 4)})
     path = make_gguf(SynthSpec(dtype="q4_k_xl", source="blocks"))
     ref = Engine.open(path, device="cpu", lane="exact", kv="f32")
     eng = Engine.open(path, device="cpu", lane="exact", kv="f32")
@@ -342,12 +305,10 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
     from muser.engine.kernels import fused
 
     eng.forward.native, eng.forward.tails = False, fused  # the CUDA forward's Triton tails
-    from muser.engine.lanes import SLICED_ROWS
-
-    prompt = [6 + (i * 37) % 300 for i in range(SLICED_ROWS + 2)]
+    prompt = [6 + (i * 37) % 300 for i in range(50)]
     rs, es = ref.session(max_context=128, graphs=False), eng.session(max_context=128, graphs=False)
     a = [rs.prefill(prompt)]
-    b = [es.prefill(prompt)]  # past SLICED_ROWS: the any-row GEMM
+    b = [es.prefill(prompt)]  # 50 rows: three 16-row slices and a 2-row one
     for t in (7, 11):
         a.append(rs.decode(t))
         b.append(es.decode(t))  # one row: stacked v3 launches
@@ -355,12 +316,9 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
     b.append(es.verify([5, 9, 17])[-1])  # 3 rows: the several-row v3 path
     for x, y in zip(a, b):
         assert np.max(np.abs(x - y)) <= 2e-4 * max(1.0, float(np.max(np.abs(x))))
-    # row invariance through the CUDA dispatch (the crossover lowered to 4 rows to keep the
-    # interpreter's work small): 6 tokens as one GEMM chunk, and as a 4-row matvec slice and two
-    # one-row decodes, give the last position the same bits (every K/V row on the way too)
-    from muser.engine import lanes
-
-    monkeypatch.setattr(lanes, "SLICED_ROWS", 4)
+    # row invariance through the CUDA dispatch (short chunks keep the interpreter's work small):
+    # 6 tokens as one 6-row slice, and as a 4-row slice and two one-row decodes, give the last
+    # position the same bits (every K/V row on the way too)
     g = eng.session(max_context=16, graphs=False).prefill(prompt[:6])
     s2 = eng.session(max_context=16, graphs=False)
     s2.prefill(prompt[:4])
@@ -372,10 +330,9 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
 @pytest.mark.parametrize("fmt", (G.Q4_K, G.NVFP4), ids=lambda f: f.name)
 def test_exact_lane_slices_keep_each_rows_bits(v3, fmt):
     """The exact lane's CUDA projection (Linear with the Triton kernels) at every row count: slices
-    of <= 16 rows up to SLICED_ROWS, the any-row GEMM past it; every row has the bits of the same
-    row projected alone, for a matrix and for a stack, and meets the reference within f32
-    reordering."""
-    from muser.engine.lanes import SLICED_ROWS, Lane, Linear
+    of <= 16 rows, past 16 and past 48 rows; every row has the bits of the same row projected
+    alone, for a matrix and for a stack, and meets the reference within f32 reordering."""
+    from muser.engine.lanes import Lane, Linear
 
     qmv, m = v3
     ws = [_w(fmt, 8, 512, s) for s in (1, 2)]
@@ -384,20 +341,21 @@ def test_exact_lane_slices_keep_each_rows_bits(v3, fmt):
     st = m.stack(ws)
     lin = Linear(Lane.EXACT, torch.device("cpu"))
     lin.triton_rows = True  # the CUDA dispatch (the interpreter runs the kernels)
-    x = torch.randn(SLICED_ROWS + 1, 512, generator=torch.Generator().manual_seed(3))
+    wide_rows = 49  # three full slices and a one-row slice
+    x = torch.randn(wide_rows, 512, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([lin(ws[0], x[i:i + 1]) for i in range(19)])
     for T in (17, 19):
         assert torch.equal(lin(ws[0], x[:T]).view(torch.int32), alone[:T].view(torch.int32)), T
-    assert lin.stacked_ok(SLICED_ROWS, st) and lin.stacked_ok(SLICED_ROWS + 1, st)
+    assert lin.stacked_ok(16, st) and lin.stacked_ok(wide_rows, st)
     both = lin.stacked_raw(st, x[:19])  # [19, 16]: member 0's columns first
     assert torch.equal(both[:, :8].view(torch.int32), alone.view(torch.int32))
     ref = qmv.matvec_ref(ws[0], x)
-    wide = lin(ws[0], x)  # SLICED_ROWS + 1 rows: the GEMM
+    wide = lin(ws[0], x)  # past 48 rows
     scale = x.abs() @ ws[0].decode().abs().T
     assert torch.all((wide - ref).abs() <= 1e-6 * scale + 1e-30)
     assert torch.equal(wide[:19].view(torch.int32), alone.view(torch.int32))
-    assert torch.equal(wide[SLICED_ROWS:].view(torch.int32), lin(ws[0], x[SLICED_ROWS:]).view(torch.int32))
-    both = lin.stacked_raw(st, x)  # the stack past SLICED_ROWS: the GEMM over both members
+    assert torch.equal(wide[48:].view(torch.int32), lin(ws[0], x[48:]).view(torch.int32))
+    both = lin.stacked_raw(st, x)  # the stack past 48 rows: slices over both members
     assert torch.equal(both[:, :8].view(torch.int32), wide.view(torch.int32))
 
 

@@ -30,7 +30,7 @@ def test_every_engine_kernel_compiles_for_sm90(tmp_path):
     kernels = {r["kernel"] for r in rows}
     # the decode path's kernels are all there: attention (partial + reduce), matvec, dequant
     assert {"_attn_partial", "_attn_reduce", "_matvec_kernel", "_dequant_kernel", "_matvec_v3_kernel", "_act_prep_kernel",
-            "_dequant_v3_kernel", "_gemm_v3_kernel", "_matvec_nvfp4_kernel", "_dequant_nvfp4_kernel", "_norm_mul_kernel", "_norm2_kernel", "_qk_norm_rope_kernel",
+            "_dequant_v3_kernel", "_matvec_nvfp4_kernel", "_dequant_nvfp4_kernel", "_norm_mul_kernel", "_norm2_kernel", "_qk_norm_rope_kernel",
             "_gate_kernel", "_qmatmul_i8_kernel", "_qtile_kernel", "_chunk_reduce_kernel", "_quant_q8_K_kernel", "_quant_q8_0_kernel"} <= kernels
     assert all(r["ok"] for r in rows)
     # the step's kernels take PDL on sm_90 (engine/kernels/gdc.py), each waiting for the kernel
@@ -101,23 +101,6 @@ def test_v3_several_row_loop_keeps_rows_in_registers(tmp_path):
     assert "BAR" not in counts and "STS" not in counts and "LDS" not in counts, ops
     assert "local=False" in head, head
     assert n / 256 <= 2.45, head
-
-
-@pytest.mark.timeout(300)
-def test_v3_gemm_loop_is_the_arithmetic_without_spills(tmp_path):
-    """The any-row GEMM's unit loop as compiled for sm_90 (tools/sass_loop.py gemm) at its wide
-    default tiling: exactly the arithmetic's FFMAs (per product one, but the unit's first nibble
-    a multiply; per unit lane and activation row two: d1, m1), no local-memory access inside the
-    loop, and at most 1.8 instructions per product (weight x activation row)."""
-    from muser.engine.kernels.qmatvec_v3 import GEMM_CONFIG
-
-    bm, bn, nw = GEMM_CONFIG[64]
-    head, ops, counts, n = _sass_loop(tmp_path, "gemm", "Q4_K", "512", "--config", f"{bm},{bn},{nw}")
-    per_thread = bm * bn * 32 // (32 * nw)  # products a thread forms per unit
-    assert counts.get("FFMA", 0) == per_thread - per_thread // 8 + 2 * per_thread // 8
-    assert counts.get("FMUL", 0) >= per_thread // 8
-    assert "LDL" not in counts and "STL" not in counts, ops
-    assert n * nw / (bm * bn) <= 1.8, head
 
 
 @pytest.mark.timeout(300)

@@ -2,11 +2,10 @@
 
 * exact: f32 activations and f32 accumulation against the weights' exact values. On CUDA every
   call is row-invariant: weights in the packed layout (K-quants, NVFP4) run the fused Triton
-  dequant-matvec in slices of <= 16 rows up to SLICED_ROWS (48) rows, which factors each K-quant
-  unit's scale out of its dot (kernels/qmatvec_v3.py: d1 sum q x - m1 sum x in one order for every
-  row count, so a row's bits are those it has decoded alone), and wider calls the any-row GEMM
-  beside it (qmatvec_v3.gemm_v3: each output the matvec's operations in its order, so the same
-  bits); other formats run their matvec in 16-row slices at every row count.
+  dequant-matvec in slices of <= 16 rows at every row count, which factors each K-quant unit's
+  scale out of its dot (kernels/qmatvec_v3.py: d1 sum q x - m1 sum x in one order for every row
+  count, so a row's bits are those it has decoded alone); other formats run their matvec in
+  16-row slices at every row count too.
 * split: the exact lane's contract (Gate 2 against the oracle's f32 arithmetic), with every K-quant
   projection on CUDA through the split-activation integer GEMM (kernels/qgemm_split.py: the
   activations as three base-254 digits per 256-block, exact integer sums, one fixed f32 order of
@@ -92,12 +91,6 @@ def parse_kv(value: str) -> str:
 
 
 CHUNK_BYTES = 256 << 20  # decoded temporary per row chunk (the CPU's GEMM past its cache budget)
-# Exact lane on CUDA, packed weights: calls of up to SLICED_ROWS rows run the fused matvec in slices
-# of <= 16 rows, wider calls the any-row GEMM (qmatvec_v3.gemm_v3). Both give every row the bits it
-# has decoded alone, so this is a speed choice only. H200, full geometry: a 16-row slice costs
-# ~55 ms of matvec a step (3.5 ms a row, bench/receipts/20261204T172658Z-step-profile-cuda.json);
-# the GEMM's cost a row awaits its device measurement (tools/device_kernels.py times both).
-SLICED_ROWS = 48
 CPU_CACHE_BYTES = 8 << 30  # decoded-weight cache budget on the CPU
 
 
@@ -194,7 +187,7 @@ class Linear:
         self.lane = lane
         self.device = device
         self.cuda = device.type == "cuda"
-        self.triton_rows = self.cuda  # the Triton kernels (matvec slices, the any-row GEMM) serve (CUDA)
+        self.triton_rows = self.cuda  # the Triton matvec serves, in slices of <= 16 rows (CUDA)
         self._cache: dict = {}
         self._cached_bytes = 0
         self._act_memo: tuple | None = None  # (x, x._version, its split activations)
@@ -211,8 +204,8 @@ class Linear:
     def stacked_ok(self, T: int, st=None) -> bool:
         """Stacked projections serve this call: on CUDA stacks of the split GEMM's layout
         (kernels/qgemm_split) and of the packed layout (kernels/qmatvec_v3.Stack: the matvec
-        slices or the any-row GEMM) every call; on the CPU (cpu_native.CpuStack) every call of
-        the C GEMM; in the fast lane (FastStack) every call on both devices."""
+        slices) every call; on the CPU (cpu_native.CpuStack) every call of the C GEMM; in the
+        fast lane (FastStack) every call on both devices."""
         if self.lane is Lane.FAST:
             return True
         if self.cuda and st is not None and _is_split(getattr(st, "packed", None)):
@@ -314,7 +307,7 @@ class Linear:
             return qgemm_split.matmul(w.packed, self.split_act(x))
         if not self.triton_rows:
             return self._cpu_gemm(w, x.contiguous())
-        if w.packed is not None and not _is_split(w.packed):  # qmatvec_v3's layout: matvec slices or the GEMM
+        if w.packed is not None and not _is_split(w.packed):  # qmatvec_v3's layout: matvec slices
             return _packed(w.packed, x)
         return _sliced(lambda xs, out: qmatvec.matvec(w, xs, out), x, w.n_out)
 
@@ -402,13 +395,11 @@ class Linear:
 
 
 def _packed(p, x: torch.Tensor) -> torch.Tensor:
-    """x [T, n_in] -> [T, n_out] over a qmatvec_v3 layout (a weight's or a stack's): slices of <= 16
-    rows up to SLICED_ROWS rows (each the matvec, or the any-row GEMM where the tuning table routes
-    that row bucket to it: qmatvec_v3.project), the any-row GEMM past it; a row's bits are the same
-    either way (the GEMM runs the matvec's operations in its order)."""
+    """x [T, n_in] -> [T, n_out] over a qmatvec_v3 layout (a weight's or a stack's): the fused
+    matvec in slices of <= 16 rows at every row count, so a row has the bits it has alone."""
     from .kernels import qmatvec_v3
 
-    return _sliced(lambda xs, out: qmatvec_v3.project(p, xs, out), x, p.n_out)
+    return _sliced(lambda xs, out: qmatvec_v3.matvec_v3(p, xs, out), x, p.n_out)
 
 
 def _is_split(packed) -> bool:

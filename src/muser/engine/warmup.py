@@ -3,16 +3,17 @@ captured once, before the first request rather than inside it (DESIGN.md: TTFT o
 prompt after load <= 50 ms).
 
 Triton compiles a kernel per specialization: the matvec per row bucket (1, 2, 4, 8, 16 rows:
-qmatvec._rows_bucket); the attention kernels split keys at fixed absolute positions and take
-the split count as a runtime argument (kernels/attention.py), so one session capacity covers
-every depth. The warm-up runs, on a throwaway session, decodes, verify-shaped steps of each row
-bucket (graphs: eager run and capture, then the replay), and an eager prefill chunk wider than the
-matvec slices (the any-row GEMM, kernels/qmatvec_v3.gemm_v3). Batched steps of several sessions launch the same binaries: every item's metadata
-in a step graph is 16-byte aligned like a single item's (Triton specializes on pointer
-alignment; engine/graphs.py). What the first request still does is capture its own graphs (a
-graph bakes in its session's plane addresses: engine/graphs.py), with every kernel already
-built; `muser serve` captures its slots' batch shapes before it says it is ready
-(muser.server.loop.EngineLoop.warm_up). The sessions and their graphs are released afterwards.
+qmatvec._rows_bucket); the attention kernels split keys at fixed absolute positions and take the
+split count as a runtime argument (kernels/attention.py), so one session capacity covers every
+depth. The warm-up runs, on a throwaway session, decodes, verify-shaped steps of each row bucket
+(graphs: eager run and capture, then the replay), and an eager prefill chunk wider than the graph
+shapes (its projections in 16-row matvec slices and a partial one). Batched steps of several
+sessions launch the same binaries: every item's metadata in a step graph is 16-byte aligned like a
+single item's (Triton specializes on pointer alignment; engine/graphs.py). What the first request
+still does is capture its own graphs (a graph bakes in its session's plane addresses:
+engine/graphs.py), with every kernel already built; `muser serve` captures its slots' batch shapes
+before it says it is ready (muser.server.loop.EngineLoop.warm_up). The sessions and their graphs
+are released afterwards.
 
 On the CPU nothing runs (no compilation, no graphs): muser.load calls this for CUDA only.
 """
@@ -26,11 +27,11 @@ import numpy as np
 from ..errors import LaneError
 from ..progress import Progress
 from ..sequence import MAX_VERIFY
-from .lanes import SLICED_ROWS
+from .kernels.qmatvec import MAX_ROWS
 
 WARM_CAPACITY = 4096  # the warm-up session's capacity (at most the context length)
 ROW_BUCKETS = (2, 4, 8, MAX_VERIFY)  # verify-shaped steps, one per matvec row bucket past 1
-EAGER_ROWS = SLICED_ROWS + 8  # a prefill chunk past the matvec slices (the any-row GEMM)
+EAGER_ROWS = 2 * MAX_ROWS + 8  # an eager prefill chunk: two full matvec slices and a partial one
 
 
 def capacities(context_length: int) -> list[int]:

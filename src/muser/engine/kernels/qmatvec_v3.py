@@ -69,17 +69,8 @@ are the same real numbers, so each fma rounds to the same bits) in chunk order (
 activations of a chunk's 32 units contiguous: a warp's load touches 4 cache lines, not 32) padded
 with zeros to whole chunks, and each unit lane's sum of x in the one-row path's order (Q6_K: per
 half), which the loop then reads instead of adding. Bits: the one-row path's for every row
-(tests and tools/device_kernels.py hold them equal).
-
-Any row count (`gemm_v3`, prefill chunks past lanes.SLICED_ROWS): a GEMM tiled over BM activation
-rows x BN weight rows whose every output is the matvec's f32 operations in the matvec's order, so
-a row has the bits it has decoded alone whatever the chunk size. It reads `act_prep`'s activations
-and unit sums and walks the lane blocks j = 0..J-1 in order, each the four lanes 4j + w of every
-unit c J + j chunk by chunk (the several-row path's t and acc steps); a block's lanes are summed
-(l0 + l1) + (l2 + l3) and the J block sums join `_lane_tree`'s upper levels as a binary counter
-(a stack of log2 J partials), which is that tree exactly, since a sum of two is the same bits in
-either order. Per product one fma on CUDA cores, as the matvec; what it gains is reuse: each
-weight code loaded is used by BM rows and each activation by BN weight rows.
+(tests and tools/device_kernels.py hold them equal). The exact lane runs wider calls as slices of
+<= 16 rows (engine/lanes.py), so a row keeps those bits at every row count.
 
 Reference beside it: `qmatvec.matvec_ref(w, x)`; `unpack` inverts `pack` and `decode` decodes
 the packed form with the torch reference decoder.
@@ -824,132 +815,6 @@ if HAVE_TRITON:
             _row_store(FMT, acc3, y, dp, row, n, nmask, r0 + 3, T, sy, BN, J)
 
 
-    @triton.jit
-    def _gemm_unit(FMT: tl.constexpr, u, NU, qp, hp, sp, dp, row, nmask, xe_base, xsp, ssm, ss, wi, acc,
-                   J: tl.constexpr, ASM: tl.constexpr):
-        """Unit u of the lane block j (u = c J + j) for a [BM, BN] tile: the several-row path's
-        operations on the unit's four lanes w (acc [BM, BN, 4]), in its order (`_rows_chunk`):
-        t = code x over the nibbles e (the first a product, then fmas), acc = fma(t, fa, fma(xs,
-        fb, acc)) at the unit's (Q6_K: half's; NVFP4: 16-block's) end. Units past NU load zeros,
-        as the matvec's masked loads do. xe_base [BM, 4]: the rows' activations of nibble 0 of
-        the unit (chunk order: nibble e at + 4 J e); xsp + ssm [BM, 4]: their unit sums."""
-        um = u < NU
-        m2 = nmask[:, None] & ((wi < 4) & um)[None, :]  # [BN, 4]
-        words = tl.load(qp + row[:, None] * (NU * 4) + u * 4 + wi[None, :], mask=m2, other=0)  # [BN, 4]
-        words = tl.reshape(words, (row.shape[0], 1, 4))  # the matvec's [BN, J, 4] with J = 1
-        sv = tl.load(sp + row * NU + u, mask=nmask & um, other=0).to(tl.int32)  # [BN]
-        NB = NU // 8
-        if FMT >= 8:
-            dv = sv * 0
-            h0 = dv
-            h1 = dv
-        else:
-            dv = tl.load(dp + row * NB + u // 8, mask=nmask & um, other=0)
-            if FMT == 6:
-                h0 = tl.load(hp + row * NU + u, mask=nmask & um, other=0)
-                h1 = h0
-            elif FMT == 7:
-                h0 = tl.load(hp + row * (NU * 2) + u * 2, mask=nmask & um, other=0)
-                h1 = tl.load(hp + row * (NU * 2) + u * 2 + 1, mask=nmask & um, other=0)
-            else:
-                h0 = sv * 0
-                h1 = h0
-        a, b = _scales(FMT, sv[:, None], dv[:, None])  # [BN, 1]
-        if FMT >= 8:
-            vals = _fp4_values(words, ASM)
-        else:
-            wsh = words >> 12
-        t = acc  # placeholder: set at the unit's first nibble
-        for e in tl.static_range(8):
-            if FMT >= 8:
-                v = tl.reshape(vals[e], (1, row.shape[0], 4))
-            else:
-                v = tl.reshape(_code_bits(FMT, e, words, wsh, h0[:, None], h1[:, None], wi), (1, row.shape[0], 4))
-            xe = tl.load(xe_base + e * (4 * J))[:, None, :]  # [BM, 1, 4]
-            if e % 4 == 0 if FMT >= 8 else (e == 0 or (FMT == 7 and e == 4)):
-                t = v * xe
-            else:
-                t = tl.fma(v, xe, t)
-            if e == 3 or e == 7:
-                if FMT >= 8 or FMT == 7 or e == 7:
-                    if FMT >= 8:
-                        if e == 3:
-                            fa = a
-                        else:
-                            fa = b
-                        acc = tl.fma(t, tl.reshape(fa, (1, row.shape[0], 1)), acc)
-                    else:
-                        fa, fb = _unit_factors(FMT, e, a, b)  # [BN, 1]
-                        if FMT == 7:  # the half's sums
-                            sh = xsp + ssm + (1 + e // 4) * (ss // 3)
-                        else:
-                            sh = xsp + ssm
-                        xs = tl.load(sh + u * 4)[:, None, :]  # [BM, 1, 4]
-                        acc = tl.fma(t, tl.reshape(fa, (1, row.shape[0], 1)),
-                                     tl.fma(xs, tl.reshape(fb, (1, row.shape[0], 1)), acc))
-        return acc
-
-    @triton.jit
-    def _counter_level(j, k: tl.constexpr, carry, part):
-        """Level k of the pairwise tree over block sums kept as a binary counter: block j's running
-        sum `carry` joins level k's partial when bits 0..k of j are set (part + carry, either order
-        the same bits), and is kept there when bits 0..k-1 are set and bit k is clear.
-        Returns (carry, the level's partial)."""
-        ones = (1 << (k + 1)) - 1
-        kept = tl.where((j & ones) == (ones >> 1), carry, part)
-        carry = tl.where((j & ones) == ones, part + carry, carry)
-        return carry, kept
-
-    @triton.jit(do_not_specialize=["T"])
-    def _gemm_v3_kernel(x, xsp, y, qp, hp, sp, dp, N, K, sx, ss, sy, T, FMT: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, J: tl.constexpr, ASM: tl.constexpr):
-        """y [T, N] for any T, every output the matvec's f32 operations in its order (row
-        invariance at every row count). A program takes BM activation rows x BN weight rows
-        (programs along the rows fastest: a weight block's row groups run together and share its
-        bytes through L2) and walks the lane blocks j = 0..J-1 in order; block j is the four
-        lanes 4j + w of every unit c J + j, chunk by chunk (`_gemm_unit`), then (l0 + l1) + (l2 +
-        l3), and the J block sums join the pairwise tree (`_lane_tree`'s upper levels) as a
-        binary counter: a stack of log2(J) partial sums, a block's sum merged with the partials
-        of the levels whose bits of j are set. A sum of two is the same bits in either order, so
-        this is `_lane_tree` over the J * 4 lanes, and every output has the matvec's bits.
-        x, xsp: `act_prep`'s chunk-ordered activations and unit sums (row strides sx, ss)."""
-        m = tl.program_id(0) * BM + tl.arange(0, BM)
-        mr = tl.minimum(m, T - 1).to(tl.int64)  # rows past T read the last row (never stored)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n < N
-        row = n.to(tl.int64)
-        wi = tl.arange(0, 4)
-        tl.static_assert(J == 32, "the block counter below has log2(J) = 5 levels")
-        NU = K // 32
-        n_chunks = (NU + J - 1) // J
-        xm = x + (mr * sx)[:, None] + wi[None, :]  # [BM, 4]
-        ssm = (mr * ss)[:, None] + wi[None, :]
-        s0 = tl.zeros([BM, BN], dtype=tl.float32)
-        s1 = s0
-        s2 = s0
-        s3 = s0
-        s4 = s0
-        carry = s0
-        for j in tl.range(0, J):
-            acc = tl.zeros([BM, BN, 4], dtype=tl.float32)
-            for c in tl.range(0, n_chunks):
-                acc = _gemm_unit(FMT, c * J + j, NU, qp, hp, sp, dp, row, nmask, xm + (c * 8) * (4 * J) + 4 * j,
-                                 xsp, ssm, ss, wi, acc, J, ASM)
-            # lanes 4j .. 4j + 3: (l0 + l1) + (l2 + l3), `_lane_tree`'s first two levels
-            carry = tl.reshape(_lane_tree(tl.reshape(acc, (BM * BN, 4)), BM * BN, 4), (BM, BN))
-            # the upper levels: block j merges with the partial of every level k below its
-            # lowest zero bit and is kept at that level (J = 32: five levels)
-            carry, s0 = _counter_level(j, 0, carry, s0)
-            carry, s1 = _counter_level(j, 1, carry, s1)
-            carry, s2 = _counter_level(j, 2, carry, s2)
-            carry, s3 = _counter_level(j, 3, carry, s3)
-            carry, s4 = _counter_level(j, 4, carry, s4)
-        res = carry  # after block J - 1 (every bit set): the root
-        if FMT == 8:  # the companion form's per-row scale2, once per output
-            res = res * tl.load(dp + row, mask=nmask, other=0.0)[None, :]
-        tl.store(y + (m.to(tl.int64) * sy)[:, None] + n[None, :], res, mask=(m < T)[:, None] & nmask[None, :])
-
-
 ACT_PREP_UNITS = 64  # units a program of the activation prep takes
 
 
@@ -1071,64 +936,30 @@ def check_config(config, rows: int) -> tuple[int, int, int]:
     return bn, nw, pipe
 
 
-# (BM activation rows, BN weight rows, num_warps) of the any-row GEMM (`gemm_v3`) for calls of up to
-# 16 rows and wider; configs change speed only, never values (every output is the matvec's sum in
-# its order). Chosen by the compiled sm_90 loop (tools/sass_loop.py gemm), not yet by a device
-# sweep: wide calls (32, 64, 4), 1.73-2.15 instructions a product with no local-memory access in
-# the loop, and a quarter of (64, 32, 8)'s activation re-reads per product (each activation is
-# used by BN weight rows a load); up to 16 rows (16, 16, 2), 2.19-2.90 with no spill (the upper
-# figures are Q6_K's: two half-unit sums).
-GEMM_CONFIG: dict[int, tuple[int, int, int]] = {16: (16, 16, 2), 64: (32, 64, 4)}
-
-
-def check_gemm_config(config) -> tuple[int, int, int]:
-    """(BM, BN, num_warps) or ValueError naming it: powers of two, BM and BN 1..128 (tl.arange
-    extents), num_warps 1..16."""
-    try:
-        bm, bn, nw = (int(v) for v in config)
-    except (TypeError, ValueError):
-        raise ValueError(f"GEMM config {config!r}: expected (BM, BN, num_warps)") from None
-    if not all(v > 0 and v & (v - 1) == 0 for v in (bm, bn, nw)) or bm > 128 or bn > 128 or nw > 16:
-        raise ValueError(f"GEMM config {list(config)!r}: BM, BN powers of two to 128, num_warps to 16")
-    return bm, bn, nw
-
-
-# Row buckets whose calls the any-row GEMM serves instead of the matvec, per (format, rows bucket,
-# n_out, n_in): its (BM, BN, num_warps). Entries of v3_tuning.json with "path": "gemm", written
-# where the device sweep timed the GEMM faster than the matvec's best tiling (bits equal).
-GEMM_TUNED: dict[tuple[str, int, int, int], tuple[int, int, int]] = {}
-
-
 def load_tuning(path: str) -> int:
-    """Merge a v3_tuning.json (list of {fmt, rows, n_out, n_in, config: [BN, num_warps, PIPE]},
-    or with "path": "gemm" a config [BM, BN, num_warps] of the any-row GEMM for that row bucket)
-    into TUNED and GEMM_TUNED; returns the number of entries. Every config is checked before any
-    is taken."""
+    """Merge a v3_tuning.json (list of {fmt, rows, n_out, n_in, config: [BN, num_warps, PIPE]})
+    into TUNED; returns the number of entries. Every entry is checked before any is taken; an
+    entry naming a "path" other than "matvec" is refused (the matvec is the only kernel a table
+    tunes)."""
     import json
 
     from ...errors import LaneError
 
     try:
         entries = json.loads(open(path).read())
-        parsed, gemm = [], []
+        parsed = []
         for e in entries:
             key = (str(e["fmt"]), int(e["rows"]), int(e["n_out"]), int(e["n_in"]))
             route = e.get("path", "matvec")
-            if route not in ("matvec", "gemm"):
-                raise ValueError(f"path {route!r} for {key}: expected 'matvec' or 'gemm'")
+            if route != "matvec":
+                raise ValueError(f"path {route!r} for {key}: only 'matvec' is tuned")
             if len(e["config"]) != 3:
                 raise ValueError(f"config {e['config']!r} for {key}: expected three values")
-            if route == "gemm":
-                if key[1] not in CONFIGS or key[1] == 1:
-                    raise ValueError(f"gemm entry for the {key[1]}-row bucket (2, 4, 8 or 16)")
-                gemm.append((key, check_gemm_config(e["config"])))
-            else:
-                parsed.append((key, check_config(e["config"], key[1])))
+            parsed.append((key, check_config(e["config"], key[1])))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise LaneError(f"v3 tuning file {path!r}: {err}") from None
     TUNED.update(parsed)  # all or nothing
-    GEMM_TUNED.update(gemm)
-    return len(parsed) + len(gemm)
+    return len(parsed)
 
 
 # The shipped table: the winners of the CUDA-graph-timed sweep over the full geometry's launch
@@ -1178,43 +1009,5 @@ def matvec_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
     return out
 
 
-def gemm_for(p: Packed, rows: int) -> tuple[int, int, int] | None:
-    """The GEMM's tiling where the table routes this weight's `rows`-row bucket to it, else None."""
-    return GEMM_TUNED.get((p.fmt.name, _rows_bucket(rows), p.n_out, p.n_in))
-
-
-def project(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, n_in] (T <= 16) -> [T, n_out]: the matvec, or the any-row GEMM where the tuning table
-    routes the row bucket to it (`gemm_for`); the same bits either way."""
-    cfg = gemm_for(p, x.shape[0])
-    if cfg is not None:
-        return gemm_v3(p, x, out, cfg)
-    return matvec_v3(p, x, out)
-
-
-def gemm_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
-            config: tuple | None = None) -> torch.Tensor:
-    """x [T, n_in] f32, any T >= 1 -> [T, n_out] f32 over a Packed weight, every output bit for bit
-    the matvec's (`matvec_v3` of the row alone): the same f32 operations in the same order, tiled
-    over rows and weights (`_gemm_v3_kernel`). `config` = (BM, BN, num_warps) overrides
-    GEMM_CONFIG's entry for the call's rows; the bits never depend on it."""
-    if not HAVE_TRITON:
-        raise RuntimeError("triton is not installed")
-    T, K = x.shape
-    assert K == p.n_in, f"gemm: x has {K} columns, weight {p.name} has n_in {p.n_in}"
-    assert T >= 1 and x.dtype == torch.float32 and x.stride(1) == 1, "gemm: x must be f32 [T >= 1, n_in]"
-    if out is None:
-        out = torch.empty((T, p.n_out), dtype=torch.float32, device=x.device)
-    assert out.shape == (T, p.n_out) and out.stride(1) == 1 and out.dtype == torch.float32
-    bm, bn, num_warps = check_gemm_config(config if config is not None else GEMM_CONFIG[16 if T <= 16 else 64])
-    xq, sums = act_prep(x.contiguous(), scale=p.fmt not in NVFP4)
-    xs = xq if sums is None else sums
-    grid = (triton.cdiv(T, bm), triton.cdiv(p.n_out, bn))
-    _gemm_v3_kernel[grid](xq, xs, out, *p.pointers(), p.n_out, p.n_in, xq.stride(0),
-                          xs.stride(0) if sums is not None else 0, out.stride(0), T, FMT=_CODE[p.fmt], BM=bm,
-                          BN=bn, J=J_UNITS, ASM=_asm(), num_warps=num_warps, enable_fp_fusion=False)
-    return out
-
-
-__all__ = ["CONFIGS", "FORMATS", "J_UNITS", "ROWS_PER_PROGRAM", "rows_per_program", "check_config", "HAVE_TRITON", "Packed", "decode", "decode_rows", "dequant_v3", "matvec_v3", "gemm_v3", "gemm_for", "project", "GEMM_CONFIG", "GEMM_TUNED", "check_gemm_config",
+__all__ = ["CONFIGS", "FORMATS", "J_UNITS", "ROWS_PER_PROGRAM", "rows_per_program", "check_config", "HAVE_TRITON", "Packed", "decode", "decode_rows", "dequant_v3", "matvec_v3",
            "pack", "pack_matrices", "Stack", "stack", "config_for", "load_tuning", "supports", "unpack"]
