@@ -441,9 +441,9 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
                       "GBps": nbytes / mean / 1e9, "TOPS": 2.0 * T * w.n_out * w.n_in / mean / 1e12}
     t["T16_over_T1"] = t["T16"]["us"] / t["T1"]["us"]
     sweep = {}
-    for T, cfgs in ((1, [(16, 8, 1), (32, 8, 2), (128, 8, 8), (128, 8, 4)]),
-                    (16, [(32, 16, 2), (128, 16, 8), (128, 16, 4)]),
-                    (big, [(32, 16, 2), (128, 16, 8), (64, 8, 4), (128, 8, 4)])):
+    for T, cfgs in ((1, [(16, 8, 1), (32, 8, 2), (128, 8, 4), (128, 8, 8)]),
+                    (16, [(64, 16, 4), (32, 16, 2), (128, 16, 8), (256, 16, 8)]),
+                    (big, [(64, 16, 4), (32, 16, 2), (128, 16, 8), (256, 16, 8)])):
         for cfg in cfgs:
             try:
                 out = torch.empty(T, w.n_out, device=device)

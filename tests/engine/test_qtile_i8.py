@@ -91,20 +91,21 @@ def _sass(tmp_path, *args: str) -> tuple[str, str, dict[str, int]]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fmt,rows,imma,limit,ldl", [("Q4_K", "1", 8, 0.1, 0), ("Q6_K", "1", 16, 0.13, 0),
                                                      ("Q4_K", "16", 32, 0.12, 0), ("Q5_K", "16", 32, 0.14, 1),
-                                                     ("Q4_K", "512", 16, 0.135, 0)])
+                                                     ("Q4_K", "512", 32, 0.12, 0)])
 def test_tile_loop_unpacks_operands_in_registers(tmp_path, fmt, rows, imma, limit, ldl):
     """A 256-block of the tile's loop as compiled for sm_90: per m-tile of a warp one IMMA per 32
-    codes (Q6_K: per 16) and n-tile (the 16-row tiling gives a warp two m-tiles), the operands
-    straight from 32-bit loads (no shared memory, no barrier), within the warp-instruction budget a
-    weight that keeps a decode under the weight stream (bench/NOTES.md: ~0.1 a weight is ~2.7 ms a
-    token of the 28 G). No local memory, but Q5_K's 16-row tiling at 255 registers reloads one
-    value stored before the loop (one LDL a block, no STL): measured 24 % faster than the
-    spill-free (64, 16, 4) on the H200 (bench/receipts/20261205T033453Z-kernels-cuda.json)."""
+    codes (Q6_K: per 16) and n-tile (above one row a warp takes two m-tiles), the operands
+    straight from 32-bit loads (no shared memory, no barrier), within the warp-instruction budget
+    a weight that keeps a decode under the weight stream (bench/NOTES.md: ~0.1 a weight is ~2.7 ms
+    a token of the 28 G). Nothing is stored to local memory inside the loop; the two-m-tile
+    tilings at 254-255 registers may keep a value there from outside it (Q5_K at 16 rows reloads
+    one a block): measured 23-33 % faster than the spill-free (64, 16, 4) on the H200
+    (bench/receipts/20261205T043516Z-kernels-cuda.json)."""
     head, ops, counts = _sass(tmp_path, fmt, rows)
     assert counts.get("IMMA") == imma, ops
     assert not {"BAR", "LDS", "STS", "STL"} & set(counts), ops
     assert counts.get("LDL", 0) <= ldl, ops
-    assert "shared=0" in head and ("local=False" in head or ldl), head
+    assert "shared=0" in head, head
     assert float(head.split("  ")[-1].split()[0]) <= limit, head
 
 

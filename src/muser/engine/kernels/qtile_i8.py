@@ -67,14 +67,14 @@ FORMATS = (G.Q4_K, G.Q5_K, G.Q6_K)
 _CODE = {G.Q4_K: 2, G.Q5_K: 3, G.Q6_K: 4}  # qmatmul_i8's FMT numbers
 SPLIT_ROWS = 16  # as qmatmul_i8.SPLIT_ROWS: one program per chunk up to this many rows
 
-# (BN weight rows, BM activation rows, num_warps) per row bucket. BN = 16 x warps (one m-tile a
-# warp); BM 8 serves decode, 16 verify and prefill tiles. From the compiled loop (sm_90 SASS,
-# tools/sass_loop.py tile): Q4_K 0.096 warp-instructions a weight at BM 8 (124 registers), 0.127 at
-# BM 16 (174-206); BM 32 spills (255 registers, local memory). The device sweep overrides through
-# `config`, never the bits. 9..16 rows: (128, 16, 4), two m-tiles a warp (0.112 a weight, 254
-# registers, no spill), 23-32 % faster than (64, 16, 4) on every full-geometry shape of the H200's
-# sweep (Q4_K 39936 x 6656: 144.6 against 200.0 us; bench/receipts/20261205T033453Z-kernels-cuda.json).
-CONFIGS: dict[int, tuple[int, int, int]] = {8: (64, 8, 4), 16: (128, 16, 4), 64: (64, 16, 4)}
+# (BN weight rows, BM activation rows, num_warps) per row bucket. BM 8 serves decode, 16 verify
+# and prefill tiles; BN 16 x warps is one m-tile a warp. Above one row, (128, 16, 4), two m-tiles a
+# warp (Q4_K 0.110-0.112 warp-instructions a weight, 254-255 registers), ran 23-33 % faster than
+# (64, 16, 4) on every full-geometry shape of the H200's sweeps at 16 and 512 rows (Q4_K 39936 x
+# 6656: 144.7 against 201.7 us at 16 rows, 3,311 against 4,959 at 512; bench/receipts/
+# 20261205T043516Z-kernels-cuda.json), though a value or two lands in local memory outside the
+# block loop. BM 32 spills inside it. The device sweep overrides through `config`, never the bits.
+CONFIGS: dict[int, tuple[int, int, int]] = {8: (64, 8, 4), 16: (128, 16, 4), 64: (128, 16, 4)}
 
 
 def _bucket(t: int) -> int:
