@@ -396,8 +396,9 @@ def i8_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool) -> d
 
 
 def where_differ(got, want) -> dict:
-    """Where two int32 views of (rows, outputs) differ: the count, the first few indices and each
-    index's residues mod 8/16/64 (a tile's columns and rows), to read an index-math fault off."""
+    """Where two int32 views of (rows, outputs) differ: the count, the first few indices, the
+    differing rows (and their residues mod 8, a decode tile's width) and outputs (their residues
+    mod 64 and 64-wide blocks, a weight tile's), to read an index-math fault off."""
     bad = (got != want).nonzero()
     if bad.numel() == 0:
         return {"differing": 0}
