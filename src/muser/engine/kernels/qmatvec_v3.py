@@ -126,9 +126,10 @@ J_UNITS = 32
 # Several rows (`_matvec_rows_kernel`, module doc): a program takes `rows_per_program` of them
 # (or the table's RT), BN / (num_warps / 2) weight rows a thread, and the row groups of a weight
 # block run as adjacent programs (L2 serves their re-reads). Registers bound the product
-# (activation rows) x (weight rows a thread) (tools/sass_loop.py v3 Q4_K 16: 4 x 4 compiles to 168
-# registers, 4 x 8 to 255 with a few spills); the device sweep (tools/device_kernels.py) picks
-# per shape, and the defaults below serve shapes the tuning table does not name.
+# (activation rows) x (weight rows a thread) (tools/sass_loop.py v3 FMT 16: 4 x 4 compiles to 168
+# registers for every format; 4 x 8 to 255, spilling for Q5_K and Q6_K); the device sweep
+# (tools/device_kernels.py) picks per shape, and the defaults below serve shapes the tuning table
+# does not name.
 CONFIGS: dict[int, tuple[int, int, int]] = {
     1: (16, 4, 1),
     2: (8, 4, 0),
@@ -136,7 +137,7 @@ CONFIGS: dict[int, tuple[int, int, int]] = {
     8: (8, 4, 0),
     16: (8, 4, 0),
 }
-ROWS_PER_PROGRAM = {G.Q4_K: 2, G.Q5_K: 2, G.Q6_K: 2, G.NVFP4_E2M1: 4, G.NVFP4: 4}
+ROWS_PER_PROGRAM = {G.Q4_K: 4, G.Q5_K: 4, G.Q6_K: 4, G.NVFP4_E2M1: 4, G.NVFP4: 4}
 
 
 def rows_per_program(fmt: G, rows: int) -> int:
@@ -708,6 +709,104 @@ if HAVE_TRITON:
             res = res * tl.load(dp + n.to(tl.int64), mask=nmask, other=0.0)
         tl.store(y + r * sy + n, res, mask=nmask & (r < T))
 
+    @triton.jit
+    def _pairs_chunk(FMT: tl.constexpr, RT: tl.constexpr, MASKED: tl.constexpr, c, qp, hp, sp, dp, row, N, NU, NB,
+                     zero, k, lane, wil, wih, zl, x, xsp, sx, ss, d1, d2, d3, a0l, a0h, a1l, a1h, a2l, a2h, a3l, a3h,
+                     R: tl.constexpr, WN: tl.constexpr, J: tl.constexpr, ASM: tl.constexpr):
+        """Chunk c of `_matvec_rows_kernel` (MASKED: the partial last chunk, its units past NU and
+        rows past N masked to zeros; otherwise no load is masked)."""
+        u = c * J + k // 2  # [2J]
+        if MASKED:  # the row's last, partial chunk: units past NU read as zeros (the one-row path's)
+            m2 = (row < N)[:, None] & (u < NU)[None, :]  # [BN, 2J]
+        else:  # whole chunks: every load unmasked (rows past N read row N - 1; never stored)
+            m2 = None
+        pw = tl.load(qp + row[:, None] * (NU * 2) + (c * (2 * J) + k + zero)[None, :], mask=m2, other=0 if MASKED else None)
+        pw = tl.reshape(pw, (R, WN, 2 * J))
+        wl = pw.to(tl.int32)
+        wh = (pw >> 32).to(tl.int32)
+        # per-unit fields: the pointer has no contiguity along either dimension, so a load takes
+        # its threads along dimension 0; loaded as [2J, BN] and transposed they sit along the
+        # pairs, in the words' layout (no shuffle)
+        if MASKED:
+            mt = tl.trans(m2)
+        else:
+            mt = None
+        sv = tl.trans(tl.load(sp + (u + zero)[:, None] + (row * NU)[None, :], mask=mt, other=0 if MASKED else None))
+        sv = tl.reshape(sv.to(tl.int32), (R, WN, 2 * J))
+        if FMT >= 8:
+            dv = sv * 0
+            h0 = dv
+            h1 = dv
+        else:
+            dv = tl.trans(tl.load(dp + (u // 8 + zero)[:, None] + (row * NB)[None, :], mask=mt,
+                                  other=0 if MASKED else None))
+            dv = tl.reshape(dv, (R, WN, 2 * J))
+            if FMT == 6:
+                h0 = tl.trans(tl.load(hp + (u + zero)[:, None] + (row * NU)[None, :], mask=mt,
+                                      other=0 if MASKED else None))
+                h0 = tl.reshape(h0, (R, WN, 2 * J))
+                h1 = h0
+            elif FMT == 7:
+                h0 = tl.trans(tl.load(hp + (u * 2 + zero)[:, None] + (row * (NU * 2))[None, :], mask=mt,
+                                      other=0 if MASKED else None))
+                h1 = tl.trans(tl.load(hp + (u * 2 + 1 + zero)[:, None] + (row * (NU * 2))[None, :], mask=mt,
+                                      other=0 if MASKED else None))
+                h0 = tl.reshape(h0, (R, WN, 2 * J))
+                h1 = tl.reshape(h1, (R, WN, 2 * J))
+            else:
+                h0 = sv * 0
+                h1 = h0
+        a, b = _scales(FMT, sv, dv)
+        xb = x + c * (J * 16) + lane  # nibble e's pairs at 2J e
+        sb = xsp + c * (J * 2) + lane
+        if FMT >= 8:
+            vl8 = _fp4_values(wl, ASM)
+            vh8 = _fp4_values(wh, ASM)
+        else:
+            wsl = wl >> 12
+            wsh = wh >> 12
+        t0l = zl  # placeholders: set at the unit's first nibble
+        t0h = zl
+        t1l = zl
+        t1h = zl
+        t2l = zl
+        t2h = zl
+        t3l = zl
+        t3h = zl
+        for e in tl.static_range(8):
+            if FMT >= 8:
+                vl = vl8[e]
+                vh = vh8[e]
+            else:
+                vl = _pair_bits(FMT, e, wl, wsl, h0, h1, wil)
+                vh = _pair_bits(FMT, e, wh, wsh, h0, h1, wih)
+            xe = xb + e * (2 * J)
+            t0l, t0h = _pair_e(FMT, e, vl, vh, xe, t0l, t0h)
+            t1l, t1h = _pair_e(FMT, e, vl, vh, xe + d1 * sx, t1l, t1h)
+            if RT > 2:
+                t2l, t2h = _pair_e(FMT, e, vl, vh, xe + d2 * sx, t2l, t2h)
+                t3l, t3h = _pair_e(FMT, e, vl, vh, xe + d3 * sx, t3l, t3h)
+            if e == 3 or e == 7:
+                if FMT >= 8 or FMT == 7 or e == 7:
+                    if FMT >= 8:
+                        if e == 3:
+                            fa = a
+                        else:
+                            fa = b
+                        fb = fa
+                    else:
+                        fa, fb = _unit_factors(FMT, e, a, b)
+                    if FMT == 7:  # the half's sums
+                        sh = sb + (1 + e // 4) * (ss // 3)
+                    else:
+                        sh = sb
+                    a0l, a0h = _pair_unit(FMT, t0l, t0h, sh, fa, fb, a0l, a0h)
+                    a1l, a1h = _pair_unit(FMT, t1l, t1h, sh + d1 * ss, fa, fb, a1l, a1h)
+                    if RT > 2:
+                        a2l, a2h = _pair_unit(FMT, t2l, t2h, sh + d2 * ss, fa, fb, a2l, a2h)
+                        a3l, a3h = _pair_unit(FMT, t3l, t3h, sh + d3 * ss, fa, fb, a3l, a3h)
+        return a0l, a0h, a1l, a1h, a2l, a2h, a3l, a3h
+
     @triton.jit(do_not_specialize=["T", "zero"])
     def _matvec_rows_kernel(x, xsp, y, qp, hp, sp, dp, N, K, sx, ss, sy, T, zero, FMT: tl.constexpr,
                             RT: tl.constexpr, BN: tl.constexpr, J: tl.constexpr, STAGES: tl.constexpr,
@@ -750,83 +849,16 @@ if HAVE_TRITON:
         # one copy of a row's activation pairs per warp ([WN, 2J] loads, as the words' [BN, 2J],
         # reshaped to [1, WN, 2J]: the same thread layout); + zero: 8-byte loads, not 16
         lane = (tl.arange(0, WN) * 0)[:, None] + (k + zero)[None, :]
-        for c in tl.range(0, n_chunks, num_stages=STAGES):
-            u = c * J + k // 2  # [2J]
-            m2 = nmask[:, None] & (u < NU)[None, :]  # [BN, 2J]
-            pw = tl.load(qp + row[:, None] * (NU * 2) + (c * (2 * J) + k + zero)[None, :], mask=m2, other=0)
-            pw = tl.reshape(pw, (R, WN, 2 * J))
-            wl = pw.to(tl.int32)
-            wh = (pw >> 32).to(tl.int32)
-            sv = tl.reshape(tl.load(sp + row[:, None] * NU + (u + zero)[None, :], mask=m2, other=0).to(tl.int32),
-                            (R, WN, 2 * J))
-            if FMT >= 8:
-                dv = sv * 0
-                h0 = dv
-                h1 = dv
-            else:
-                dv = tl.reshape(tl.load(dp + row[:, None] * NB + (u // 8 + zero)[None, :], mask=m2, other=0),
-                                (R, WN, 2 * J))
-                if FMT == 6:
-                    h0 = tl.reshape(tl.load(hp + row[:, None] * NU + (u + zero)[None, :], mask=m2, other=0),
-                                    (R, WN, 2 * J))
-                    h1 = h0
-                elif FMT == 7:
-                    h0 = tl.reshape(tl.load(hp + row[:, None] * (NU * 2) + (u * 2 + zero)[None, :], mask=m2, other=0),
-                                    (R, WN, 2 * J))
-                    h1 = tl.reshape(tl.load(hp + row[:, None] * (NU * 2) + (u * 2 + 1 + zero)[None, :], mask=m2,
-                                            other=0), (R, WN, 2 * J))
-                else:
-                    h0 = sv * 0
-                    h1 = h0
-            a, b = _scales(FMT, sv, dv)
-            xb = x + c * (J * 16) + lane  # nibble e's pairs at 2J e
-            sb = xsp + c * (J * 2) + lane
-            if FMT >= 8:
-                vl8 = _fp4_values(wl, ASM)
-                vh8 = _fp4_values(wh, ASM)
-            else:
-                wsl = wl >> 12
-                wsh = wh >> 12
-            t0l = zl  # placeholders: set at the unit's first nibble
-            t0h = zl
-            t1l = zl
-            t1h = zl
-            t2l = zl
-            t2h = zl
-            t3l = zl
-            t3h = zl
-            for e in tl.static_range(8):
-                if FMT >= 8:
-                    vl = vl8[e]
-                    vh = vh8[e]
-                else:
-                    vl = _pair_bits(FMT, e, wl, wsl, h0, h1, wil)
-                    vh = _pair_bits(FMT, e, wh, wsh, h0, h1, wih)
-                xe = xb + e * (2 * J)
-                t0l, t0h = _pair_e(FMT, e, vl, vh, xe, t0l, t0h)
-                t1l, t1h = _pair_e(FMT, e, vl, vh, xe + d1 * sx, t1l, t1h)
-                if RT > 2:
-                    t2l, t2h = _pair_e(FMT, e, vl, vh, xe + d2 * sx, t2l, t2h)
-                    t3l, t3h = _pair_e(FMT, e, vl, vh, xe + d3 * sx, t3l, t3h)
-                if e == 3 or e == 7:
-                    if FMT >= 8 or FMT == 7 or e == 7:
-                        if FMT >= 8:
-                            if e == 3:
-                                fa = a
-                            else:
-                                fa = b
-                            fb = fa
-                        else:
-                            fa, fb = _unit_factors(FMT, e, a, b)
-                        if FMT == 7:  # the half's sums
-                            sh = sb + (1 + e // 4) * (ss // 3)
-                        else:
-                            sh = sb
-                        a0l, a0h = _pair_unit(FMT, t0l, t0h, sh, fa, fb, a0l, a0h)
-                        a1l, a1h = _pair_unit(FMT, t1l, t1h, sh + d1 * ss, fa, fb, a1l, a1h)
-                        if RT > 2:
-                            a2l, a2h = _pair_unit(FMT, t2l, t2h, sh + d2 * ss, fa, fb, a2l, a2h)
-                            a3l, a3h = _pair_unit(FMT, t3l, t3h, sh + d3 * ss, fa, fb, a3l, a3h)
+        rowc = tl.minimum(n, N - 1).to(tl.int64)  # whole chunks: rows past N read row N - 1
+        n_full = NU // J
+        for c in tl.range(0, n_full, num_stages=STAGES):
+            a0l, a0h, a1l, a1h, a2l, a2h, a3l, a3h = _pairs_chunk(
+                FMT, RT, False, c, qp, hp, sp, dp, rowc, N, NU, NB, zero, k, lane, wil, wih, zl, x, xsp, sx, ss,
+                d1, d2, d3, a0l, a0h, a1l, a1h, a2l, a2h, a3l, a3h, R, WN, J, ASM)
+        if n_full < n_chunks:
+            a0l, a0h, a1l, a1h, a2l, a2h, a3l, a3h = _pairs_chunk(
+                FMT, RT, True, n_full, qp, hp, sp, dp, row, N, NU, NB, zero, k, lane, wil, wih, zl, x, xsp, sx, ss,
+                d1, d2, d3, a0l, a0h, a1l, a1h, a2l, a2h, a3l, a3h, R, WN, J, ASM)
         _pair_store(FMT, a0l, a0h, y, dp, n, nmask, r0, T, sy, BN, J)
         _pair_store(FMT, a1l, a1h, y, dp, n, nmask, r0 + 1, T, sy, BN, J)
         if RT > 2:
