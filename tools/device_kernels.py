@@ -210,10 +210,12 @@ def speed_case(fmt_name: str, n_out: int, n_in: int, device: str, smoke: bool, b
 # (BN, num_warps, PIPE): qmatvec_v3.check_config. One row: no shared-memory pipelining (PIPE >= 2
 # took 3-5x the plain loop's time on every shape, bench/reports/device-20261203/call2).
 # Several rows: (BN, num_warps, PIPE, rows a program takes); a program's weight rows a thread are
-# BN / (num_warps / 2) (two warps along a chunk's word pairs), so (16, 4, ...) is 8 of them.
+# BN / (num_warps / 2) (two warps along a chunk's word pairs), so (16, 4, ...) is 8 of them. BN
+# sets how often the activations are re-read from L2 (once per BN weight rows), the rows a program
+# how often the weights are (once per RT activation rows).
 SWEEP = {
     1: ((8, 4, 0), (16, 4, 0), (16, 4, 1), (16, 8, 0), (32, 4, 0), (32, 8, 0), (32, 8, 1), (64, 8, 0)),
-    16: ((8, 4, 0, 4), (16, 4, 0, 4), (16, 4, 0, 2), (32, 4, 0, 2), (8, 2, 0, 4), (16, 8, 0, 4), (32, 8, 0, 2),
+    16: ((16, 4, 0, 4), (16, 8, 0, 4), (32, 8, 0, 4), (8, 4, 0, 4), (16, 4, 0, 2), (8, 2, 0, 4), (32, 8, 0, 2),
          (8, 4, 0, 2)),
 }
 
