@@ -160,8 +160,10 @@ def test_the_tuning_table_takes_the_fastest_tiling_with_the_default_bits():
                            "[16, 4, 3]": {"us": 7.5, "bitwise_equal_default": True},
                            "[32, 4, 0]": {"us": 5.0, "bitwise_equal_default": False},
                            "[64, 8, 0]": {"error": "OutOfResources"}},
-              "T16_sweep": {"[8, 8, 0]": {"us": 40.0, "bitwise_equal_default": True}}},
+              "T16_sweep": {"[8, 8, 0]": {"us": 40.0, "bitwise_equal_default": True},
+                            "[8, 4, 0, 4]": {"us": 30.0, "bitwise_equal_default": True},
+                            "[16, 4, 0, 4]": {"us": 20.0, "bitwise_equal_default": False}}},
              {"fmt": "Q6_K", "n_out": 64, "n_in": 512, "error": "boom"}]
     table = device_kernels.tuning_table(speed)
     assert table == [{"fmt": "Q4_K", "rows": 1, "n_out": 64, "n_in": 512, "config": [16, 4, 3], "us": 7.5},
-                     {"fmt": "Q4_K", "rows": 16, "n_out": 64, "n_in": 512, "config": [8, 8, 0], "us": 40.0}]
+                     {"fmt": "Q4_K", "rows": 16, "n_out": 64, "n_in": 512, "config": [8, 4, 0, 4], "us": 30.0}]

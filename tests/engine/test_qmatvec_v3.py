@@ -232,9 +232,13 @@ def test_v3_tuning_file(v3, tmp_path):
     saved = dict(m.TUNED)
     try:
         assert m.load_tuning(str(f)) == 1
-        assert m.config_for(p, 1) == (8, 4, False)
+        assert m.config_for(p, 1) == (8, 4, False, 0)
         bn, nw, pipe = m.CONFIGS[16]
-        assert m.config_for(p, 16) == (nw, nw, pipe)  # 8 outputs: one weight row a thread
+        assert m.config_for(p, 16) == (nw, nw, pipe, 0)  # 8 outputs: one weight row a thread
+        # several rows: the table may name the rows a program takes (RT); the 16-row entry serves 2..16
+        f.write_text(json.dumps([{"fmt": "Q4_K", "rows": 16, "n_out": 8, "n_in": 512, "config": [8, 4, 0, 4]}]))
+        assert m.load_tuning(str(f)) == 1
+        assert m.config_for(p, 4) == (8, 4, 0, 4)
         from muser.errors import LaneError
 
         before = dict(m.TUNED)
@@ -242,6 +246,9 @@ def test_v3_tuning_file(v3, tmp_path):
                     [{"fmt": "Q4_K", "rows": 1, "n_out": 8, "n_in": 512, "config": [8, 4, False]},
                      {"fmt": "Q4_K", "rows": 3, "n_out": 8, "n_in": 512, "config": [8, 4, False]}],
                     [{"fmt": "Q4_K", "rows": 1, "n_out": 8, "n_in": 512, "config": [8, 32, 4, False]}],
+                    [{"fmt": "Q4_K", "rows": 1, "n_out": 8, "n_in": 512, "config": [8, 4, 0, 2]}],  # RT: several rows
+                    [{"fmt": "Q4_K", "rows": 16, "n_out": 8, "n_in": 512, "config": [8, 4, 0, 3]}],
+                    [{"fmt": "Q4_K", "rows": 16, "n_out": 8, "n_in": 512, "config": [8, 4, 0, 2, 1]}],
                     [{"fmt": "Q4_K", "rows": 1}]):
             f.write_text(json.dumps(bad))
             with pytest.raises(LaneError, match="t.json"):
@@ -267,7 +274,7 @@ def test_v3_tuning_file_refuses_an_entry_for_another_path(v3, tmp_path, monkeypa
     f = tmp_path / "t.json"
     good = {"fmt": "Q4_K", "rows": 1, "n_out": 8, "n_in": 512, "config": [8, 4, 0]}
     f.write_text(json.dumps([good | {"path": "matvec"}]))
-    assert m.load_tuning(str(f)) == 1 and m.TUNED[("Q4_K", 1, 8, 512)] == (8, 4, 0)
+    assert m.load_tuning(str(f)) == 1 and m.TUNED[("Q4_K", 1, 8, 512)] == (8, 4, 0, 0)
     before = dict(m.TUNED)
     for route in ("gemm", "tiles", None):
         e = {"fmt": "Q4_K", "rows": 16, "n_out": 8, "n_in": 512, "config": [8, 8, 1], "path": route}
@@ -294,7 +301,7 @@ def test_v3_forward_with_packed_stacks_matches_reference(v3, make_gguf, monkeypa
 
     _, m = v3
     # big tiles: few programs, so the interpreter's per-program cost stays small
-    monkeypatch.setattr(m, "config_for", lambda p, rows: (32, 4, False) if rows == 1 else (16, 4, False))
+    monkeypatch.setattr(m, "config_for", lambda p, rows: (32, 4, False, 0) if rows == 1 else (16, 4, False, 0))
     path = make_gguf(SynthSpec(dtype="q4_k_xl", source="blocks"))
     ref = Engine.open(path, device="cpu", lane="exact", kv="f32")
     eng = Engine.open(path, device="cpu", lane="exact", kv="f32")

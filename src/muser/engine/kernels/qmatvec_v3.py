@@ -59,18 +59,23 @@ Each output row keeps J * 4 lane accumulators, reduced once at the end by a fixe
 an order that differs from the reference at the ulp level (the exact lane's contract) and that is
 the same for every row count, so a row's bits do not depend on how it was batched (row invariance).
 
-Several activation rows (2..16): a program takes 2 or 4 of them (`rows_per_program`), each row's
-accumulator in the one-row path's thread layout ([BN/NW, NW, J, 4]: a thread holds one unit's
-16 bytes of each of its BN/NW weight rows), so a row's operations are the one-row path's, in its
-order, with no shuffle between threads; the row groups of one weight block are adjacent programs,
-so L2 serves their re-reads of its bytes. `act_prep` runs once a call before them: it writes the
-activations already multiplied by 2^(64 - P) (the one-row path multiplies in its loop; the products
-are the same real numbers, so each fma rounds to the same bits) in chunk order (one nibble's
-activations of a chunk's 32 units contiguous: a warp's load touches 4 cache lines, not 32) padded
-with zeros to whole chunks, and each unit lane's sum of x in the one-row path's order (Q6_K: per
-half), which the loop then reads instead of adding. Bits: the one-row path's for every row
-(tests and tools/device_kernels.py hold them equal). The exact lane runs wider calls as slices of
-<= 16 rows (engine/lanes.py), so a row keeps those bits at every row count.
+Several activation rows (2..16, `_matvec_rows_kernel`): a program takes BN weight rows and RT = 2
+or 4 activation rows (`rows_per_program`, or the tuning table's fourth entry). A thread holds one
+8-byte pair of words (2p, 2p + 1) of a unit for each of its weight rows: the chunk's 64 pairs run
+along the lanes of two warps, the program's other warps take other weight rows, so a thread has
+BN / (num_warps / 2) weight rows and two accumulator lanes of each (per activation row). The
+activation pairs a thread multiplies are one 8-byte load per row and nibble, reused by all its
+weight rows, and the codes one mask per word and nibble, reused by all RT rows: the activation
+bytes a product costs fall with the weight rows a thread holds, the masks with the activation
+rows, and the registers hold (weight rows) x (activation rows) x 2 lanes x 2 sums. The row groups
+of a weight block are adjacent programs, so L2 serves their re-reads of its bytes. Each lane's
+operations are the one-row path's, in its order (bits: the one-row path's for every row; tests
+and tools/device_kernels.py hold them equal). `act_prep` runs once a call before it: the
+activations multiplied by 2^(64 - P) (the factor the one-row loop applies; same real products,
+same roundings) and written in chunk order (one nibble's activations of a chunk's 32 units
+contiguous), padded with zeros to whole chunks, and each unit lane's sum of x in the one-row
+path's order (Q6_K: per half), which the loop reads instead of adding; the kernel reads both as
+int64 pairs.
 
 Reference beside it: `qmatvec.matvec_ref(w, x)`; `unpack` inverts `pack` and `decode` decodes
 the packed form with the torch reference decoder.
@@ -118,13 +123,13 @@ _FP4_F16_HI = (0x42403C00, 0x4A484644)
 J_UNITS = 32
 # (BN rows per program, num_warps, PIPE: check_config) per row bucket; device sweeps override through
 # `config`. One chunk moves BN * J_UNITS * 16 bytes of quants per program.
-# Several rows: a program takes `rows_per_program` of them (one accumulator each in the one-row
-# layout, BN / num_warps weight rows a thread) and the row groups of a weight block run as
-# adjacent programs (L2 serves their re-reads). Registers bound the product rows x weight rows a
-# thread (tools/sass_loop.py v3: 2 x 4 and 4 x 2 compile to about 170 registers, no spills). The
-# H200 sweep (bench/receipts/20261204T172046Z-kernels-cuda.json) put 2 rows a program ahead on
-# every K-quant shape (Q4_K with 4 weight rows a thread, Q5_K and Q6_K with 2) and 4 rows on
-# NVFP4's; the defaults below serve shapes the tuning table does not name.
+# Several rows (`_matvec_rows_kernel`, module doc): a program takes `rows_per_program` of them
+# (or the table's RT), BN / (num_warps / 2) weight rows a thread, and the row groups of a weight
+# block run as adjacent programs (L2 serves their re-reads). Registers bound the product
+# (activation rows) x (weight rows a thread) (tools/sass_loop.py v3 FMT 16: 4 x 4 compiles to 168
+# registers for every format; 4 x 8 to 255, spilling for Q5_K and Q6_K); the device sweep
+# (tools/device_kernels.py) picks per shape, and the defaults below serve shapes the tuning table
+# does not name.
 CONFIGS: dict[int, tuple[int, int, int]] = {
     1: (16, 4, 1),
     2: (8, 4, 0),
@@ -132,7 +137,7 @@ CONFIGS: dict[int, tuple[int, int, int]] = {
     8: (8, 4, 0),
     16: (8, 4, 0),
 }
-ROWS_PER_PROGRAM = {G.Q4_K: 2, G.Q5_K: 2, G.Q6_K: 2, G.NVFP4_E2M1: 4, G.NVFP4: 4}
+ROWS_PER_PROGRAM = {G.Q4_K: 4, G.Q5_K: 4, G.Q6_K: 4, G.NVFP4_E2M1: 4, G.NVFP4: 4}
 
 
 def rows_per_program(fmt: G, rows: int) -> int:
@@ -631,31 +636,6 @@ if HAVE_TRITON:
             tl.store(xs + (r * 3) * (NUP * 4) + u[:, None] * 4 + wi[None, :], full, mask=keep)
 
     @triton.jit
-    def _row_e(FMT: tl.constexpr, e: tl.constexpr, v, xp, t):
-        """One row's nibble-e step of the several-row path: its activations [NW, J*4] -> [1, NW, J, 4]
-        (a per-warp copy in the words' thread layout; K-quants: `_act_prep_kernel`'s pre-scaled,
-        chunk-ordered copy, nibble e's 4J values contiguous) times the codes v, into the unit sum t."""
-        xe = tl.load(xp)
-        xe = tl.reshape(xe, (1, xp.shape[0], xp.shape[1] // 4, 4))
-        if e % 4 == 0 if FMT >= 8 else (e == 0 or (FMT == 7 and e == 4)):
-            t = v * xe
-        else:
-            t = tl.fma(v, xe, t)
-        return t
-
-    @triton.jit
-    def _row_unit(FMT: tl.constexpr, t, sp, fa, fb, acc):
-        """A unit's (Q6_K: half-unit's; NVFP4: 16-block's) sums into a row's accumulator: the one-row
-        path's acc = fma(t, fa, fma(xs, fb, acc)), xs read from `_act_prep_kernel`'s sums at sp."""
-        if FMT >= 8:
-            acc = tl.fma(t, fa, acc)
-        else:
-            xs = tl.load(sp)
-            xs = tl.reshape(xs, (1, sp.shape[0], sp.shape[1] // 4, 4))
-            acc = tl.fma(t, fa, tl.fma(xs, fb, acc))
-        return acc
-
-    @triton.jit
     def _row_store(FMT: tl.constexpr, acc, y, dp, row, n, nmask, r, T, sy, BN: tl.constexpr, J: tl.constexpr):
         res = _lane_tree(tl.reshape(acc, (BN, J * 4)), BN, J * 4)  # [BN]
         if FMT == 8:  # the companion form's per-row scale2, once per output
@@ -663,38 +643,149 @@ if HAVE_TRITON:
         tl.store(y + r * sy + n, res, mask=nmask & (r < T))
 
     @triton.jit
-    def _rows_chunk(FMT: tl.constexpr, RT: tl.constexpr, c, qp, hp, sp, dp, row, nmask, NU, zero, x, sx, xsp, ss,
-                    d1, d2, d3, wi, acc, acc1, acc2, acc3, BN: tl.constexpr, J: tl.constexpr, NW: tl.constexpr,
-                    ASM: tl.constexpr):
-        """Chunk c of the several-row path: RT rows, row k's activations at x + d_k sx and its unit
-        sums at xsp + d_k ss (d_k = k, except that rows past the call's end read its last row;
-        they are never stored). Activations and sums are padded to whole chunks with zeros (the
-        one-row path's masked loads), so every load is unmasked."""
-        words, h0, h1, sv, dv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, c, NU, zero, J)
-        a, b = _scales(FMT, sv, dv)
-        lane = (tl.arange(0, NW) * 0)[:, None] + tl.arange(0, J * 4)[None, :]  # [NW, J*4]: unit lane // 4, w = lane % 4
-        sb = xsp + c * (J * 4) + lane
-        xb = x + c * (J * 32) + lane  # chunk order: nibble e's activations at 4J e
-        if FMT >= 8:
-            vals = _fp4_values(words, ASM)
+    def _pair_bits(FMT: tl.constexpr, e: tl.constexpr, words, wsh, h0, h1, wi):
+        """`_code_bits` in the several-row layout: words, wsh, h0, h1 and the word index wi are
+        already of one broadcast shape (a thread holds one word of a unit per tensor)."""
+        if e <= 4:
+            q = words & (0xF << (4 * e))
+            P = 4 * e
         else:
-            wsh = words >> 12
-        t0 = tl.zeros([BN // NW, NW, J, 4], dtype=tl.float32)  # placeholders: set at the unit's first nibble
-        t1 = t0
-        t2 = t0
-        t3 = t0
+            q = wsh & (0xF << (4 * e - 12))
+            P = 4 * e - 12
+        if FMT == 6:  # 5th bit of element i = 4e + w at bit i of h0 -> bit P + 4
+            if e <= 4:
+                q = q | ((h0 << (4 - wi)) & (1 << (P + 4)))
+            else:
+                q = q | ((h0 >> (8 + wi)) & (1 << (P + 4)))
+        if FMT == 7:  # element i's 2 high bits at 2 (i % 16) of word i // 16 -> bits P + 4, P + 5
+            if e < 4:
+                t = (h0 >> (8 * e)) << (P + 4)
+            else:
+                t = (h1 >> (8 * (e - 4))) << (P + 4)
+            q = q | ((t >> (2 * wi)) & (3 << (P + 4)))
+        return q.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _split_pair(v):
+        """int64 holding two adjacent f32 (low word first) -> the two f32."""
+        lo = v.to(tl.int32).to(tl.float32, bitcast=True)
+        hi = (v >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        return lo, hi
+
+    @triton.jit
+    def _pair_e(FMT: tl.constexpr, e: tl.constexpr, vl, vh, xp, tl_, th):
+        """One row's nibble-e products: its activations of the thread's two lanes (one int64 load,
+        `_act_prep_kernel`'s copy) times the codes, into the lanes' unit sums."""
+        v = tl.load(xp)
+        xl, xh = _split_pair(tl.reshape(v, (1, v.shape[0], v.shape[1])))
+        if e % 4 == 0 if FMT >= 8 else (e == 0 or (FMT == 7 and e == 4)):
+            tl_ = vl * xl
+            th = vh * xh
+        else:
+            tl_ = tl.fma(vl, xl, tl_)
+            th = tl.fma(vh, xh, th)
+        return tl_, th
+
+    @triton.jit
+    def _pair_unit(FMT: tl.constexpr, tl_, th, sp, fa, fb, al, ah):
+        """A unit's (Q6_K: half-unit's; NVFP4: 16-block's) sums into a row's two lane accumulators:
+        the one-row path's acc = fma(t, fa, fma(xs, fb, acc))."""
+        if FMT >= 8:
+            al = tl.fma(tl_, fa, al)
+            ah = tl.fma(th, fa, ah)
+        else:
+            v = tl.load(sp)
+            sl, sh = _split_pair(tl.reshape(v, (1, v.shape[0], v.shape[1])))
+            al = tl.fma(tl_, fa, tl.fma(sl, fb, al))
+            ah = tl.fma(th, fa, tl.fma(sh, fb, ah))
+        return al, ah
+
+    @triton.jit
+    def _pair_store(FMT: tl.constexpr, al, ah, y, dp, n, nmask, r, T, sy, BN: tl.constexpr, J: tl.constexpr):
+        # lane 4u + w = 2k + half (k = 2u + w // 2): the pair's two halves side by side
+        acc = tl.reshape(tl.join(al, ah), (BN, J * 4))
+        res = _lane_tree(acc, BN, J * 4)  # [BN]
+        if FMT == 8:  # the companion form's per-row scale2, once per output
+            res = res * tl.load(dp + n.to(tl.int64), mask=nmask, other=0.0)
+        tl.store(y + r * sy + n, res, mask=nmask & (r < T))
+
+    @triton.jit
+    def _pairs_chunk(FMT: tl.constexpr, RT: tl.constexpr, MASKED: tl.constexpr, c, qp, hp, sp, dp, row, N, NU, NB,
+                     zero, k, lane, wil, wih, zl, x, xsp, sx, ss, d1, d2, d3, a0l, a0h, a1l, a1h, a2l, a2h, a3l, a3h,
+                     R: tl.constexpr, WN: tl.constexpr, J: tl.constexpr, ASM: tl.constexpr):
+        """Chunk c of `_matvec_rows_kernel` (MASKED: the partial last chunk, its units past NU and
+        rows past N masked to zeros; otherwise no load is masked)."""
+        u = c * J + k // 2  # [2J]
+        if MASKED:  # the row's last, partial chunk: units past NU read as zeros (the one-row path's)
+            m2 = (row < N)[:, None] & (u < NU)[None, :]  # [BN, 2J]
+        else:  # whole chunks: every load unmasked (rows past N read row N - 1; never stored)
+            m2 = None
+        pw = tl.load(qp + row[:, None] * (NU * 2) + (c * (2 * J) + k + zero)[None, :], mask=m2, other=0 if MASKED else None)
+        pw = tl.reshape(pw, (R, WN, 2 * J))
+        wl = pw.to(tl.int32)
+        wh = (pw >> 32).to(tl.int32)
+        # per-unit fields: the pointer has no contiguity along either dimension, so a load takes
+        # its threads along dimension 0; loaded as [2J, BN] and transposed they sit along the
+        # pairs, in the words' layout (no shuffle)
+        if MASKED:
+            mt = tl.trans(m2)
+        else:
+            mt = None
+        sv = tl.trans(tl.load(sp + (u + zero)[:, None] + (row * NU)[None, :], mask=mt, other=0 if MASKED else None))
+        sv = tl.reshape(sv.to(tl.int32), (R, WN, 2 * J))
+        if FMT >= 8:
+            dv = sv * 0
+            h0 = dv
+            h1 = dv
+        else:
+            dv = tl.trans(tl.load(dp + (u // 8 + zero)[:, None] + (row * NB)[None, :], mask=mt,
+                                  other=0 if MASKED else None))
+            dv = tl.reshape(dv, (R, WN, 2 * J))
+            if FMT == 6:
+                h0 = tl.trans(tl.load(hp + (u + zero)[:, None] + (row * NU)[None, :], mask=mt,
+                                      other=0 if MASKED else None))
+                h0 = tl.reshape(h0, (R, WN, 2 * J))
+                h1 = h0
+            elif FMT == 7:
+                h0 = tl.trans(tl.load(hp + (u * 2 + zero)[:, None] + (row * (NU * 2))[None, :], mask=mt,
+                                      other=0 if MASKED else None))
+                h1 = tl.trans(tl.load(hp + (u * 2 + 1 + zero)[:, None] + (row * (NU * 2))[None, :], mask=mt,
+                                      other=0 if MASKED else None))
+                h0 = tl.reshape(h0, (R, WN, 2 * J))
+                h1 = tl.reshape(h1, (R, WN, 2 * J))
+            else:
+                h0 = sv * 0
+                h1 = h0
+        a, b = _scales(FMT, sv, dv)
+        xb = x + c * (J * 16) + lane  # nibble e's pairs at 2J e
+        sb = xsp + c * (J * 2) + lane
+        if FMT >= 8:
+            vl8 = _fp4_values(wl, ASM)
+            vh8 = _fp4_values(wh, ASM)
+        else:
+            wsl = wl >> 12
+            wsh = wh >> 12
+        t0l = zl  # placeholders: set at the unit's first nibble
+        t0h = zl
+        t1l = zl
+        t1h = zl
+        t2l = zl
+        t2h = zl
+        t3l = zl
+        t3h = zl
         for e in tl.static_range(8):
             if FMT >= 8:
-                v = tl.reshape(vals[e], (BN // NW, NW, J, 4))
+                vl = vl8[e]
+                vh = vh8[e]
             else:
-                # code_bits * (x 2^(64 - P)): the one-row path's product, the scaling done once a call
-                v = tl.reshape(_code_bits(FMT, e, words, wsh, h0, h1, wi), (BN // NW, NW, J, 4))
-            xe = xb + e * (4 * J)
-            t0 = _row_e(FMT, e, v, xe, t0)
-            t1 = _row_e(FMT, e, v, xe + d1 * sx, t1)
+                vl = _pair_bits(FMT, e, wl, wsl, h0, h1, wil)
+                vh = _pair_bits(FMT, e, wh, wsh, h0, h1, wih)
+            xe = xb + e * (2 * J)
+            t0l, t0h = _pair_e(FMT, e, vl, vh, xe, t0l, t0h)
+            t1l, t1h = _pair_e(FMT, e, vl, vh, xe + d1 * sx, t1l, t1h)
             if RT > 2:
-                t2 = _row_e(FMT, e, v, xe + d2 * sx, t2)
-                t3 = _row_e(FMT, e, v, xe + d3 * sx, t3)
+                t2l, t2h = _pair_e(FMT, e, vl, vh, xe + d2 * sx, t2l, t2h)
+                t3l, t3h = _pair_e(FMT, e, vl, vh, xe + d3 * sx, t3l, t3h)
             if e == 3 or e == 7:
                 if FMT >= 8 or FMT == 7 or e == 7:
                     if FMT >= 8:
@@ -704,115 +795,144 @@ if HAVE_TRITON:
                             fa = b
                         fb = fa
                     else:
-                        fa, fb = _unit_factors(FMT, e, a, b)  # [BN, J]
-                    fa = tl.reshape(tl.broadcast_to(fa[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4))
-                    fb = tl.reshape(tl.broadcast_to(fb[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4))
+                        fa, fb = _unit_factors(FMT, e, a, b)
                     if FMT == 7:  # the half's sums
                         sh = sb + (1 + e // 4) * (ss // 3)
                     else:
                         sh = sb
-                    acc = _row_unit(FMT, t0, sh, fa, fb, acc)
-                    acc1 = _row_unit(FMT, t1, sh + d1 * ss, fa, fb, acc1)
+                    a0l, a0h = _pair_unit(FMT, t0l, t0h, sh, fa, fb, a0l, a0h)
+                    a1l, a1h = _pair_unit(FMT, t1l, t1h, sh + d1 * ss, fa, fb, a1l, a1h)
                     if RT > 2:
-                        acc2 = _row_unit(FMT, t2, sh + d2 * ss, fa, fb, acc2)
-                        acc3 = _row_unit(FMT, t3, sh + d3 * ss, fa, fb, acc3)
-        return acc, acc1, acc2, acc3
+                        a2l, a2h = _pair_unit(FMT, t2l, t2h, sh + d2 * ss, fa, fb, a2l, a2h)
+                        a3l, a3h = _pair_unit(FMT, t3l, t3h, sh + d3 * ss, fa, fb, a3l, a3h)
+        return a0l, a0h, a1l, a1h, a2l, a2h, a3l, a3h
 
     @triton.jit(do_not_specialize=["T", "zero"])
-    def _matvec_v3_kernel(x, xsp, y, qp, hp, sp, dp, N, K, sx, ss, sy, T, zero, FMT: tl.constexpr, RT: tl.constexpr,
-                          BN: tl.constexpr, J: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
-                          NW: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
-        # program = (weight block, group of RT activation rows), the groups of one block adjacent
-        # in launch order so that they run together and L2 serves their re-reads of its bytes
+    def _matvec_rows_kernel(x, xsp, y, qp, hp, sp, dp, N, K, sx, ss, sy, T, zero, FMT: tl.constexpr,
+                            RT: tl.constexpr, BN: tl.constexpr, J: tl.constexpr, STAGES: tl.constexpr,
+                            WN: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+        """Several activation rows (module doc): a program takes BN weight rows and RT activation
+        rows. Tensors are [BN / WN, WN, 2J]: element (i, j, k) is weight row i WN + j and the pair
+        k = 2u + p of words 2p, 2p + 1 of the chunk's unit u (one 8-byte load a thread, the two
+        words split in registers), so a thread holds two accumulator lanes of each of its weight
+        rows and activation rows. x and xsp are `_act_prep_kernel`'s outputs read as int64 pairs
+        (row strides sx, ss in pairs), y f32 [T, N]."""
+        after_prior(PDL)  # gdc.py
         G = (T + RT - 1) // RT
         pid = tl.program_id(0)
         r0 = (pid % G) * RT
+        R: tl.constexpr = BN // WN
         n = (pid // G) * BN + tl.arange(0, BN)
+        nmask = n < N
+        row = n.to(tl.int64)
+        k = tl.arange(0, 2 * J)
+        NU = K // 32
+        NB = NU // 8
+        n_chunks = (NU + J - 1) // J
+        wil = tl.reshape(tl.broadcast_to(((k % 2) * 2)[None, :], (BN, 2 * J)), (R, WN, 2 * J))  # low word's index
+        wih = wil + 1
+        # rows past T read row T - 1 (loads stay unmasked; never stored)
+        d1 = tl.minimum(r0 + 1, T - 1) - r0
+        d2 = tl.minimum(r0 + 2, T - 1) - r0
+        d3 = tl.minimum(r0 + 3, T - 1) - r0
+        x = x + r0 * sx
+        xsp = xsp + r0 * ss
+        zl = tl.zeros([R, WN, 2 * J], dtype=tl.float32)
+        a0l = zl
+        a0h = zl
+        a1l = zl
+        a1h = zl
+        a2l = zl
+        a2h = zl
+        a3l = zl
+        a3h = zl
+        # one copy of a row's activation pairs per warp ([WN, 2J] loads, as the words' [BN, 2J],
+        # reshaped to [1, WN, 2J]: the same thread layout); + zero: 8-byte loads, not 16
+        lane = (tl.arange(0, WN) * 0)[:, None] + (k + zero)[None, :]
+        rowc = tl.minimum(n, N - 1).to(tl.int64)  # whole chunks: rows past N read row N - 1
+        n_full = NU // J
+        for c in tl.range(0, n_full, num_stages=STAGES):
+            a0l, a0h, a1l, a1h, a2l, a2h, a3l, a3h = _pairs_chunk(
+                FMT, RT, False, c, qp, hp, sp, dp, rowc, N, NU, NB, zero, k, lane, wil, wih, zl, x, xsp, sx, ss,
+                d1, d2, d3, a0l, a0h, a1l, a1h, a2l, a2h, a3l, a3h, R, WN, J, ASM)
+        if n_full < n_chunks:
+            a0l, a0h, a1l, a1h, a2l, a2h, a3l, a3h = _pairs_chunk(
+                FMT, RT, True, n_full, qp, hp, sp, dp, row, N, NU, NB, zero, k, lane, wil, wih, zl, x, xsp, sx, ss,
+                d1, d2, d3, a0l, a0h, a1l, a1h, a2l, a2h, a3l, a3h, R, WN, J, ASM)
+        _pair_store(FMT, a0l, a0h, y, dp, n, nmask, r0, T, sy, BN, J)
+        _pair_store(FMT, a1l, a1h, y, dp, n, nmask, r0 + 1, T, sy, BN, J)
+        if RT > 2:
+            _pair_store(FMT, a2l, a2h, y, dp, n, nmask, r0 + 2, T, sy, BN, J)
+            _pair_store(FMT, a3l, a3h, y, dp, n, nmask, r0 + 3, T, sy, BN, J)
+
+    @triton.jit(do_not_specialize=["zero"])
+    def _matvec_v3_kernel(x, y, qp, hp, sp, dp, N, K, zero, FMT: tl.constexpr, BN: tl.constexpr, J: tl.constexpr,
+                          PREFETCH: tl.constexpr, STAGES: tl.constexpr, NW: tl.constexpr, ASM: tl.constexpr,
+                          PDL: tl.constexpr):
+        """One activation row: x f32 [K], y f32 [N]; BN weight rows a program."""
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         row = n.to(tl.int64)
         wi = tl.arange(0, 4)
         NU = K // 32
         n_chunks = (NU + J - 1) // J
-        # row r0 + k's distance from row r0 (rows past T read row T - 1: loads stay unmasked)
-        d1 = tl.minimum(r0 + 1, T - 1) - r0
-        d2 = tl.minimum(r0 + 2, T - 1) - r0
-        d3 = tl.minimum(r0 + 3, T - 1) - r0
-        # every accumulator in the words' own thread layout [BN/NW, NW, J, 4] (row = i * NW + warp):
-        # one row's activations are one 16-byte load a thread, used by its BN/NW rows of weights
-        # with no shuffle; several rows are several such accumulators, one per activation row
+        # the accumulator in the words' own thread layout [BN/NW, NW, J, 4] (row = i * NW + warp):
+        # the activations are one 16-byte load a thread, used by its BN/NW rows of weights with no
+        # shuffle
         acc = tl.zeros([BN // NW, NW, J, 4], dtype=tl.float32)
-        acc1 = acc  # rows past RT stay unused
-        acc2 = acc
-        acc3 = acc
-        if RT == 1:
-            if PREFETCH:
-                nw, nh0, nh1, nsv, ndv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, 0, NU, zero, J)
-            # PDL (gdc.py): the first chunk's weight loads go out while the previous kernel
-            # finishes; the activations are read after it
-            after_prior(PDL)
-            # STAGES > 1: Triton's pipeliner issues the loads of the next STAGES - 1 chunks as async
-            # copies into shared memory (bytes in flight that cost no registers). Measured on the H200
-            # it lost 3-5x at one row on every shape
-            for c in tl.range(0, n_chunks, num_stages=STAGES):
-                if PREFETCH:  # next chunk's loads go out before this chunk's arithmetic
-                    words, h0, h1, sv, dv = nw, nh0, nh1, nsv, ndv
-                    nw, nh0, nh1, nsv, ndv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask & (c + 1 < n_chunks),
-                                                         c + 1, NU, zero, J)
-                else:
-                    words, h0, h1, sv, dv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, c, NU, zero, J)
-                a, b = _scales(FMT, sv, dv)
-                # x as [NW, J*4] (one copy per warp: 16-byte loads in the words' thread layout),
-                # reshaped to [1, NW, J, 4]
-                kw = c * (J * 4) + tl.arange(0, J * 4)
-                xb = x + r0 * sx + (tl.arange(0, NW) * 0)[:, None] + ((kw // 4) * 32 + kw % 4)[None, :]  # [NW, J*4]
-                xm = (tl.arange(0, NW) < NW)[:, None] & (kw < NU * 4)[None, :]
-                if FMT >= 8:  # NVFP4: each 16-block's dot of values, then times its scale (f32)
-                    vals = _fp4_values(words, ASM)
-                    for e in tl.static_range(8):
-                        v = tl.reshape(vals[e], (BN // NW, NW, J, 4))
-                        xe = tl.reshape(tl.load(xb + 4 * e, mask=xm, other=0.0), (1, NW, J, 4))
-                        if e % 4 == 0:
-                            t = v * xe
-                        else:
-                            t = tl.fma(v, xe, t)
-                        if e == 3:
-                            acc = tl.fma(t, tl.reshape(tl.broadcast_to(a[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4)), acc)
-                        if e == 7:
-                            acc = tl.fma(t, tl.reshape(tl.broadcast_to(b[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4)), acc)
-                else:  # K-quants: the factored dot (module doc), per unit lane
-                    wsh = words >> 12
-                    for e in tl.static_range(8):
-                        v = tl.reshape(_code_bits(FMT, e, words, wsh, h0, h1, wi), (BN // NW, NW, J, 4))
-                        xe = tl.reshape(tl.load(xb + 4 * e, mask=xm, other=0.0), (1, NW, J, 4))
-                        xq = xe * _act_scale(e)  # exact: a power of two
-                        if e == 0 or (FMT == 7 and e == 4):
-                            t = v * xq
-                            xs = xe
-                        else:
-                            t = tl.fma(v, xq, t)
-                            xs = xs + xe
-                        if (FMT == 7 and e == 3) or e == 7:
-                            fa, fb = _unit_factors(FMT, e, a, b)  # [BN, J]
-                            fa = tl.reshape(tl.broadcast_to(fa[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4))
-                            fb = tl.reshape(tl.broadcast_to(fb[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4))
-                            acc = tl.fma(t, fa, tl.fma(xs, fb, acc))
-        else:  # several rows: each row's operations are the one-row path's, in the same order
-            # whole chunks with unmasked activation loads, then the row's partial chunk
-            # x is `_act_prep_kernel`'s chunk-ordered copy (K-quants: pre-scaled; row stride sx) and
-            # xsp its unit sums (row stride ss)
-            after_prior(PDL)  # gdc.py
-            x = x + r0 * sx
-            xsp = xsp + r0 * ss
-            for c in tl.range(0, n_chunks, num_stages=STAGES):
-                acc, acc1, acc2, acc3 = _rows_chunk(FMT, RT, c, qp, hp, sp, dp, row, nmask, NU, zero, x, sx, xsp, ss,
-                                                    d1, d2, d3, wi, acc, acc1, acc2, acc3, BN, J, NW, ASM)
+        if PREFETCH:
+            nw, nh0, nh1, nsv, ndv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, 0, NU, zero, J)
+        # PDL (gdc.py): the first chunk's weight loads go out while the previous kernel
+        # finishes; the activations are read after it
+        after_prior(PDL)
+        # STAGES > 1: Triton's pipeliner issues the loads of the next STAGES - 1 chunks as async
+        # copies into shared memory (bytes in flight that cost no registers). Measured on the H200
+        # it lost 3-5x at one row on every shape
+        for c in tl.range(0, n_chunks, num_stages=STAGES):
+            if PREFETCH:  # next chunk's loads go out before this chunk's arithmetic
+                words, h0, h1, sv, dv = nw, nh0, nh1, nsv, ndv
+                nw, nh0, nh1, nsv, ndv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask & (c + 1 < n_chunks),
+                                                     c + 1, NU, zero, J)
+            else:
+                words, h0, h1, sv, dv = _load_chunk(FMT, qp, hp, sp, dp, row, nmask, c, NU, zero, J)
+            a, b = _scales(FMT, sv, dv)
+            # x as [NW, J*4] (one copy per warp: 16-byte loads in the words' thread layout),
+            # reshaped to [1, NW, J, 4]
+            kw = c * (J * 4) + tl.arange(0, J * 4)
+            xb = x + (tl.arange(0, NW) * 0)[:, None] + ((kw // 4) * 32 + kw % 4)[None, :]  # [NW, J*4]
+            xm = (tl.arange(0, NW) < NW)[:, None] & (kw < NU * 4)[None, :]
+            if FMT >= 8:  # NVFP4: each 16-block's dot of values, then times its scale (f32)
+                vals = _fp4_values(words, ASM)
+                for e in tl.static_range(8):
+                    v = tl.reshape(vals[e], (BN // NW, NW, J, 4))
+                    xe = tl.reshape(tl.load(xb + 4 * e, mask=xm, other=0.0), (1, NW, J, 4))
+                    if e % 4 == 0:
+                        t = v * xe
+                    else:
+                        t = tl.fma(v, xe, t)
+                    if e == 3:
+                        acc = tl.fma(t, tl.reshape(tl.broadcast_to(a[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4)), acc)
+                    if e == 7:
+                        acc = tl.fma(t, tl.reshape(tl.broadcast_to(b[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4)), acc)
+            else:  # K-quants: the factored dot (module doc), per unit lane
+                wsh = words >> 12
+                for e in tl.static_range(8):
+                    v = tl.reshape(_code_bits(FMT, e, words, wsh, h0, h1, wi), (BN // NW, NW, J, 4))
+                    xe = tl.reshape(tl.load(xb + 4 * e, mask=xm, other=0.0), (1, NW, J, 4))
+                    xq = xe * _act_scale(e)  # exact: a power of two
+                    if e == 0 or (FMT == 7 and e == 4):
+                        t = v * xq
+                        xs = xe
+                    else:
+                        t = tl.fma(v, xq, t)
+                        xs = xs + xe
+                    if (FMT == 7 and e == 3) or e == 7:
+                        fa, fb = _unit_factors(FMT, e, a, b)  # [BN, J]
+                        fa = tl.reshape(tl.broadcast_to(fa[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4))
+                        fb = tl.reshape(tl.broadcast_to(fb[:, :, None], (BN, J, 4)), (BN // NW, NW, J, 4))
+                        acc = tl.fma(t, fa, tl.fma(xs, fb, acc))
         # the J * 4 lanes of each output by one fixed tree, whatever the row count (row invariance)
-        _row_store(FMT, acc, y, dp, row, n, nmask, r0, T, sy, BN, J)
-        if RT > 1:
-            _row_store(FMT, acc1, y, dp, row, n, nmask, r0 + 1, T, sy, BN, J)
-        if RT > 2:
-            _row_store(FMT, acc2, y, dp, row, n, nmask, r0 + 2, T, sy, BN, J)
-            _row_store(FMT, acc3, y, dp, row, n, nmask, r0 + 3, T, sy, BN, J)
+        _row_store(FMT, acc, y, dp, row, n, nmask, 0, 1, 0, BN, J)
 
 
 ACT_PREP_UNITS = 64  # units a program of the activation prep takes
@@ -920,24 +1040,30 @@ def stack(ws) -> Stack | None:
 
 # Measured winners of the device sweep per (format, rows bucket, n_out, n_in) (tools/device_kernels.py
 # writes v3_tuning.json; `load_tuning` reads one); other shapes use CONFIGS.
-TUNED: dict[tuple[str, int, int, int], tuple[int, int, int]] = {}
+TUNED: dict[tuple[str, int, int, int], tuple[int, int, int, int]] = {}
 
 
-def check_config(config, rows: int) -> tuple[int, int, int]:
-    """(BN, num_warps, PIPE) for a row bucket, or ValueError naming it (tl.arange extents are
+def check_config(config, rows: int) -> tuple[int, int, int, int]:
+    """(BN, num_warps, PIPE, RT) for a row bucket, or ValueError naming it (tl.arange extents are
     powers of two; BN a multiple of num_warps: each warp's weight rows in the one-row layout).
     PIPE: 0 a plain chunk loop, 1 the next chunk's loads held in registers (prefetch; the one-row
     loop only), 2..4 that many pipeline stages through shared memory (the loop's loads as async
-    copies); false/true in a table read as 0/1."""
-    bn, nw, pipe = (int(v) for v in config)
+    copies); false/true in a table read as 0/1. RT, the activation rows a program takes, may
+    follow for several rows (2 or 4); absent, `ROWS_PER_PROGRAM`'s (0 stands for that default)."""
+    vals = [int(v) for v in config]
+    if len(vals) not in (3, 4):
+        raise ValueError(f"config {list(config)!r} for the {rows}-row bucket: expected [BN, num_warps, PIPE(, RT)]")
+    bn, nw, pipe = vals[:3]
+    rt = vals[3] if len(vals) == 4 else 0
     pow2 = all(v > 0 and v & (v - 1) == 0 for v in (bn, nw))
-    if not pow2 or rows not in CONFIGS or bn % nw or not 0 <= pipe <= 4 or (pipe == 1 and rows > 1):
+    bad_rt = rt not in ((0,) if rows == 1 else (0, 2, 4))
+    if not pow2 or rows not in CONFIGS or bn % nw or not 0 <= pipe <= 4 or (pipe == 1 and rows > 1) or bad_rt:
         raise ValueError(f"config {list(config)!r} for the {rows}-row bucket")
-    return bn, nw, pipe
+    return bn, nw, pipe, rt
 
 
 def load_tuning(path: str) -> int:
-    """Merge a v3_tuning.json (list of {fmt, rows, n_out, n_in, config: [BN, num_warps, PIPE]})
+    """Merge a v3_tuning.json (list of {fmt, rows, n_out, n_in, config: [BN, num_warps, PIPE(, RT)]})
     into TUNED; returns the number of entries. Every entry is checked before any is taken; an
     entry naming a "path" other than "matvec" is refused (the matvec is the only kernel a table
     tunes)."""
@@ -953,8 +1079,6 @@ def load_tuning(path: str) -> int:
             route = e.get("path", "matvec")
             if route != "matvec":
                 raise ValueError(f"path {route!r} for {key}: only 'matvec' is tuned")
-            if len(e["config"]) != 3:
-                raise ValueError(f"config {e['config']!r} for {key}: expected three values")
             parsed.append((key, check_config(e["config"], key[1])))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise LaneError(f"v3 tuning file {path!r}: {err}") from None
@@ -970,7 +1094,9 @@ if os.path.isfile(TUNING_FILE):
     load_tuning(TUNING_FILE)
 
 
-def config_for(p: Packed, rows: int) -> tuple[int, int, int]:
+def config_for(p: Packed, rows: int) -> tuple[int, int, int, int]:
+    """(BN, num_warps, PIPE, RT) of a weight's `rows`-row bucket: the tuning table's, else CONFIGS'
+    (RT 0: `rows_per_program`'s default)."""
     hit = TUNED.get((p.fmt.name, rows, p.n_out, p.n_in))
     if hit is None and rows > 1:  # the several-row buckets share one loop: the 16-row winner
         hit = TUNED.get((p.fmt.name, 16, p.n_out, p.n_in))
@@ -979,33 +1105,43 @@ def config_for(p: Packed, rows: int) -> tuple[int, int, int]:
     bn, nw, pf = CONFIGS[rows]
     if p.n_out < 2048:  # small outputs: fewer rows per program, more programs
         bn = nw
-    return bn, nw, pf
+    return bn, nw, pf, 0
 
 
 def matvec_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
               config: tuple | None = None, rt: int | None = None) -> torch.Tensor:
     """x [T, n_in] f32 (T <= 16) -> [T, n_out] f32 over a Packed weight. `config` =
-    (BN, num_warps, PIPE) and `rt` (rows a program takes: 1, 2 or 4; 1 only for one row) override
-    the table (device sweeps); the bits never depend on them."""
+    (BN, num_warps, PIPE(, RT)) and `rt` (rows a program takes: 1, 2 or 4; 1 only for one row)
+    override the table (device sweeps); the bits never depend on them."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     out = check_matvec_args(p, x, out)  # the shared contract (n_in, n_out, name: Packed has them)
     T = x.shape[0]
     rows = _rows_bucket(T)
-    bn, num_warps, pipe = check_config(config, rows) if config is not None else config_for(p, rows)
-    rt = rows_per_program(p.fmt, rows) if rt is None else int(rt)
+    bn, num_warps, pipe, trt = check_config(config, rows) if config is not None else config_for(p, rows)
+    if rt is None:
+        rt = trt or rows_per_program(p.fmt, rows)
+    rt = int(rt)
     if rt not in (1, 2, 4) or (rt == 1) != (rows == 1):
         raise ValueError(f"rows per program {rt} for the {rows}-row bucket (1 for one row, else 2 or 4)")
-    xs = x  # the unit sums (several K-quant rows; otherwise never read)
-    if rt > 1:  # chunk-ordered activations (K-quants: pre-scaled) and unit sums, once a call
-        x, sums = act_prep(x, scale=p.fmt not in NVFP4)
-        xs = x if sums is None else sums
+    if rt == 1:
+        _matvec_v3_kernel[(triton.cdiv(p.n_out, bn),)](x, out, *p.pointers(), p.n_out, p.n_in, 0, FMT=_CODE[p.fmt],
+                                                       BN=bn, J=J_UNITS, PREFETCH=pipe == 1, STAGES=max(pipe, 1),
+                                                       NW=num_warps, ASM=_asm(), num_warps=num_warps,
+                                                       enable_fp_fusion=False, **gdc.kwargs(x))
+        return out
+    # several rows: chunk-ordered activations (K-quants: pre-scaled) and unit sums, once a call,
+    # read by the kernel as pairs of f32 (int64 views; the words too)
+    xq, sums = act_prep(x, scale=p.fmt not in NVFP4)
+    xp = xq.view(torch.int64)
+    sp2 = xp if sums is None else sums.view(torch.int64)
+    q, h, s, d = p.pointers()
+    wn = max(num_warps // 2, 1)  # warps along the weight rows (two along a chunk's 64 word pairs)
     grid = (triton.cdiv(p.n_out, bn) * triton.cdiv(T, rt),)
-    _matvec_v3_kernel[grid](x, xs, out, *p.pointers(), p.n_out, p.n_in, x.stride(0),
-                            xs.stride(0) if xs is not x else 0, out.stride(0), T, 0,
-                            FMT=_CODE[p.fmt], RT=rt, BN=bn, J=J_UNITS, PREFETCH=pipe == 1,
-                            STAGES=max(pipe, 1), NW=num_warps, ASM=_asm(), num_warps=num_warps,
-                            enable_fp_fusion=False, **gdc.kwargs(x))
+    _matvec_rows_kernel[grid](xp, sp2, out, q.view(torch.int64), h, s, d, p.n_out, p.n_in, xp.stride(0),
+                              sp2.stride(0) if sums is not None else 0, out.stride(0), T, 0, FMT=_CODE[p.fmt], RT=rt,
+                              BN=bn, J=J_UNITS, STAGES=max(pipe, 1), WN=wn, ASM=_asm(), num_warps=num_warps,
+                              enable_fp_fusion=False, **gdc.kwargs(x))
     return out
 
 
