@@ -52,10 +52,11 @@ def test_operand_registers_hold_the_contracts_codes(fmt):
 
 
 def test_config_and_inputs_are_refused_before_any_launch():
-    for bad in [(48, 8, 4), (64, 8, 3), (64, 12, 4), (32, 8, 4), (512, 8, 4), "64,8"]:
+    for bad in [(48, 8, 4, 0), (64, 8, 3, 0), (64, 12, 4, 0), (32, 8, 4, 0), (512, 8, 4, 0), (64, 8, 4, 2),
+                (64, 8, 4), "64,8"]:
         with pytest.raises(ValueError, match="config"):
             qtile_i8.check_config(bad)
-    assert qtile_i8.check_config((128, 16, 8)) == (128, 16, 8)
+    assert qtile_i8.check_config((128, 16, 8, 1)) == (128, 16, 8, 1)
     assert {qtile_i8.config_for(t) for t in (1, 8)} == {qtile_i8.CONFIGS[8]}
     assert qtile_i8.config_for(9) == qtile_i8.CONFIGS[16] and qtile_i8.config_for(512) == qtile_i8.CONFIGS[64]
     w = _weight(G.Q4_K)
@@ -89,10 +90,34 @@ def _sass(tmp_path, *args: str) -> tuple[str, str, dict[str, int]]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("fmt,rows,imma,limit,ldl", [("Q4_K", "1", 8, 0.1, 0), ("Q6_K", "1", 16, 0.13, 0),
-                                                     ("Q4_K", "16", 32, 0.12, 0), ("Q5_K", "16", 32, 0.14, 1),
-                                                     ("Q4_K", "512", 32, 0.12, 0)])
-def test_tile_loop_unpacks_operands_in_registers(tmp_path, fmt, rows, imma, limit, ldl):
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_tile_prefetch_keeps_the_next_blocks_loads_in_flight_during_the_immas(tmp_path, fmt):
+    """PF 1: the next 256-block's weight words are loaded inside this block's iteration, after its
+    first IMMA (they are in flight while it computes); PF 0 issues every load of a block before
+    its first IMMA and waits for them. Both loops issue the same loads a block."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    after, total = {}, {}
+    for pf in (0, 1):
+        p = subprocess.run([sys.executable, str(REPO / "tools" / "sass_loop.py"), "tile", fmt, "1", "--config",
+                            f"64,8,4,{pf}", "--dump"], env=env, capture_output=True, text=True, timeout=280)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        body = [ln for ln in p.stdout.splitlines()[3:] if "\t" in ln]
+        first = next(i for i, ln in enumerate(body) if "IMMA" in ln)
+        after[pf] = sum("LDG" in ln for ln in body[first:])
+        total[pf] = sum("LDG" in ln for ln in body)
+    assert total[0] == total[1], total
+    words = 16 if fmt == "Q4_K" else 24  # a thread's qs (Q6_K: ql and qh) words of one block
+    assert after[1] >= words and after[0] < after[1], after
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fmt,rows,imma,limit,ldl,config", [
+    ("Q4_K", "1", 8, 0.1, 0, None), ("Q6_K", "1", 16, 0.13, 0, None), ("Q4_K", "16", 32, 0.12, 0, None),
+    ("Q5_K", "16", 32, 0.14, 1, None), ("Q4_K", "512", 32, 0.12, 0, None),
+    ("Q4_K", "1", 8, 0.1, 0, "64,8,4,1"), ("Q5_K", "1", 8, 0.13, 0, "64,8,4,1"), ("Q6_K", "1", 16, 0.13, 0, "64,8,4,1"),
+    ("Q4_K", "16", 16, 0.14, 0, "64,16,4,1")])
+def test_tile_loop_unpacks_operands_in_registers(tmp_path, fmt, rows, imma, limit, ldl, config):
     """A 256-block of the tile's loop as compiled for sm_90: per m-tile of a warp one IMMA per 32
     codes (Q6_K: per 16) and n-tile (above one row a warp takes two m-tiles), the operands
     straight from 32-bit loads (no shared memory, no barrier), within the warp-instruction budget
@@ -101,7 +126,7 @@ def test_tile_loop_unpacks_operands_in_registers(tmp_path, fmt, rows, imma, limi
     tilings at 254-255 registers may keep a value there from outside it (Q5_K at 16 rows reloads
     one a block): measured 23-33 % faster than the spill-free (64, 16, 4) on the H200
     (bench/receipts/20261205T043516Z-kernels-cuda.json)."""
-    head, ops, counts = _sass(tmp_path, fmt, rows)
+    head, ops, counts = _sass(tmp_path, fmt, rows, *(["--config", config] if config else []))
     assert counts.get("IMMA") == imma, ops
     assert not {"BAR", "LDS", "STS", "STL"} & set(counts), ops
     assert counts.get("LDL", 0) <= ldl, ops
@@ -144,7 +169,8 @@ def test_a_register_of_four_int8_operands_is_one_word(tmp_path):
     only (each warp its own rows; activations shared)."""
     script = tmp_path / "layouts.py"
     script.write_text(_LAYOUT_SCRIPT)
-    cfgs = sorted({*qtile_i8.CONFIGS.values(), (16, 8, 1), (32, 8, 2), (128, 8, 8), (128, 16, 8), (32, 16, 2)})
+    cfgs = sorted({*(c[:3] for c in qtile_i8.CONFIGS.values()), (16, 8, 1), (32, 8, 2), (128, 8, 8), (128, 16, 8),
+                   (32, 16, 2), (256, 16, 8)})  # (BN, BM, num_warps): PF does not change a layout
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     p = subprocess.run([sys.executable, str(script), *(",".join(map(str, c)) for c in cfgs)], env=env,

@@ -67,14 +67,16 @@ FORMATS = (G.Q4_K, G.Q5_K, G.Q6_K)
 _CODE = {G.Q4_K: 2, G.Q5_K: 3, G.Q6_K: 4}  # qmatmul_i8's FMT numbers
 SPLIT_ROWS = 16  # as qmatmul_i8.SPLIT_ROWS: one program per chunk up to this many rows
 
-# (BN weight rows, BM activation rows, num_warps) per row bucket. BM 8 serves decode, 16 verify
+# (BN weight rows, BM activation rows, num_warps, PF) per row bucket. BM 8 serves decode, 16 verify
 # and prefill tiles; BN 16 x warps is one m-tile a warp. Above one row, (128, 16, 4), two m-tiles a
 # warp (Q4_K 0.110-0.112 warp-instructions a weight, 254-255 registers), ran 23-33 % faster than
 # (64, 16, 4) on every full-geometry shape of the H200's sweeps at 16 and 512 rows (Q4_K 39936 x
 # 6656: 144.7 against 201.7 us at 16 rows, 3,311 against 4,959 at 512; bench/receipts/
 # 20261205T043516Z-kernels-cuda.json), though a value or two lands in local memory outside the
 # block loop. BM 32 spills inside it. The device sweep overrides through `config`, never the bits.
-CONFIGS: dict[int, tuple[int, int, int]] = {8: (64, 8, 4), 16: (128, 16, 4), 64: (128, 16, 4)}
+# PF (the next block's weight words in flight during this block's IMMAs) stays 0 until a device
+# sweep has timed it: the sweep (tools/device_kernels.py) runs PF 1 beside each default.
+CONFIGS: dict[int, tuple[int, int, int, int]] = {8: (64, 8, 4, 0), 16: (128, 16, 4, 0), 64: (128, 16, 4, 0)}
 
 
 def _bucket(t: int) -> int:
@@ -93,21 +95,22 @@ def available(device: torch.device | str) -> bool:
             and torch.cuda.get_device_capability(dev)[0] >= 8)
 
 
-def check_config(config) -> tuple[int, int, int]:
-    """(BN, BM, num_warps) or ValueError naming it: num_warps a power of two to 8, BN a multiple
-    of 16 x num_warps up to 256, BM a power of two from 8 to 64."""
+def check_config(config) -> tuple[int, int, int, int]:
+    """(BN, BM, num_warps, PF) or ValueError naming it: num_warps a power of two to 8, BN a multiple
+    of 16 x num_warps up to 256, BM a power of two from 8 to 64, PF 0 or 1 (the next block's
+    weight words loaded before this block's IMMAs)."""
     try:
-        bn, bm, nw = (int(v) for v in config)
+        bn, bm, nw, pf = (int(v) for v in config)
     except (TypeError, ValueError):
-        raise ValueError(f"config {config!r}: expected (BN, BM, num_warps)") from None
+        raise ValueError(f"config {config!r}: expected (BN, BM, num_warps, PF)") from None
     if not (nw in (1, 2, 4, 8) and bm in (8, 16, 32, 64) and 16 * nw <= bn <= 256 and bn % (16 * nw) == 0
-            and bn & (bn - 1) == 0):
+            and bn & (bn - 1) == 0 and pf in (0, 1)):
         raise ValueError(f"config {list(config)!r}: num_warps 1, 2, 4 or 8; BN a power of two, a multiple of "
-                         f"16 x num_warps, <= 256; BM 8, 16, 32 or 64")
-    return bn, bm, nw
+                         f"16 x num_warps, <= 256; BM 8, 16, 32 or 64; PF 0 or 1")
+    return bn, bm, nw, pf
 
 
-def config_for(rows: int) -> tuple[int, int, int]:
+def config_for(rows: int) -> tuple[int, int, int, int]:
     return CONFIGS[_bucket(rows)]
 
 
@@ -208,52 +211,125 @@ if HAVE_GLUON:
         return (w >> (8 * (i % 4))) & 0xFF
 
     @gluon.jit
-    def _term(FMT: gl.constexpr, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, K,
-              arow, kw, amask, bptr, bmask, bmask_lo, bmask_hi, srow, snm, stok, stm,
-              BN: gl.constexpr, BM: gl.constexpr, mma: gl.constexpr, la: gl.constexpr):
-        """The float64 term [BN, BM] of 256-block b, formed as dot.py forms it."""
+    def _load(FMT: gl.constexpr, b, ok, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, srow, snm):
+        """The weight side of 256-block b, as the registers _term reads (nothing is loaded where `ok`
+        is false: the block past a program's last). Q4_K/Q5_K: v0..v3 the qs words of 64-element
+        chunks 0..3 [BN, 32], v4 Q5_K's qh words (Q4_K: v0 again, unread), e0/e1 the sc words and
+        e2/e3 the m words [BN], f0/f1 d and dmin (f16 [BN]). Q6_K: v0..v3 the ql words of (half,
+        64-element group) (0, 0), (0, 1), (1, 0), (1, 1), v4/v5 the qh words of halves 0 and 1,
+        e0..e3 the sc words, f0 d (f1 = f0)."""
         nb = K // 256
+        am = amask & ok
+        sm = snm & ok
+        if FMT <= 3:
+            v0 = gl.load(w0 + arow * (nb * 32) + b * 32 + kw, mask=am, other=0)  # [BN, 32]
+            v1 = gl.load(w0 + arow * (nb * 32) + b * 32 + 8 + kw, mask=am, other=0)
+            v2 = gl.load(w0 + arow * (nb * 32) + b * 32 + 16 + kw, mask=am, other=0)
+            v3 = gl.load(w0 + arow * (nb * 32) + b * 32 + 24 + kw, mask=am, other=0)
+            if FMT == 3:
+                v4 = gl.load(w5 + arow * (nb * 8) + b * 8 + kw, mask=am, other=0)
+            else:
+                v4 = v0
+            v5 = v0
+            e0 = gl.load(w3 + srow * (nb * 2) + b * 2, mask=sm, other=0)  # [BN] sc bytes 0..3
+            e1 = gl.load(w3 + srow * (nb * 2) + b * 2 + 1, mask=sm, other=0)
+            e2 = gl.load(w4 + srow * (nb * 2) + b * 2, mask=sm, other=0)  # m bytes 0..3
+            e3 = gl.load(w4 + srow * (nb * 2) + b * 2 + 1, mask=sm, other=0)
+            f0 = gl.load(w1 + srow * nb + b, mask=sm, other=0.0)  # [BN] f16
+            f1 = gl.load(w2 + srow * nb + b, mask=sm, other=0.0)
+        else:
+            v0 = gl.load(w0 + arow * (nb * 32) + b * 32 + kw, mask=am, other=0)
+            v1 = gl.load(w0 + arow * (nb * 32) + b * 32 + 8 + kw, mask=am, other=0)
+            v2 = gl.load(w0 + arow * (nb * 32) + b * 32 + 16 + kw, mask=am, other=0)
+            v3 = gl.load(w0 + arow * (nb * 32) + b * 32 + 24 + kw, mask=am, other=0)
+            v4 = gl.load(w1 + arow * (nb * 16) + b * 16 + kw, mask=am, other=0)
+            v5 = gl.load(w1 + arow * (nb * 16) + b * 16 + 8 + kw, mask=am, other=0)
+            e0 = gl.load(w2 + srow * (nb * 4) + b * 4, mask=sm, other=0)  # [BN] sc bytes 0..15
+            e1 = gl.load(w2 + srow * (nb * 4) + b * 4 + 1, mask=sm, other=0)
+            e2 = gl.load(w2 + srow * (nb * 4) + b * 4 + 2, mask=sm, other=0)
+            e3 = gl.load(w2 + srow * (nb * 4) + b * 4 + 3, mask=sm, other=0)
+            f0 = gl.load(w3 + srow * nb + b, mask=sm, other=0.0)
+            f1 = f0
+        return v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1
+
+    @gluon.jit
+    def _term(FMT: gl.constexpr, b, v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1, ad, ab, K,
+              bptr, bmask, bmask_lo, bmask_hi, stok, stm, w0, w1, w2, w3, w4, w5, arow, kw, amask, srow, snm,
+              PF: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, mma: gl.constexpr, la: gl.constexpr):
+        """The float64 term [BN, BM] of 256-block b, formed as dot.py forms it. PF: its weight side
+        as _load read it an iteration ahead (v*, e*, f*); otherwise each word is loaded where it is
+        used (fewer registers live: the 128-row tiles keep their loop out of local memory)."""
+        nb = K // 256
+        if not PF:
+            if FMT <= 3:
+                e0 = gl.load(w3 + srow * (nb * 2) + b * 2, mask=snm, other=0)  # [BN] sc bytes 0..3
+                e1 = gl.load(w3 + srow * (nb * 2) + b * 2 + 1, mask=snm, other=0)
+                e2 = gl.load(w4 + srow * (nb * 2) + b * 2, mask=snm, other=0)  # m bytes 0..3
+                e3 = gl.load(w4 + srow * (nb * 2) + b * 2 + 1, mask=snm, other=0)
+                if FMT == 3:
+                    v4 = gl.load(w5 + arow * (nb * 8) + b * 8 + kw, mask=amask, other=0)  # [BN, 32]
+            else:
+                e0 = gl.load(w2 + srow * (nb * 4) + b * 4, mask=snm, other=0)  # [BN] sc bytes 0..15
+                e1 = gl.load(w2 + srow * (nb * 4) + b * 4 + 1, mask=snm, other=0)
+                e2 = gl.load(w2 + srow * (nb * 4) + b * 4 + 2, mask=snm, other=0)
+                e3 = gl.load(w2 + srow * (nb * 4) + b * 4 + 3, mask=snm, other=0)
         zero = gl.zeros([BN, BM], gl.int32, layout=mma)
         sumi = gl.zeros([BN, BM], gl.int32, layout=mma)
-        if FMT <= 3:  # Q4_K / Q5_K: w0 qs, w1 d, w2 dmin, w3 sc, w4 m, w5 qh (words)
+        if FMT <= 3:  # Q4_K / Q5_K
             summ = gl.zeros([BN, BM], gl.int32, layout=mma)
-            sc0 = gl.load(w3 + srow * (nb * 2) + b * 2, mask=snm, other=0)  # [BN] sc bytes 0..3
-            sc1 = gl.load(w3 + srow * (nb * 2) + b * 2 + 1, mask=snm, other=0)
-            mn0 = gl.load(w4 + srow * (nb * 2) + b * 2, mask=snm, other=0)
-            mn1 = gl.load(w4 + srow * (nb * 2) + b * 2 + 1, mask=snm, other=0)
-            if FMT == 3:
-                hw = gl.load(w5 + arow * (nb * 8) + b * 8 + kw, mask=amask, other=0)  # [BN, 32]
             for c in gl.static_range(4):
-                words = gl.load(w0 + arow * (nb * 32) + b * 32 + 8 * c + kw, mask=amask, other=0)  # [BN, 32]
+                if not PF:
+                    words = gl.load(w0 + arow * (nb * 32) + b * 32 + 8 * c + kw, mask=amask, other=0)  # [BN, 32]
+                elif c == 0:
+                    words = v0
+                elif c == 1:
+                    words = v1
+                elif c == 2:
+                    words = v2
+                else:
+                    words = v3
                 for s in gl.static_range(2):
                     j = 2 * c + s
                     sh = gl.full([BN, 32], 4 * s, gl.int32, layout=la)
                     if FMT == 3:
-                        codes = _nib5(words, sh, hw, gl.full([BN, 32], j, gl.int32, layout=la))
+                        codes = _nib5(words, sh, v4, gl.full([BN, 32], j, gl.int32, layout=la))
                     else:
                         codes = _nib(words, sh)
                     x = _as_i8(gl.load(bptr + b * 64 + 8 * j, mask=bmask, other=0))  # [32, BM] int8
                     isum = mma_v2(codes, x, zero)  # [BN, BM] exact
-                    scj = _byte_of(sc0, sc1, sc0, sc1, j, False)
-                    mj = _byte_of(mn0, mn1, mn0, mn1, j, False)
+                    scj = _byte_of(e0, e1, e0, e1, j, False)
+                    mj = _byte_of(e2, e3, e2, e3, j, False)
                     bs = gl.load(ab + stok * (K // 32) + b * 8 + j, mask=stm, other=0)  # [BM] int32
                     sumi = sumi + isum * scj[:, None]
                     summ = summ + mj[:, None] * bs[None, :]
             a_d = gl.load(ad + stok * nb + b, mask=stm, other=0.0)  # [BM] f32
-            wd = gl.load(w1 + srow * nb + b, mask=snm, other=0.0).to(gl.float32)  # [BN] f16 -> f32
-            wm = gl.load(w2 + srow * nb + b, mask=snm, other=0.0).to(gl.float32)
+            if not PF:
+                f0 = gl.load(w1 + srow * nb + b, mask=snm, other=0.0)
+                f1 = gl.load(w2 + srow * nb + b, mask=snm, other=0.0)
+            wd = f0.to(gl.float32)  # [BN] f16 -> f32
+            wm = f1.to(gl.float32)
             dd = wd[:, None] * a_d[None, :]  # f32: y.d * fp16(x.d)
             dm = wm[:, None] * (-a_d)[None, :]  # f32: -y.d * fp16(x.dmin)
             term = dd.to(gl.float64) * sumi.to(gl.float64) + dm.to(gl.float64) * summ.to(gl.float64)
-        else:  # Q6_K: w0 ql, w1 qh, w2 sc, w3 d (words)
-            s0 = gl.load(w2 + srow * (nb * 4) + b * 4, mask=snm, other=0)  # [BN] sc bytes 0..15
-            s1 = gl.load(w2 + srow * (nb * 4) + b * 4 + 1, mask=snm, other=0)
-            s2 = gl.load(w2 + srow * (nb * 4) + b * 4 + 2, mask=snm, other=0)
-            s3 = gl.load(w2 + srow * (nb * 4) + b * 4 + 3, mask=snm, other=0)
+        else:  # Q6_K
             for hh in gl.static_range(2):  # 128-element halves
-                hw = gl.load(w1 + arow * (nb * 16) + b * 16 + 8 * hh + kw, mask=amask, other=0)
+                if not PF:
+                    hw = gl.load(w1 + arow * (nb * 16) + b * 16 + 8 * hh + kw, mask=amask, other=0)
+                elif hh == 0:
+                    hw = v4
+                else:
+                    hw = v5
                 for g in gl.static_range(2):
-                    lw = gl.load(w0 + arow * (nb * 32) + b * 32 + 16 * hh + 8 * g + kw, mask=amask, other=0)
+                    if not PF:
+                        lw = gl.load(w0 + arow * (nb * 32) + b * 32 + 16 * hh + 8 * g + kw, mask=amask, other=0)
+                    elif 2 * hh + g == 0:
+                        lw = v0
+                    elif 2 * hh + g == 1:
+                        lw = v1
+                    elif 2 * hh + g == 2:
+                        lw = v2
+                    else:
+                        lw = v3
                     for hi in gl.static_range(2):
                         qq = g + 2 * hi  # quarter: elements 128 hh + 32 qq + k
                         codes = _six(lw, gl.full([BN, 32], 4 * hi, gl.int32, layout=la), hw,
@@ -263,12 +339,14 @@ if HAVE_GLUON:
                         xh = _as_i8(gl.load(xp, mask=bmask_hi, other=0))  # k >= 16: the next
                         il = mma_v2(codes, xl, zero)
                         ih = mma_v2(codes, xh, zero)
-                        sl = _byte_of(s0, s1, s2, s3, 8 * hh + 2 * qq, True)
-                        sh_ = _byte_of(s0, s1, s2, s3, 8 * hh + 2 * qq + 1, True)
+                        sl = _byte_of(e0, e1, e2, e3, 8 * hh + 2 * qq, True)
+                        sh_ = _byte_of(e0, e1, e2, e3, 8 * hh + 2 * qq + 1, True)
                         sumi = sumi + il * sl[:, None]
                         sumi = sumi + ih * sh_[:, None]
             a_d = gl.load(ad + stok * nb + b, mask=stm, other=0.0)
-            wd = gl.load(w3 + srow * nb + b, mask=snm, other=0.0).to(gl.float32)
+            if not PF:
+                f0 = gl.load(w3 + srow * nb + b, mask=snm, other=0.0)
+            wd = f0.to(gl.float32)
             dd = wd[:, None] * a_d[None, :]
             term = dd.to(gl.float64) * sumi.to(gl.float64)
         return term
@@ -276,7 +354,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _qtile_kernel(aq, ad, ab, y, part, w0, w1, w2, w3, w4, w5, N, K, T, sy,
                      FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr,
-                     CB: gl.constexpr, SPLIT: gl.constexpr):
+                     CB: gl.constexpr, SPLIT: gl.constexpr, PF: gl.constexpr):
         """y [T, N] f32 (or, SPLIT over several chunks, part [n_chunks, T, N] f64): program (i, j[, c])
         takes activation rows i*BM.. and weight rows j*BN.. (and chunk c)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -307,12 +385,36 @@ if HAVE_GLUON:
         stok = st.to(gl.int64)
         omask = snm[:, None] & stm[None, :]
         nb = K // 256
+        # PF: the next block's weight words are loaded before this block's IMMAs (kept in registers
+        # across the iteration), so a warp has a block's loads in flight while it computes; PF 0
+        # loads each word where it is used. Same values, same arithmetic: same bits.
+        if PF:
+            v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1 = _load(FMT, 0, True, w0, w1, w2, w3, w4, w5, K, arow, kw,
+                                                                   amask, srow, snm)
+        else:  # placeholders: _term loads the block itself
+            v0 = gl.zeros([BN, 32], gl.int32, layout=la)
+            v1, v2, v3, v4, v5 = v0, v0, v0, v0, v0
+            e0 = gl.zeros([BN], gl.int32, layout=gl.SliceLayout(1, mma))
+            e1, e2, e3 = e0, e0, e0
+            f0 = gl.zeros([BN], gl.float16, layout=gl.SliceLayout(1, mma))
+            f1 = f0
         if SPLIT:
             c = gl.program_id(2)
+            b0 = c * CB
+            b1 = gl.minimum(nb, c * CB + CB)
+            if PF and b0 > 0:
+                v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1 = _load(FMT, b0, True, w0, w1, w2, w3, w4, w5, K, arow,
+                                                                       kw, amask, srow, snm)
             acc = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
-            for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
-                acc = acc + _term(FMT, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, bptr, bmask,
-                                  bmask_lo, bmask_hi, srow, snm, stok, stm, BN, BM, mma, la)
+            for b in range(b0, b1):
+                if PF:
+                    n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3, h0, h1 = _load(
+                        FMT, b + 1, b + 1 < b1, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, srow, snm)
+                acc = acc + _term(FMT, b, v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1, ad, ab, K, bptr, bmask,
+                                  bmask_lo, bmask_hi, stok, stm, w0, w1, w2, w3, w4, w5, arow, kw, amask, srow, snm,
+                                  PF, BN, BM, mma, la)
+                if PF:
+                    v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1 = n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3, h0, h1
             if (nb + CB - 1) // CB == 1:  # +0.0 + acc is acc (acc starts at +0.0, never -0.0)
                 gl.store(y + stok[None, :] * sy + srow[:, None], acc.to(gl.float32), mask=omask)
             else:
@@ -322,8 +424,15 @@ if HAVE_GLUON:
             for c in range(0, (nb + CB - 1) // CB):
                 acc = gl.zeros([BN, BM], gl.float64, layout=mma)
                 for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
-                    acc = acc + _term(FMT, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, bptr, bmask,
-                                      bmask_lo, bmask_hi, srow, snm, stok, stm, BN, BM, mma, la)
+                    if PF:  # runs on across chunk boundaries
+                        n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3, h0, h1 = _load(
+                            FMT, b + 1, b + 1 < nb, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, srow, snm)
+                    acc = acc + _term(FMT, b, v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1, ad, ab, K, bptr, bmask,
+                                      bmask_lo, bmask_hi, stok, stm, w0, w1, w2, w3, w4, w5, arow, kw, amask, srow,
+                                      snm, PF, BN, BM, mma, la)
+                    if PF:
+                        v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1 = (n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3,
+                                                                          h0, h1)
                 tot = tot + acc
             gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
 
@@ -346,7 +455,7 @@ def _word_fields(w: QWeight) -> list[torch.Tensor]:
 def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
     """Q8_K activations (qmatmul_i8.Act) [T, K] x K-quant weight [N, K] -> f32 [T, N], bitwise
     matmul_ggml. `out` may be a column slice of a wider output (unit column stride); `config` =
-    (BN, BM, num_warps) overrides the table (speed only)."""
+    (BN, BM, num_warps, PF) overrides the table (speed only)."""
     from . import qmatmul_i8
 
     if w.fmt not in FORMATS:
@@ -354,7 +463,7 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None) -
                         f"{', '.join(f.name for f in FORMATS)})")
     out = qmatmul_i8.check_call(w, act, out)
     T, N = act.rows, w.n_out
-    bn, bm, nw = check_config(config) if config is not None else config_for(T)
+    bn, bm, nw, pf = check_config(config) if config is not None else config_for(T)
     _need_gluon()
     ptrs = _word_fields(w)
     ptrs += [ptrs[0]] * (6 - len(ptrs))  # absent slots repeat the first field (never read)
@@ -366,7 +475,7 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None) -
         part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
     grid = (-(-T // bm), -(-N // bn), nch if split else 1)
     _qtile_kernel[grid](act.qs.view(torch.int32), act.d, act.bsum32, out, part, *ptrs, N, w.n_in, T, out.stride(0),
-                       FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, num_warps=nw,
+                       FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, PF=pf, num_warps=nw,
                        enable_fp_fusion=False)
     if split and nch > 1:
         qmatmul_i8.reduce_chunks(part, out)
