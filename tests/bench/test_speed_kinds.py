@@ -83,6 +83,12 @@ def test_kind_writes_receipt(kind, lane, tiny_gguf, tmp_path):
             assert res["muser_generate"]["tok_s"]["samples"] == pytest.approx([n / s for s in g["samples_s"]])
             assert res["ratio_generate_over_decode"] == pytest.approx(
                 res["muser_generate"]["tok_s"]["mean"] / res["muser"]["tok_s"]["mean"])
+        # a new request's TTFT for a 16-token prompt, once (at the first depth)
+        tt = r["results"]["per_depth"]["0"]["muser_ttft"]
+        cell = r["cells"]["muser ttft16"]
+        assert tt["prompt_tokens"] == 16 and tt["seconds"]["samples"] == pytest.approx(cell["samples_s"])
+        assert tt["target"]["applies"] is False  # a CUDA target
+        assert "muser_ttft" not in r["results"]["per_depth"]["40"]
     if lane == "fast":
         assert r["gate"]["lane_gated"] == "fast"
         assert r["gate"]["fast_lane_drift"]["argmax_agreement"] > 0.9

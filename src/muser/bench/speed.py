@@ -14,6 +14,10 @@ ratio compares like with like:
   emitter) and its ratio to the engine's figure (DESIGN.md target: >= 95%).
 * prefill (pp N @ d): one prompt of N ids in batches of n_batch 2048 / n_ubatch 512 (llama-bench
   defaults; Muser's prefill chunk is 512 rows, book 10.10); tok/s = N / s.
+* TTFT (beside decode, at the first depth): a new request's time to its first token, the way
+  `muser generate` serves one after load: a fresh session, a 16-token prompt (seeded ids of its
+  own) prefilled with its last row's logits, and the first token sampled by llama.cpp's
+  default chain (seed 0); DESIGN.md target on CUDA: <= 50 ms on the full geometry.
 * verify (N rows @ d): one forward of N <= 16 rows with every row's logits (the speculative
   verify shape, book 10.1) against one single-row decode at the same depth; the figure is the
   time ratio verify / decode (DESIGN.md target: <= 1.3 on CUDA).
@@ -288,6 +292,23 @@ class MuserCells:
         t0 = time.perf_counter()
         self.s.decode(int(self.ids[0]))
         return time.perf_counter() - t0
+
+    def ttft(self, prompt_ids: np.ndarray) -> float:
+        """A new request's time to first token: a fresh session (one a request, as `muser generate`
+        and the server open them: its prompt step is not a recorded graph yet), `prompt_ids`
+        prefilled with the last row's logits, and the first token sampled by llama.cpp's default
+        chain (seed 0) on the host."""
+        from ..generation import generate
+        from ..sample import SamplingParams
+
+        ids = [int(t) for t in prompt_ids]
+        s = self.model.session(max_context=len(ids) + 1)
+        t0 = time.perf_counter()
+        g = generate(s, self.model.tokenizer, ids, SamplingParams(seed=0), max_tokens=1, t_start=t0)
+        next(g)  # the first token: sampled from candidates read back to the host
+        dt = time.perf_counter() - t0
+        del g, s
+        return dt
 
     def generate(self) -> float:
         """N tokens the way `muser generate` makes them after its first: the generation loop's
@@ -740,6 +761,9 @@ def run(args: argparse.Namespace, kind: str) -> int:
                 fns[f"muser d{d}"] = getattr(mc, kind)
             if kind == "decode":
                 fns[f"muser generate d{d}"] = mc.generate
+                if d == depths[0]:  # its own ids, so the other cells' draws stay as they were
+                    tids = _ids(np.random.default_rng(args.seed + 1), cfg.vocab, TTFT_PROMPT)
+                    fns[f"muser ttft{TTFT_PROMPT}"] = lambda t=tids, c=mc: c.ttft(t)
             if isinstance(llama, LlamaCpuCells):
                 llama.set_depth(depth_ids)
                 if kind == "verify":
@@ -811,6 +835,12 @@ DEFINITIONS = {
 }
 
 
+TTFT_PROMPT = 16  # prompt tokens of the TTFT cell (DESIGN.md: TTFT for a 16-token prompt)
+TTFT_TARGET_S = 0.050
+TTFT_DEFINITION = ("a new request's time to first token: a fresh session, a 16-token prompt prefilled with its "
+                   "last row's logits, the first token sampled by llama.cpp's default chain (seed 0) on the host; "
+                   "seconds per repetition")
+
 GENERATE_DEFINITION = ("N tokens sampled and fed back as `muser generate` does after its first (decode_row, "
                        "llama.cpp's default chain, seed 0, end-of-generation tokens banned, detokenized); "
                        "tok/s = N / seconds, beside the engine's decode (the DESIGN.md target: >= 95% of it)")
@@ -844,6 +874,12 @@ def summarize(kind: str, cells: dict[str, Cell], d: int, n: int, cfg, mf, kv: st
             out["muser_generate"] = {"tok_s": rate_stats([n / s for s in g.samples]) | {"seconds_mean": g.mean},
                                      "definition": GENERATE_DEFINITION}
             out["ratio_generate_over_decode"] = out["muser_generate"]["tok_s"]["mean"] / out["muser"]["tok_s"]["mean"]
+        f = cells.get(f"muser ttft{TTFT_PROMPT}")
+        if f is not None and kind == "decode":
+            out["muser_ttft"] = {"prompt_tokens": TTFT_PROMPT, "seconds": rate_stats(f.samples),
+                                 "definition": TTFT_DEFINITION,
+                                 "target": {"rule": f"TTFT <= {TTFT_TARGET_S * 1e3:.0f} ms (CUDA, full geometry)",
+                                            "applies": cuda, "met": f.mean <= TTFT_TARGET_S}}
         if "llama.cpp" in out:
             out["ratio_muser_over_llamacpp"] = out["muser"]["tok_s"]["mean"] / out["llama.cpp"]["tok_s"]["mean"]
     else:
@@ -874,6 +910,8 @@ def line_for(kind: str, d: int, r: dict) -> str:
         if "muser_generate" in r:
             s += (f" | generate {r['muser_generate']['tok_s']['mean']:.2f} tok/s "
                   f"({r['ratio_generate_over_decode']:.3f} of decode)")
+        if "muser_ttft" in r:
+            s += f" | TTFT{r['muser_ttft']['prompt_tokens']} {r['muser_ttft']['seconds']['mean'] * 1e3:.1f} ms"
         if "llama.cpp" in r:
             ll = r["llama.cpp"]["tok_s"]
             s += f" | llama.cpp {ll['mean']:.2f} tok/s (cv {ll['cv']:.3f}) | ratio {r['ratio_muser_over_llamacpp']:.3f}"
