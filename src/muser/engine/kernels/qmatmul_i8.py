@@ -27,6 +27,10 @@ Arithmetic (the integer lane's contract, ggml-cpu's vec_dot with one fixed float
    its own program (a one-row call has N / BN x chunks programs) and add the chunk sums in
    `_chunk_reduce_kernel`; wider calls walk the chunks in one program.
    Kernels launch with enable_fp_fusion=False, so no step contracts into an FMA.
+5. One-row launches of the activation quantizers and the chunk reduce take programmatic dependent
+   launch on sm_90 (gdc.py: each waits for the kernel before it as its first step), as the exact
+   lane's one-row kernels do; the GEMM kernel does not (it stages its constant operand in shared
+   memory before any wait, which the PTX order check refuses). Launch timing only: same values.
 
 Why every row's bits are independent of the batch (row invariance by construction): an output
 (t, n) depends only on activation row t and weight row n; its integer sums are exact whatever
@@ -59,6 +63,7 @@ from ...errors import LaneError
 from ...gguf.types import GgmlType as G
 from ...quant.dot import CHUNK_ELEMS, VEC_DOT_TYPE
 from ..weights import FIELDS, QWeight
+from . import gdc
 
 try:  # Triton is optional on the CPU; the CUDA backend requires it.
     import triton
@@ -156,8 +161,11 @@ if HAVE_TRITON:
         r = (p + 12582912.0).to(tl.int32, bitcast=True)
         return (r & 0x007FFFFF) - 0x00400000
 
+    from .gdc import after_prior
+
     @triton.jit
-    def _quant_q8_K_kernel(x, qs, d, bs, K, sx):
+    def _quant_q8_K_kernel(x, qs, d, bs, K, sx, PDL: tl.constexpr):
+        after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         t = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1)
         e = tl.arange(0, 256)
@@ -177,7 +185,8 @@ if HAVE_TRITON:
         tl.store(bs + t * (K // 32) + b * 8 + tl.arange(0, 8), s32)
 
     @triton.jit
-    def _quant_q8_0_kernel(x, qs, d, K, sx, BB: tl.constexpr):
+    def _quant_q8_0_kernel(x, qs, d, K, sx, BB: tl.constexpr, PDL: tl.constexpr):
+        after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         t = tl.program_id(0).to(tl.int64)
         blk = tl.program_id(1) * BB + tl.arange(0, BB)  # [BB] 32-blocks
         bmask = blk < K // 32
@@ -370,8 +379,9 @@ if HAVE_TRITON:
             tl.store(y + tok[:, None] * sy + n[None, :], tot.to(tl.float32), mask=omask)
 
     @triton.jit(do_not_specialize=["T", "nch"])
-    def _chunk_reduce_kernel(part, y, N, T, sy, nch, BLOCK: tl.constexpr):
+    def _chunk_reduce_kernel(part, y, N, T, sy, nch, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """y[t, n] = f32(+0.0 + part[0, t, n] + part[1, t, n] + ...), chunks in order."""
+        after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < T * N
         t = i // N
@@ -407,10 +417,12 @@ def quantize_act(x: torch.Tensor, kind: G) -> Act:
     d = torch.empty((T, K // blk), dtype=torch.float32, device=dev)
     if kind == G.Q8_K:
         bs = torch.empty((T, K // 32), dtype=torch.int32, device=dev)
-        _quant_q8_K_kernel[(T, K // 256)](x, qs, d, bs, K, x.stride(0), num_warps=4, enable_fp_fusion=False)
+        _quant_q8_K_kernel[(T, K // 256)](x, qs, d, bs, K, x.stride(0), num_warps=4, enable_fp_fusion=False,
+                                          **gdc.kwargs(x))
         return Act(kind, qs, d, bs)
     grid = (T, triton.cdiv(K // 32, _Q8_0_BLOCKS))
-    _quant_q8_0_kernel[grid](x, qs, d, K, x.stride(0), BB=_Q8_0_BLOCKS, num_warps=4, enable_fp_fusion=False)
+    _quant_q8_0_kernel[grid](x, qs, d, K, x.stride(0), BB=_Q8_0_BLOCKS, num_warps=4, enable_fp_fusion=False,
+                             **gdc.kwargs(x))
     return Act(kind, qs, d, None)
 
 
@@ -477,7 +489,7 @@ def reduce_chunks(part: torch.Tensor, out: torch.Tensor) -> None:
     nch, T, N = part.shape
     rb = 1024
     _chunk_reduce_kernel[(triton.cdiv(T * N, rb),)](part, out, N, T, out.stride(0), nch, BLOCK=rb, num_warps=4,
-                                                     enable_fp_fusion=False)
+                                                     enable_fp_fusion=False, **gdc.kwargs(out))
 
 
 def matmul_i8(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None, config=None) -> torch.Tensor:

@@ -33,7 +33,8 @@ Arithmetic (dot.py's, one fixed float order; the integer steps are exact whateve
 - The terms are summed in f64 per chunk of dot.CHUNK_ELEMS elements from +0.0 in block order,
   then the chunks from +0.0 in chunk order, rounded to f32 at the store. Calls of <= SPLIT_ROWS
   rows give each chunk its own program and add the chunk sums with qmatmul_i8's reduce launch.
-Launched with enable_fp_fusion=False: no multiply and add contract into an FMA.
+Launched with enable_fp_fusion=False: no multiply and add contract into an FMA. A one-row launch
+takes programmatic dependent launch on sm_90 (gdc.py; `_after_prior` is the kernel's first step).
 
 Gluon has no interpreter: the bits are checked on the GPU against qmatmul_i8 and matmul_ggml
 (tools/device_kernels.py; `self_check` when the fast lane is set up on a GPU), the index and
@@ -53,6 +54,7 @@ from ...errors import LaneError
 from ...gguf.types import GgmlType as G
 from ...quant.dot import CHUNK_ELEMS
 from ..weights import FIELDS, QWeight
+from . import gdc
 
 try:  # the explicit-layout API ships with Triton >= 3.5; optional like Triton itself
     from triton.experimental import gluon
@@ -164,6 +166,16 @@ def codes_ref(fmt: G, fields: dict[str, np.ndarray], n_in: int) -> np.ndarray:
 
 
 if HAVE_GLUON:
+
+    @gluon.jit
+    def _after_prior(PDL: gl.constexpr):
+        """gdc.after_prior for the explicit-layout kernel: wait until the previous kernel has
+        finished (its writes visible), then let the next kernel's programs launch."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
 
     @gluon.jit
     def _nib(words, sh):
@@ -354,9 +366,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _qtile_kernel(aq, ad, ab, y, part, w0, w1, w2, w3, w4, w5, N, K, T, sy,
                      FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr,
-                     CB: gl.constexpr, SPLIT: gl.constexpr, PF: gl.constexpr):
+                     CB: gl.constexpr, SPLIT: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr):
         """y [T, N] f32 (or, SPLIT over several chunks, part [n_chunks, T, N] f64): program (i, j[, c])
         takes activation rows i*BM.. and weight rows j*BN.. (and chunk c)."""
+        _after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
         lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
@@ -476,7 +489,7 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None) -
     grid = (-(-T // bm), -(-N // bn), nch if split else 1)
     _qtile_kernel[grid](act.qs.view(torch.int32), act.d, act.bsum32, out, part, *ptrs, N, w.n_in, T, out.stride(0),
                        FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, PF=pf, num_warps=nw,
-                       enable_fp_fusion=False)
+                       enable_fp_fusion=False, **gdc.kwargs(out))
     if split and nch > 1:
         qmatmul_i8.reduce_chunks(part, out)
     return out
