@@ -401,9 +401,13 @@ if HAVE_GLUON:
         # PF: the next block's weight words are loaded before this block's IMMAs (kept in registers
         # across the iteration), so a warp has a block's loads in flight while it computes; PF 0
         # loads each word where it is used. Same values, same arithmetic: same bits.
-        if PF:
-            v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1 = _load(FMT, 0, True, w0, w1, w2, w3, w4, w5, K, arow, kw,
-                                                                   amask, srow, snm)
+        if SPLIT:  # this program's chunk
+            b0 = gl.program_id(2) * CB
+        else:  # every chunk
+            b0 = 0
+        if PF:  # the first block's weight side
+            v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1 = _load(FMT, b0, True, w0, w1, w2, w3, w4, w5, K, arow,
+                                                                   kw, amask, srow, snm)
         else:  # placeholders: _term loads the block itself
             v0 = gl.zeros([BN, 32], gl.int32, layout=la)
             v1, v2, v3, v4, v5 = v0, v0, v0, v0, v0
@@ -413,11 +417,7 @@ if HAVE_GLUON:
             f1 = f0
         if SPLIT:
             c = gl.program_id(2)
-            b0 = c * CB
             b1 = gl.minimum(nb, c * CB + CB)
-            if PF and b0 > 0:
-                v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1 = _load(FMT, b0, True, w0, w1, w2, w3, w4, w5, K, arow,
-                                                                       kw, amask, srow, snm)
             acc = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
             for b in range(b0, b1):
                 if PF:
