@@ -504,24 +504,7 @@ if HAVE_TRITON:
         exact, with no float conversion (one and-mask for nibbles 0..4; nibbles 5..7 from
         `wsh` = words >> 12, so that a 6-bit code ends below the exponent field, bit 23).
         P(e) = 4e for e <= 4, 4e - 12 above (`_code_pos`)."""
-        if e <= 4:
-            q = words & (0xF << (4 * e))
-            P = 4 * e
-        else:
-            q = wsh & (0xF << (4 * e - 12))
-            P = 4 * e - 12
-        if FMT == 6:  # 5th bit of element i = 4e + w at bit i of h0 -> bit P + 4
-            if e <= 4:
-                q = q | ((h0[:, :, None] << (4 - wi)[None, None, :]) & (1 << (P + 4)))
-            else:
-                q = q | ((h0[:, :, None] >> (8 + wi)[None, None, :]) & (1 << (P + 4)))
-        if FMT == 7:  # element i's 2 high bits at 2 (i % 16) of word i // 16 -> bits P + 4, P + 5
-            if e < 4:
-                t = (h0 >> (8 * e)) << (P + 4)
-            else:
-                t = (h1 >> (8 * (e - 4))) << (P + 4)
-            q = q | ((t[:, :, None] >> (2 * wi)[None, None, :]) & (3 << (P + 4)))
-        return q.to(tl.float32, bitcast=True)
+        return _pair_bits(FMT, e, words, wsh, h0[:, :, None], h1[:, :, None], wi[None, None, :])
 
     @triton.jit
     def _act_scale(e: tl.constexpr):
@@ -644,8 +627,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _pair_bits(FMT: tl.constexpr, e: tl.constexpr, words, wsh, h0, h1, wi):
-        """`_code_bits` in the several-row layout: words, wsh, h0, h1 and the word index wi are
-        already of one broadcast shape (a thread holds one word of a unit per tensor)."""
+        """The code bits of nibble e (`_code_bits`) from words, wsh, h0, h1 and the word index wi of
+        one broadcast shape: the several-row layout (a thread holds one word of a unit per tensor)
+        passes them so, the one-row layout with h0, h1 and wi expanded over the unit's words."""
         if e <= 4:
             q = words & (0xF << (4 * e))
             P = 4 * e
