@@ -6,7 +6,7 @@ into GPU busy time, short idle gaps between one step's kernels and long ones (th
 between steps: bookkeeping, the logits read-back).
 
     python3 tools/device_profile.py FULL.gguf OUT [--lanes exact,fast] [--depths 0] [--rows 1,16]
-                                    [--steps 8] [--gate-receipt R]
+                                    [--steps 8] [--gate-receipt R] [--pdl on,off] [--acts tails,separate]
 
 Writes one `step-profile-cuda` receipt per lane into OUT and prints the per-step tables.
 """
@@ -169,6 +169,9 @@ def main() -> int:
     ap.add_argument("--gate-receipt", default=None, help="the wide Gate 2 receipt of this tree and lane")
     ap.add_argument("--pdl", default="on", help="on and/or off: the step's kernels with programmatic dependent "
                     "launch (engine/kernels/gdc.py) or without; each setting captures its own graphs")
+    ap.add_argument("--acts", default="tails", help="tails and/or separate (lane fast): each projection input "
+                    "quantized by the tail kernel that writes it (lanes.Linear.tail_acts) or by a quantize launch "
+                    "of its own; each setting captures its own graphs")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("device_profile: CUDA is not available", file=sys.stderr)
@@ -195,14 +198,17 @@ def main() -> int:
         res["load_s"] = round(time.time() - t, 1)
         from muser.engine.kernels import gdc
 
-        cells = [(pdl, int(d), int(r)) for pdl in a.pdl.split(",") for d in a.depths.split(",")
-                 for r in a.rows.split(",")]
-        for pdl, depth, rows in cells:
-            if pdl not in ("on", "off"):
-                print(f"device_profile: --pdl {pdl!r}: expected on or off", file=sys.stderr)
+        acts = a.acts.split(",") if lane == "fast" else ["tails"]
+        cells = [(pdl, act, int(d), int(r)) for pdl in a.pdl.split(",") for act in acts
+                 for d in a.depths.split(",") for r in a.rows.split(",")]
+        for pdl, act, depth, rows in cells:
+            if pdl not in ("on", "off") or act not in ("tails", "separate"):
+                print(f"device_profile: --pdl {pdl!r} / --acts {act!r}: expected on or off / tails or separate",
+                      file=sys.stderr)
                 return 2
-            if gdc.ENABLED != (pdl == "on"):
+            if gdc.ENABLED != (pdl == "on") or eng.forward.linear.tail_acts != (act == "tails"):
                 gdc.ENABLED = pdl == "on"
+                eng.forward.linear.tail_acts = act == "tails"
                 eng._graphs.clear()  # graphs captured under the other setting
             rng = np.random.default_rng(0)
             try:
@@ -212,8 +218,9 @@ def main() -> int:
                 cell = {"depth": depth, "rows": rows, "error": repr(e)[:300],
                         "traceback": traceback.format_exc()[-2000:]}
             cell["pdl"] = pdl == "on"
+            cell["tail_acts"] = act == "tails"
             res["cells"].append(cell)
-            print(f"lane {lane} pdl {pdl} depth {depth} rows {rows}: graph {cell.get('graph_wall_ms_per_step', 0)} ms/step "
+            print(f"lane {lane} pdl {pdl} acts {act} depth {depth} rows {rows}: graph {cell.get('graph_wall_ms_per_step', 0)} ms/step "
                   f"wall, its kernels {cell.get('graph_kernel_ms_per_step', 0)} ms in "
                   f"{cell.get('graph_launches_per_step', 0)} launches, {cell.get('graph_timeline', {})}; eager "
                   f"wall {cell.get('eager_wall_ms_per_step', 0)} ms", flush=True)

@@ -9,7 +9,7 @@
 #                                [--lane exact|fast|split] [--kinds decode,prefill,verify]
 #                                [--kernels-lane exact|fast|split] [--kernels-timings-only] [--install-tuning]
 #                                [--profile-lanes exact,fast] [--profile-depths LIST] [--profile-rows 1,16]
-#                                [--profile-modes eager,graph] [--profile-pdl on,off] STAGE...
+#                                [--profile-modes eager,graph] [--profile-pdl on,off] [--profile-acts tails,separate] STAGE...
 #
 # --reuse-gates takes a wide Gate 2 receipt of this tree and lane from an earlier call on this
 # machine or, on a bare machine, from DIR/gates/ of the carry (a receipt fetched back from one).
@@ -60,7 +60,9 @@
 #            eager and/or graph steps (--profile-modes) of --profile-rows (1,16) rows at
 #            --profile-depths (the first depth) under the torch profiler (GPU time per kernel,
 #            launches) and the graph steps' host side under cProfile, with --profile-pdl's settings of
-#            programmatic dependent launch (default on; on,off times both), 200 s; it waits for the
+#            programmatic dependent launch (default on; on,off times both) and, in the fast lane,
+#            --profile-acts's (tails: the tails quantize the projections' inputs, the default;
+#            tails,separate times both), 200 s; it waits for the
 #            fixture only, so named before speed it runs while the wide gate is computed
 #   spec     muser bench spec on the shipped micro target + drafter (natural and synthetic prompts,
 #            greedy and sampled; Gate 3: speculative tokens == plain tokens) on CUDA
@@ -76,7 +78,7 @@ cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"
 DRY=0 CARRY=.device/gpubench DEADLINE=585 LLAMA_SERVER="" DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
 KIND_BOX=150 KVPACK_BOX=420 REUSE_GATES=0 GATES_ONLY=0 LANE=exact KINDS=decode,prefill,verify
-STAGES=() KLANE="" KARGS=() INSTALL_TUNING=0 PLANES=exact,fast PDEPTHS="" PROWS=1,16 PMODES=eager,graph PPDL=on
+STAGES=() KLANE="" KARGS=() INSTALL_TUNING=0 PLANES=exact,fast PDEPTHS="" PROWS=1,16 PMODES=eager,graph PPDL=on PACTS=tails
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu-dry) DRY=1 ;;
@@ -104,6 +106,7 @@ while [ $# -gt 0 ]; do
     --profile-rows) PROWS=${2:?--profile-rows LIST}; shift ;;
     --profile-modes) PMODES=${2:?--profile-modes eager,graph}; shift ;;
     --profile-pdl) PPDL=${2:?--profile-pdl on,off}; shift ;;
+    --profile-acts) PACTS=${2:?--profile-acts tails,separate}; shift ;;
     build|fixture|kernels|attn|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
@@ -334,7 +337,7 @@ from muser.engine.kernels import qmatvec_v3 as q; q.load_tuning(sys.argv[1])" "$
         record profile - 0 "no $FULL"; continue; fi
       g=$(gate_receipt q4_k_xl); gr=(); [ -n "$g" ] && gr=(--gate-receipt "$g")
       run_stage profile 200 60 $PY tools/device_profile.py "$FULL" "$R" --lanes "$PLANES" \
-          --depths "${PDEPTHS:-${DEPTHS%%,*}}" --rows "$PROWS" --modes "$PMODES" --pdl "$PPDL" --steps 8 "${gr[@]}" ;;
+          --depths "${PDEPTHS:-${DEPTHS%%,*}}" --rows "$PROWS" --modes "$PMODES" --pdl "$PPDL" --acts "$PACTS" --steps 8 "${gr[@]}" ;;
     attn)
       if [ $DRY = 1 ]; then run_stage attn 150 20 $PY tools/device_attn.py --smoke --json "$R/attn-cpu.json"
       else

@@ -2,7 +2,7 @@
 """Compile every Triton kernel of the engine for an NVIDIA target (default sm_90, the H200)
 without a GPU: the launches are driven through the real host code (matvec v1/v3 for every
 format and row bucket, v3 under every shipped tuning config, dequant, the integer-lane GEMM and
-its activation quantizers, attention and the graph step's K/V rounding and stores for both plane kinds and KV dtypes) with CPU tensors,
+its activation quantizers (alone and in the fused tails), attention and the graph step's K/V rounding and stores for both plane kinds and KV dtypes) with CPU tensors,
 each launch is recorded instead of run, and each distinct (kernel, signature, constexprs,
 options) is compiled by Triton down to a cubin with the bundled ptxas.
 
@@ -203,6 +203,11 @@ def drive(rec: Recorder) -> None:
         fused.gate_mul(x, x)
         fused.silu_mul(x, x)
         fused.norm2(x, torch.ones(N), 1e-8, x, torch.ones(N), 1e-5)
+        for kind in i8.KINDS:  # the integer lane: the tails also write the projections' activations
+            fused.norm_mul(x, torch.ones(N), 1e-5, act=i8.Act.empty(kind, R, N, "cpu"))
+            fused.norm2(x, torch.ones(N), 1e-8, x, torch.ones(N), 1e-5, act=i8.Act.empty(kind, R, N, "cpu"))
+            fused.gate_mul(x, x, act=i8.Act.empty(kind, R, N, "cpu"))
+            fused.silu_mul(x, x, act=i8.Act.empty(kind, R, N, "cpu"))
     for T in (1, 16):
         y = torch.zeros(T, 8704)
         cs = torch.zeros(T, 64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -155,3 +156,95 @@ def test_cuda_forward_launches_do_not_depend_on_rows(fk, make_gguf, monkeypatch,
         InterpretedFunction.run = real_run
     assert not shaped, f"row-count-tiled torch ops in the CUDA forward: {sorted(set(shaped))}"
     assert launches[1] and launches[1] == launches[16], launches[1] ^ launches[16]
+
+
+@pytest.mark.parametrize("kind", ["Q8_K", "Q8_0"])
+def test_tails_write_the_integer_lanes_activations_bitwise(fk, kind):
+    """Given an Act, norm_mul, norm2, gate_mul and silu_mul also write their output quantized:
+    bitwise what quantize_act of that output gives (one quantizer, qmatmul_i8.store_act), with
+    the f32 output unchanged. Widths whose power-of-two block runs past the row (768 in 1,024;
+    the gate's last 1,024-column program holding 256) leave the blocks past the row unwritten;
+    a zero row gives zero codes and scales."""
+    from muser.engine.kernels import qmatmul_i8 as i8
+    from muser.gguf.types import GgmlType as G
+
+    kind = G[kind]
+    g = torch.Generator().manual_seed(4)
+
+    def check(out, act):
+        ref = i8.quantize_act(out, kind)
+        assert torch.equal(act.qs, ref.qs) and torch.equal(act.d.view(torch.int32), ref.d.view(torch.int32))
+        assert (act.bsum32 is None) == (ref.bsum32 is None)
+        if ref.bsum32 is not None:
+            assert torch.equal(act.bsum32, ref.bsum32)
+
+    def fresh(R, N):
+        a = i8.Act.empty(kind, R, N, "cpu")
+        a.qs.fill_(99)  # every value the kernel owns is written
+        return a
+
+    for R, N in ((3, 768), (2, 512)):
+        x, res = torch.randn(R, N, generator=g) * 3, torch.randn(R, N, generator=g)
+        x[0] = 0.0
+        w, w2 = 1 + 0.1 * torch.randn(N, generator=g), 1 + 0.1 * torch.randn(N, generator=g)
+        act = fresh(R, N)
+        y = fk.norm_mul(x, w, 1e-5, act=act)
+        assert torch.equal(y, fk.norm_mul(x, w, 1e-5))
+        check(y, act)
+        assert not act.qs[0].any() and not act.d[0].any()
+        act = fresh(R, N)
+        h, x2 = fk.norm2(x, w, 1e-8, res, w2, 1e-5, act=act)
+        h0, x20 = fk.norm2(x, w, 1e-8, res, w2, 1e-5)
+        assert torch.equal(h, h0) and torch.equal(x2, x20)
+        check(x2, act)
+    a, b = torch.randn(2, 2304, generator=g) * 4, torch.randn(2, 2304, generator=g) * 4
+    for fn in (fk.gate_mul, fk.silu_mul):
+        act = fresh(2, 2304)
+        y = fn(a, b, act=act)
+        assert torch.equal(y, fn(a, b))
+        check(y, act)
+    with pytest.raises(ValueError, match="act"):
+        fk.gate_mul(a, b, act=i8.Act.empty(kind, 2, 2048, "cpu"))
+
+
+@pytest.mark.parametrize("dtype", ["Q4_K", "Q8_0"])
+def test_integer_lane_forward_reads_the_activations_its_tails_wrote(fk, make_gguf, dtype):
+    """The integer lane's CUDA forward on the CPU (interpreted tails and integer GEMM; attention is
+    the C kernel): every projection's input comes quantized from the kernel that wrote it (the
+    norms and gates), so no separate quantize launch runs in a prefill, a decode or a verify, and
+    the logits are bitwise those of the same forward quantizing each input by itself. Q4_K reads
+    Q8_K activations, Q8_0 reads Q8_0."""
+    from muser.engine import Engine
+    from muser.engine.kernels import qmatmul_i8
+    from muser.model.synth import SynthSpec
+
+    path = make_gguf(SynthSpec(dtype=dtype, hidden=256, ffn=256))
+    ids = [6 + (i * 37) % 250 for i in range(9)]
+    real = qmatmul_i8.quantize_act
+
+    def run(from_tails: bool):
+        eng = Engine.open(path, device="cpu", lane="fast", kv="f32")
+        lin = eng.forward.linear
+        lin.cuda = True  # the CUDA path: quantized activations into kernels/qmatmul_i8
+        eng.forward.native, eng.forward.tails = False, fk  # the CUDA forward's Triton tails
+        lin.tail_acts = from_tails
+        calls: list[int] = []
+
+        def counted(x, kind):
+            calls.append(x.shape[0])
+            return real(x, kind)
+
+        qmatmul_i8.quantize_act = counted
+        try:
+            s = eng.session(max_context=32, graphs=False)
+            out = [s.prefill(ids[:5], all_logits=True), s.decode(ids[5]), s.verify(ids[6:9])]
+        finally:
+            qmatmul_i8.quantize_act = real
+        return out, calls, eng.cfg.n_layers
+
+    fused, fused_calls, n_layers = run(True)
+    alone, alone_calls, _ = run(False)
+    assert fused_calls == []
+    assert len(alone_calls) == 3 * (4 * n_layers + 1)  # per layer q|k|v|gate, o, gate|up, down; the head
+    for a, b in zip(fused, alone):
+        assert a.shape == b.shape and np.array_equal(a.view(np.int32), b.view(np.int32))

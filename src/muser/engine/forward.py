@@ -256,6 +256,11 @@ def _pick(h: torch.Tensor, mode: str, rows_idx: torch.Tensor | None) -> torch.Te
     return h.index_select(0, rows_idx)
 
 
+def _reader(L: LayerWeights):
+    """What reads a layer's normed input first: the stacked q|k|(v|)gate, or q by itself."""
+    return L.attn_in if L.attn_in is not None else L.wq
+
+
 class KvStep(Protocol):
     """Attend T new rows over layer il's plane, then store them (see kernels/attention.py)."""
 
@@ -339,8 +344,12 @@ class Forward:
                 captured[il] = h  # the layer's input residual (t_layer_inp), what DFlash reads
             if x_next is not None:
                 x = x_next
+            elif fz:
+                qa = lin.act_out(_reader(L), T, cfg.hidden)
+                x = FK.norm_mul(h, L.attn_norm, eps, act=qa)
+                lin.keep_act(x, qa)
             else:
-                x = FK.norm_mul(h, L.attn_norm, eps) if fz else rms_norm(h, eps) * L.attn_norm
+                x = rms_norm(h, eps) * L.attn_norm
             qk_fused = fz and L.attn_in is not None and lin.stacked_ok(T, L.attn_in)
             if qk_fused:
                 # one launch for q|k|(v|)gate, one for the q/k head norms + RoPE (book 9.7, 14)
@@ -368,7 +377,9 @@ class Forward:
                     k = rope(k, cos, sin)
             a = kv.attend(il, q.contiguous(), k.contiguous(), v.contiguous())  # [T, H, D]
             if fz:
-                a = FK.gate_mul(a.reshape(T, H * D), g.contiguous() if g.stride(1) != 1 else g)
+                qa = lin.act_out(L.wo, T, H * D)
+                a = FK.gate_mul(a.reshape(T, H * D), g.contiguous() if g.stride(1) != 1 else g, act=qa)
+                lin.keep_act(a, qa)
                 o = lin(L.wo, a)
             else:
                 a = a.reshape(T, H * D) * sigmoid(g)  # gate before o_proj (book 9.8)
@@ -382,7 +393,9 @@ class Forward:
                 else:
                     h = _pick(h, out_rows, rows_idx)  # llama.cpp inp_out_ids: only output rows from here
             if fz:  # sandwich tail + residual + the FFN pre-norm in one pass
-                h, x = FK.norm2(o, L.post_attn_norm, post_eps, h, L.ffn_norm, eps)
+                qa = lin.act_out(L.ffn_in if L.ffn_in is not None else L.ffn_gate, o.shape[0], cfg.hidden)
+                h, x = FK.norm2(o, L.post_attn_norm, post_eps, h, L.ffn_norm, eps, act=qa)
+                lin.keep_act(x, qa)
             else:
                 x = rms_norm(h, eps) * L.ffn_norm
             if L.ffn_in is not None and lin.stacked_ok(T, L.ffn_in):
@@ -390,11 +403,15 @@ class Forward:
             else:
                 fg, fu = lin(L.ffn_gate, x), lin(L.ffn_up, x)
             if fz:
-                f = FK.silu_mul(fg, fu)
+                qa = lin.act_out(L.ffn_down, fg.shape[0], cfg.ffn)
+                f = FK.silu_mul(fg, fu, act=qa)
+                lin.keep_act(f, qa)
                 # sandwich tail + residual + the next layer's pre-norm (the output norm after
                 # the last layer) in one pass
                 w_next = W.layers[il + 1].attn_norm if il < last else W.out_norm
-                h, x_next = FK.norm2(lin(L.ffn_down, f), L.post_ffw_norm, post_eps, h, w_next, eps)
+                qa = lin.act_out(_reader(W.layers[il + 1]) if il < last else W.lm_head, h.shape[0], cfg.hidden)
+                h, x_next = FK.norm2(lin(L.ffn_down, f), L.post_ffw_norm, post_eps, h, w_next, eps, act=qa)
+                lin.keep_act(x_next, qa)
             else:
                 f = silu(fg) * fu
                 f = rms_norm(lin(L.ffn_down, f), post_eps) * L.post_ffw_norm
@@ -406,7 +423,12 @@ class Forward:
             if out_rows != "all":
                 h = _pick(h, out_rows, rows_idx)
         if fz:
-            x = x_next if not final_capture or out_rows == "all" else FK.norm_mul(h.contiguous(), W.out_norm, eps)
+            if not final_capture or out_rows == "all":
+                x = x_next
+            else:
+                qa = lin.act_out(W.lm_head, h.shape[0], cfg.hidden)
+                x = FK.norm_mul(h.contiguous(), W.out_norm, eps, act=qa)
+                lin.keep_act(x, qa)
         else:
             x = rms_norm(h, eps) * W.out_norm
         cap = FK.softcap if self.native else softcap_logits

@@ -18,7 +18,9 @@
   sums, per-block float64 terms summed in block order, one f32 rounding (ggml-cpu quants.c
   ggml_vec_dot_*). CUDA: kernels/qtile_i8.py for the K-quants (int8 tensor-core tiles with the
   operands unpacked in registers; checked bitwise against qmatmul_i8 on the device before it
-  serves), kernels/qmatmul_i8.py for Q8_0/Q4_0; CPU: dot.matmul_codes over codes built once
+  serves), kernels/qmatmul_i8.py for Q8_0/Q4_0; the activations come quantized from the tail
+  kernel that writes them (the norms and gates, kernels/fused.py through act_out / keep_act),
+  a quantize launch only where no tail wrote them; CPU: dot.matmul_codes over codes built once
   from the repacked fields. Each output row depends only on its own input row, so the lane is
   row-invariant by construction. F32/F16/BF16 weights: the activations are rounded to the
   vec_dot_type (f16/bf16 round-to-nearest-even, f32 as is) and the exact lane's fixed-order f32
@@ -190,7 +192,11 @@ class Linear:
         self.triton_rows = self.cuda  # the Triton matvec serves, in slices of <= 16 rows (CUDA)
         self._cache: dict = {}
         self._cached_bytes = 0
-        self._act_memo: tuple | None = None  # (x, x._version, its split activations)
+        self._act_memo: tuple | None = None  # (x, x._version, form, its activations): keep_act
+        # the integer lane on CUDA: the tails that write a projection's input quantize it too
+        # (act_out); configuration, not a per-call switch (tools/device_profile.py times the step
+        # with it off: a quantize launch per projection input, the same bits)
+        self.tail_acts = True
         # the fast lane's K-quant projections on CUDA: the int8 tile (kernels/qtile_i8.py), checked
         # bitwise against its reference on this device first (LaneError if it differs)
         self.tile_formats: tuple[G, ...] = ()
@@ -243,9 +249,7 @@ class Linear:
                                       for t0 in range(0, T, qmatvec.MAX_ROWS)])
                 return self._exact(w, xr)
             if self.cuda:
-                from .kernels import qmatmul_i8
-
-                return self._i8(w, qmatmul_i8.quantize_act(x.contiguous(), dot.VEC_DOT_TYPE[w.fmt]))
+                return self._i8(w, self.int_act(x, dot.VEC_DOT_TYPE[w.fmt]))
             return self._cpu_int(w, x)
         if self.lane is Lane.W4A4 and 1 < T <= qmatvec.MAX_ROWS and "isi" in w.fields:
             from .w4a4 import matmul_w4a4  # book 7.4.3: the verify forward of a W4A4 file
@@ -260,9 +264,7 @@ class Linear:
             return self(st.groups[0][0], x)
         out = torch.empty((x.shape[0], st.n_out), dtype=torch.float32, device=x.device)
         if self.cuda:
-            from .kernels import qmatmul_i8
-
-            act = qmatmul_i8.quantize_act(x.contiguous(), dot.VEC_DOT_TYPE[st.groups[0][0].fmt])
+            act = self.int_act(x, dot.VEC_DOT_TYPE[st.groups[0][0].fmt])
             for w, a, b in st.groups:
                 self._i8(w, act, out[:, a:b])
             return out
@@ -281,22 +283,61 @@ class Linear:
 
         return qmatmul_i8.matmul_i8_act(w, act, out)
 
+    def _kept(self, x: torch.Tensor, key):
+        """The activations kept for x under `key` (keep_act), or None: x must be the same tensor
+        object, within one forward run, and (outside inference mode) unmodified since."""
+        memo = self._act_memo
+        version = None if x.is_inference() else x._version  # inference tensors keep no counter
+        if memo is not None and memo[0] is x and memo[1] == version and memo[2] == key:
+            return memo[3]
+        return None
+
+    def keep_act(self, x: torch.Tensor, act, key=None) -> None:
+        """Keep `act`, the activations of x in form `key` (default act.kind, the vec_dot_type of a
+        qmatmul_i8.Act; "split" for the split lane's), for the projections that read x next; None
+        keeps nothing."""
+        if act is not None:
+            key = act.kind if key is None else key
+            self._act_memo = (x, None if x.is_inference() else x._version, key, act)
+
     def split_act(self, x: torch.Tensor):
         """kernels/qgemm_split.split_act of x, formed once for the projections that read the same
-        x (q|k|gate and v, ...): the last result is kept while x is the same tensor object, within
-        one forward run, and (outside inference mode) unmodified."""
+        x (q|k|gate and v, ...)."""
         from .kernels import qgemm_split
 
-        version = None if x.is_inference() else x._version  # inference tensors keep no counter
-        memo = self._act_memo
-        if memo is not None and memo[0] is x and memo[1] == version:
-            return memo[2]
-        act = qgemm_split.split_act(x.contiguous())
-        self._act_memo = (x, version, act)
+        act = self._kept(x, "split")
+        if act is None:
+            act = qgemm_split.split_act(x.contiguous())
+            self.keep_act(x, act, "split")
         return act
 
+    def int_act(self, x: torch.Tensor, kind: G):
+        """x in the integer lane's vec_dot_type `kind` on CUDA (kernels/qmatmul_i8.Act): what the
+        kernel that wrote x quantized along with it (act_out), or a quantize launch now."""
+        from .kernels import qmatmul_i8
+
+        act = self._kept(x, kind)
+        if act is None:
+            act = qmatmul_i8.quantize_act(x.contiguous(), kind)
+            self.keep_act(x, act)
+        return act
+
+    def act_out(self, consumer, rows: int, n_in: int):
+        """An empty qmatmul_i8.Act of [rows, n_in] in the vec_dot_type the integer lane on CUDA
+        converts the input of `consumer` (a QWeight or FastStack) to, for the kernel that writes
+        that input to fill (kernels/fused.py, then keep_act); None where no conversion happens
+        (other lanes, the CPU, float weights)."""
+        if self.lane is not Lane.FAST or not self.cuda or not self.tail_acts or consumer is None:
+            return None
+        w = consumer.groups[0][0] if isinstance(consumer, FastStack) else consumer
+        if w.fmt in FLOAT_FORMATS:
+            return None
+        from .kernels import qmatmul_i8
+
+        return qmatmul_i8.Act.empty(dot.VEC_DOT_TYPE[w.fmt], rows, n_in, self.device)
+
     def forget_acts(self) -> None:
-        """Drop the kept split activations (Forward.run calls it first: x objects of one run only)."""
+        """Drop the kept activations (Forward.run calls it first: x objects of one run only)."""
         self._act_memo = None
 
     def _exact(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:

@@ -315,8 +315,15 @@ def tanh(x: float) -> float:
 # tails (kernels/fused.py's signatures; references: forward.rms_norm, rope, sigmoid, silu)
 
 
-def norm_mul(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor | None = None) -> torch.Tensor:
+def _no_act(act) -> None:
+    """The CPU tails write f32 only: the CPU's integer lane quantizes inside its GEMM."""
+    if act is not None:
+        raise ValueError("the CPU tails write no integer-lane activations (act must be None)")
+
+
+def norm_mul(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor | None = None, act=None) -> torch.Tensor:
     """x [R, N] f32, w [N] -> [R, N]: [res +] rms_norm(x, eps) * w."""
+    _no_act(act)
     _f32rows(x, "norm_mul x")
     R, N = x.shape
     _vec(w, N, "norm_mul w")
@@ -330,8 +337,9 @@ def norm_mul(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor | N
 
 
 def norm2(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor, w2: torch.Tensor,
-          eps2: float) -> tuple[torch.Tensor, torch.Tensor]:
+          eps2: float, act=None) -> tuple[torch.Tensor, torch.Tensor]:
     """h = res + rms_norm(x, eps) * w, then rms_norm(h, eps2) * w2. x, res [R, N]; w, w2 [N]."""
+    _no_act(act)
     _f32rows(x, "norm2 x")
     _f32rows(res, "norm2 res")
     R, N = x.shape
@@ -376,13 +384,15 @@ def _gate(a: torch.Tensor, g: torch.Tensor, silu: bool) -> torch.Tensor:
     return out
 
 
-def gate_mul(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def gate_mul(a: torch.Tensor, g: torch.Tensor, act=None) -> torch.Tensor:
     """a * sigmoid(g), both [R, N] f32."""
+    _no_act(act)
     return _gate(a, g, False)
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def silu_mul(g: torch.Tensor, u: torch.Tensor, act=None) -> torch.Tensor:
     """silu(g) * u, both [R, N] f32."""
+    _no_act(act)
     return _gate(u, g, True)
 
 

@@ -15,6 +15,13 @@ the exact lane's contract). Tests hold them to the torch ops (tests/engine/test_
                                      RoPE on sliding layers, written contiguous
   gate_mul(a, g)                     a * (1 / (1 + exp(-g)))            (attention gate, book 9.8)
   silu_mul(g, u)                     (g / (1 + exp(-g))) * u            (SwiGLU)
+
+Every tail but qk_norm_rope may also write its output as the integer lane's activations (`act`:
+an empty qmatmul_i8.Act in the consuming projection's vec_dot_type): the same kernel quantizes
+each row's blocks right after forming them, through qmatmul_i8.store_act, the very code of
+`quantize_act`'s own kernel, so the codes and scales are the bits a separate quantize launch
+would give (ggml's quantize_row_q8_K / _q8_0). That takes one launch and one read of the row off
+each of the integer lane's projections.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ def _lib() -> bool:
 
 if HAVE_TRITON:
     from .gdc import after_prior
+    from .qmatmul_i8 import store_act
 
     @triton.jit
     def _exp(x, LIB: tl.constexpr):
@@ -51,8 +59,8 @@ if HAVE_TRITON:
             return tl.exp(x)
 
     @triton.jit
-    def _norm_mul_kernel(x, w, res, out, N, sx, sr, so, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
+    def _norm_mul_kernel(x, w, res, out, aq, ad, ab, N, sx, sr, so, eps, HAS_RES: tl.constexpr,
+                         BLOCK: tl.constexpr, KIND: tl.constexpr, PDL: tl.constexpr):
         after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         r = tl.program_id(0)
         i = tl.arange(0, BLOCK)
@@ -64,11 +72,13 @@ if HAVE_TRITON:
         if HAS_RES:
             y = y + tl.load(res + r * sr + i, mask=m, other=0.0)
         tl.store(out + r * so + i, y, mask=m)
+        store_act(y, aq, ad, ab, r.to(tl.int64), 0, N, KIND)  # y is 0 past N: those blocks are not stored
 
     @triton.jit
-    def _norm2_kernel(x, w, res, w2, out, out2, N, sx, sr, so, so2, eps, eps2, BLOCK: tl.constexpr,
-                      PDL: tl.constexpr):
-        """out = res + rms_norm(x) * w; out2 = rms_norm(out) * w2 (one row per program)."""
+    def _norm2_kernel(x, w, res, w2, out, out2, aq, ad, ab, N, sx, sr, so, so2, eps, eps2, BLOCK: tl.constexpr,
+                      KIND: tl.constexpr, PDL: tl.constexpr):
+        """out = res + rms_norm(x) * w; out2 = rms_norm(out) * w2 (one row per program), out2
+        also quantized for the integer lane when KIND is not 0 (store_act)."""
         after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         r = tl.program_id(0)
         i = tl.arange(0, BLOCK)
@@ -80,7 +90,9 @@ if HAVE_TRITON:
         tl.store(out + r * so + i, y, mask=m)
         ms2 = tl.div_rn(tl.sum(y * y, 0), N.to(tl.float32))
         scale2 = tl.div_rn(1.0, tl.sqrt_rn(ms2 + eps2))
-        tl.store(out2 + r * so2 + i, (y * scale2) * tl.load(w2 + i, mask=m, other=0.0), mask=m)
+        y2 = (y * scale2) * tl.load(w2 + i, mask=m, other=0.0)
+        tl.store(out2 + r * so2 + i, y2, mask=m)
+        store_act(y2, aq, ad, ab, r.to(tl.int64), 0, N, KIND)
 
     @triton.jit
     def _qk_norm_rope_kernel(y, sy, q_off, k_off, qn, kn, cos, sin, q_out, k_out, H, eps,
@@ -112,8 +124,8 @@ if HAVE_TRITON:
         tl.store(dst + 2 * i + 1, o1)
 
     @triton.jit
-    def _gate_kernel(a, g, out, N, sa, sg, so, SILU: tl.constexpr, LIB: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+    def _gate_kernel(a, g, out, aq, ad, ab, N, sa, sg, so, SILU: tl.constexpr, LIB: tl.constexpr,
+                     BLOCK: tl.constexpr, KIND: tl.constexpr, PDL: tl.constexpr):
         after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         r = tl.program_id(0)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -125,6 +137,7 @@ if HAVE_TRITON:
         else:  # ggml_vec_sigmoid_f32: 1 / (1 + expf(-x)); a * sigmoid(g)
             y = av * tl.div_rn(1.0, 1.0 + _exp(-gv, LIB))
         tl.store(out + r * so + i, y, mask=m)
+        store_act(y, aq, ad, ab, r.to(tl.int64), tl.program_id(1) * BLOCK, N, KIND)
 
 
 def norm_warps(n: int) -> int:
@@ -139,8 +152,24 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def norm_mul(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor | None = None) -> torch.Tensor:
-    """x [R, N] f32, w [N] -> [R, N]: [res +] rms_norm(x, eps) * w."""
+def _act(act, R: int, N: int, like: torch.Tensor) -> tuple[tuple, int]:
+    """A tail launch's act operands (codes, scales, 32-sums) and its KIND: the Act's, or (no act)
+    placeholders never read and KIND 0. ValueError when the Act is not [R, N] of a kind store_act
+    writes."""
+    if act is None:
+        return (like, like, like), 0
+    from .qmatmul_i8 import ACT_KIND
+
+    if act.kind not in ACT_KIND or tuple(act.qs.shape) != (R, N) or not act.qs.is_contiguous() \
+            or act.qs.device != like.device:
+        raise ValueError(f"fused: act {act.kind!r} {list(act.qs.shape)} on {act.qs.device} cannot take "
+                         f"[{R}, {N}] rows on {like.device}")
+    return (act.qs, act.d, act.bsum32 if act.bsum32 is not None else act.d), ACT_KIND[act.kind]
+
+
+def norm_mul(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor | None = None, act=None) -> torch.Tensor:
+    """x [R, N] f32, w [N] -> [R, N]: [res +] rms_norm(x, eps) * w (and, given `act`, the same
+    rows quantized into it)."""
     _rows(x)
     R, N = x.shape
     assert w.shape == (N,) and w.dtype == torch.float32 and w.is_contiguous()
@@ -148,25 +177,28 @@ def norm_mul(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor | N
     if res is not None:
         _rows(res)
         assert res.shape == (R, N)
-    _norm_mul_kernel[(R,)](x, w, res if res is not None else x, out, N, x.stride(0),
+    ops, kind = _act(act, R, N, x)
+    _norm_mul_kernel[(R,)](x, w, res if res is not None else x, out, *ops, N, x.stride(0),
                            res.stride(0) if res is not None else 0, out.stride(0), float(eps),
-                           HAS_RES=res is not None, BLOCK=triton.next_power_of_2(N),
+                           HAS_RES=res is not None, BLOCK=triton.next_power_of_2(N), KIND=kind,
                            num_warps=norm_warps(N), enable_fp_fusion=False, **gdc.kwargs(x))
     return out
 
 
 def norm2(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor, w2: torch.Tensor,
-          eps2: float) -> tuple[torch.Tensor, torch.Tensor]:
+          eps2: float, act=None) -> tuple[torch.Tensor, torch.Tensor]:
     """A sandwich tail and the next pre-norm in one pass: h = res + rms_norm(x, eps) * w, then
-    rms_norm(h, eps2) * w2. x, res [R, N] f32; w, w2 [N] -> (h, normed h)."""
+    rms_norm(h, eps2) * w2. x, res [R, N] f32; w, w2 [N] -> (h, normed h); given `act`, the normed
+    h is also quantized into it."""
     _rows(x)
     _rows(res)
     R, N = x.shape
     assert res.shape == (R, N) and w.shape == (N,) and w2.shape == (N,) and w.is_contiguous() and w2.is_contiguous()
     out = torch.empty((R, N), dtype=torch.float32, device=x.device)
     out2 = torch.empty((R, N), dtype=torch.float32, device=x.device)
-    _norm2_kernel[(R,)](x, w, res, w2, out, out2, N, x.stride(0), res.stride(0), out.stride(0), out2.stride(0),
-                        float(eps), float(eps2), BLOCK=triton.next_power_of_2(N), num_warps=norm_warps(N),
+    ops, kind = _act(act, R, N, x)
+    _norm2_kernel[(R,)](x, w, res, w2, out, out2, *ops, N, x.stride(0), res.stride(0), out.stride(0), out2.stride(0),
+                        float(eps), float(eps2), BLOCK=triton.next_power_of_2(N), KIND=kind, num_warps=norm_warps(N),
                         enable_fp_fusion=False, **gdc.kwargs(x))
     return out, out2
 
@@ -191,26 +223,28 @@ def qk_norm_rope(y: torch.Tensor, q_off: int, k_off: int, H: int, KV: int, D: in
     return q, k
 
 
-def _gate(a: torch.Tensor, g: torch.Tensor, silu: bool) -> torch.Tensor:
+def _gate(a: torch.Tensor, g: torch.Tensor, silu: bool, act) -> torch.Tensor:
     _rows(a)
     _rows(g)
     assert a.shape == g.shape
     R, N = a.shape
     out = torch.empty((R, N), dtype=torch.float32, device=a.device)
-    B = 1024
-    _gate_kernel[(R, triton.cdiv(N, B))](a, g, out, N, a.stride(0), g.stride(0), out.stride(0), SILU=silu,
-                                         LIB=_lib(), BLOCK=B, num_warps=4, enable_fp_fusion=False, **gdc.kwargs(a))
+    B = 1024  # a multiple of both activation blocks (256, 32): a program quantizes whole blocks
+    ops, kind = _act(act, R, N, a)
+    _gate_kernel[(R, triton.cdiv(N, B))](a, g, out, *ops, N, a.stride(0), g.stride(0), out.stride(0), SILU=silu,
+                                         LIB=_lib(), BLOCK=B, KIND=kind, num_warps=4, enable_fp_fusion=False,
+                                         **gdc.kwargs(a))
     return out
 
 
-def gate_mul(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """a * sigmoid(g), both [R, N] f32."""
-    return _gate(a, g, False)
+def gate_mul(a: torch.Tensor, g: torch.Tensor, act=None) -> torch.Tensor:
+    """a * sigmoid(g), both [R, N] f32 (and, given `act`, quantized into it)."""
+    return _gate(a, g, False, act)
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """silu(g) * u, both [R, N] f32."""
-    return _gate(u, g, True)
+def silu_mul(g: torch.Tensor, u: torch.Tensor, act=None) -> torch.Tensor:
+    """silu(g) * u, both [R, N] f32 (and, given `act`, quantized into it)."""
+    return _gate(u, g, True, act)
 
 
 __all__ = ["HAVE_TRITON", "gate_mul", "norm2", "norm_mul", "qk_norm_rope", "silu_mul"]

@@ -7,7 +7,9 @@ Arithmetic (the integer lane's contract, ggml-cpu's vec_dot with one fixed float
    d = 1/iscale, bsums) or Q8_0 per 32 (d = f16(amax/127), id = 127/amax, q = clip(rint(x * id))).
    Every division is IEEE round-to-nearest (`tl.div_rn`; a plain f32 `/` may be approximate on
    CUDA) and rounding to an integer is the 1.5 * 2^23 add (ggml-quants.c nearest_int), which is
-   round-half-even for these magnitudes both compiled and under the interpreter.
+   round-half-even for these magnitudes both compiled and under the interpreter. `store_act` is
+   the one quantizer: `quantize_act`'s kernel calls it, and so do the engine's tail kernels that
+   write a projection's input (kernels/fused.py), which saves the integer lane a launch per input.
 2. Per 32-element (Q6_K: 16-element) sub-block the integer sum of weight code x activation code
    is one int8 `tl.dot` with an int32 result: exact. Q6_K's two 16-element halves of a 32-group
    are two dots against the activations with the other half zeroed (the zeros add nothing).
@@ -78,8 +80,10 @@ KINDS = (G.Q8_K, G.Q8_0)
 _BLOCK = {G.Q8_K: 256, G.Q8_0: 32}  # activation block per kind
 # the FMT constexpr
 _CODE = {G.Q8_0: 0, G.Q4_0: 1, G.Q4_K: 2, G.Q5_K: 3, G.Q6_K: 4}
-# Q8_0 activation blocks per quantization program
-_Q8_0_BLOCKS = 8
+# columns a quantization program takes (one Q8_K block; eight Q8_0 blocks)
+_QUANT_COLS = {G.Q8_K: 256, G.Q8_0: 256}
+# store_act's KIND constexpr (0: no activations written)
+ACT_KIND = {G.Q8_K: 1, G.Q8_0: 2}
 
 # (BM, BN, num_warps, num_stages) per row bucket (16: T <= 16, 64: wider), from the H200 sweep of
 # 2026-12-02 on every full-geometry shape (20261202T051859Z-kernels-cuda.json; each tiling bitwise
@@ -144,6 +148,18 @@ class Act:
     d: torch.Tensor  # f32 [T, K / block]
     bsum32: torch.Tensor | None  # int32 [T, K/32] (Q8_K only)
 
+    @classmethod
+    def empty(cls, kind: G, T: int, K: int, device) -> "Act":
+        """Uninitialized activations of T rows of K in `kind`, for a kernel to write (store_act)."""
+        kind = G(kind)
+        if kind not in KINDS or K % _BLOCK[kind]:
+            raise ValueError(f"Act.empty: {K} columns of {kind.name} (kinds {[k.name for k in KINDS]}, "
+                             f"K a multiple of the block)")
+        qs = torch.empty((T, K), dtype=torch.int8, device=device)
+        d = torch.empty((T, K // _BLOCK[kind]), dtype=torch.float32, device=device)
+        bs = torch.empty((T, K // 32), dtype=torch.int32, device=device) if kind == G.Q8_K else None
+        return cls(kind, qs, d, bs)
+
     @property
     def rows(self) -> int:
         return int(self.qs.shape[0])
@@ -164,42 +180,69 @@ if HAVE_TRITON:
     from .gdc import after_prior
 
     @triton.jit
-    def _quant_q8_K_kernel(x, qs, d, bs, K, sx, PDL: tl.constexpr):
-        after_prior(PDL)  # gdc.py: the previous kernel done before the first read
-        t = tl.program_id(0).to(tl.int64)
-        b = tl.program_id(1)
-        e = tl.arange(0, 256)
-        v = tl.load(x + t * sx + b * 256 + e)  # [256] f32
+    def _q8_K_blocks(v):
+        """v f32 [NB, 256] -> (codes int32 [NB, 256], d f32 [NB], bsum32 int32 [NB, 8]): ggml's
+        quantize_row_q8_K_ref per block (first-index signed max, iscale = -127 / max, codes
+        min(127, nearest_int(iscale * x)), d = 1 / iscale, the 16-sums paired per 32)."""
+        NB: tl.constexpr = v.shape[0]
+        e = tl.arange(0, 256)[None, :]
         av = tl.abs(v)
-        amax = tl.max(av, 0)
-        first = tl.min(tl.where(av == amax, e, 256), 0)  # first index of the largest |x|
-        mx = tl.sum(tl.where(e == first, v, 0.0), 0)  # signed (quantize_row_q8_K_ref)
+        amax = tl.max(av, 1)  # [NB]
+        first = tl.min(tl.where(av == amax[:, None], e, 256), 1)  # first index of the largest |x|
+        mx = tl.sum(tl.where(e == first[:, None], v, 0.0), 1)  # its signed value
         nz = amax != 0.0
         iscale = tl.div_rn(-127.0, tl.where(nz, mx, 1.0))
-        q = tl.minimum(_round_int(iscale * v), 127)  # [256] int32
-        q = tl.where(nz, q, 0)
+        q = tl.minimum(_round_int(iscale[:, None] * v), 127)  # [NB, 256] int32
+        q = tl.where(nz[:, None], q, 0)
         dv = tl.where(nz, tl.div_rn(1.0, iscale), 0.0)
-        tl.store(qs + t * K + b * 256 + e, q.to(tl.int8))
-        tl.store(d + t * (K // 256) + b, dv)
-        s32 = tl.sum(tl.reshape(q, (8, 32)), 1)  # [8]: bsums[2j] + bsums[2j + 1]
-        tl.store(bs + t * (K // 32) + b * 8 + tl.arange(0, 8), s32)
+        s32 = tl.sum(tl.reshape(q, (NB, 8, 32)), 2)  # [NB, 8]: bsums[2j] + bsums[2j + 1]
+        return q, dv, s32
 
     @triton.jit
-    def _quant_q8_0_kernel(x, qs, d, K, sx, BB: tl.constexpr, PDL: tl.constexpr):
+    def _q8_0_blocks(v):
+        """v f32 [NB, 32] -> (codes int32 [NB, 32], d f32 [NB]): quantize_row_q8_0 per block,
+        d = f16(amax / 127), id = 127 / amax (the AVX2 path), codes rint(x * id) saturated."""
+        amax = tl.max(tl.abs(v), 1)  # [NB]
+        dh = tl.div_rn(amax, 127.0).to(tl.float16).to(tl.float32)
+        nz = amax != 0.0
+        idv = tl.where(nz, tl.div_rn(127.0, tl.where(nz, amax, 1.0)), 0.0)
+        q = tl.minimum(tl.maximum(_round_int(v * idv[:, None]), -128), 127)  # half-to-even, saturated
+        return q, dh
+
+    @triton.jit
+    def store_act(v, qs, d, bs, t, c0, K, KIND: tl.constexpr):
+        """Quantize v f32 [B] (columns c0 .. c0 + B - 1 of row t; B a multiple of the kind's block,
+        c0 of B) into an Act's tensors: qs int8 [T, K], d f32 [T, K / blk], bs int32 [T, K / 32].
+        KIND 0: nothing, 1: Q8_K, 2: Q8_0. Blocks at or past K are not stored. The one quantizer
+        of the integer lane: `quantize_act`'s kernel and the fused tails that write activations
+        (kernels/fused.py) both call it, so their codes and scales are the same bits."""
+        B: tl.constexpr = v.shape[0]
+        if KIND == 1:
+            NK: tl.constexpr = B // 256
+            blk = c0 // 256 + tl.arange(0, NK)  # [NK]
+            ok = blk < K // 256
+            q, dv, s32 = _q8_K_blocks(tl.reshape(v, (NK, 256)))
+            e = blk[:, None] * 256 + tl.arange(0, 256)[None, :]
+            tl.store(qs + t * K + e, q.to(tl.int8), mask=ok[:, None])
+            tl.store(d + t * (K // 256) + blk, dv, mask=ok)
+            tl.store(bs + t * (K // 32) + blk[:, None] * 8 + tl.arange(0, 8)[None, :], s32, mask=ok[:, None])
+        elif KIND == 2:
+            N0: tl.constexpr = B // 32
+            blk = c0 // 32 + tl.arange(0, N0)  # [N0]
+            ok = blk < K // 32
+            q, dh = _q8_0_blocks(tl.reshape(v, (N0, 32)))
+            e = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+            tl.store(qs + t * K + e, q.to(tl.int8), mask=ok[:, None])
+            tl.store(d + t * (K // 32) + blk, dh, mask=ok)
+
+    @triton.jit
+    def _quant_kernel(x, qs, d, bs, K, sx, KIND: tl.constexpr, B: tl.constexpr, PDL: tl.constexpr):
+        """Row t's columns [B * j, B * (j + 1)) of x -> the Act's codes and scales (store_act)."""
         after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         t = tl.program_id(0).to(tl.int64)
-        blk = tl.program_id(1) * BB + tl.arange(0, BB)  # [BB] 32-blocks
-        bmask = blk < K // 32
-        k = tl.arange(0, 32)
-        off = blk[:, None] * 32 + k[None, :]  # [BB, 32]
-        v = tl.load(x + t * sx + off, mask=bmask[:, None], other=0.0)
-        amax = tl.max(tl.abs(v), 1)  # [BB]
-        dh = tl.div_rn(amax, 127.0).to(tl.float16).to(tl.float32)  # d = f16(amax / 127)
-        nz = amax != 0.0
-        idv = tl.where(nz, tl.div_rn(127.0, tl.where(nz, amax, 1.0)), 0.0)  # id = 127 / amax (AVX2)
-        q = tl.minimum(tl.maximum(_round_int(v * idv[:, None]), -128), 127)  # half-to-even, saturated
-        tl.store(qs + t * K + off, q.to(tl.int8), mask=bmask[:, None])
-        tl.store(d + t * (K // 32) + blk, dh, mask=bmask)
+        c = tl.program_id(1) * B + tl.arange(0, B)
+        v = tl.load(x + t * sx + c, mask=c < K, other=0.0)  # [B] f32
+        store_act(v, qs, d, bs, t, tl.program_id(1) * B, K, KIND)
 
     @triton.jit
     def _act_tile(aq, tok, mmask, K, e0):
@@ -412,18 +455,12 @@ def quantize_act(x: torch.Tensor, kind: G) -> Act:
     if T < 1 or K < blk or K % blk or x.stride(1) != 1:
         raise ValueError(f"quantize_act: x {list(x.shape)} (stride {list(x.stride())}) needs T >= 1, "
                          f"K a multiple of {blk} and unit column stride for {kind.name}")
-    dev = x.device
-    qs = torch.empty((T, K), dtype=torch.int8, device=dev)
-    d = torch.empty((T, K // blk), dtype=torch.float32, device=dev)
-    if kind == G.Q8_K:
-        bs = torch.empty((T, K // 32), dtype=torch.int32, device=dev)
-        _quant_q8_K_kernel[(T, K // 256)](x, qs, d, bs, K, x.stride(0), num_warps=4, enable_fp_fusion=False,
-                                          **gdc.kwargs(x))
-        return Act(kind, qs, d, bs)
-    grid = (T, triton.cdiv(K // 32, _Q8_0_BLOCKS))
-    _quant_q8_0_kernel[grid](x, qs, d, K, x.stride(0), BB=_Q8_0_BLOCKS, num_warps=4, enable_fp_fusion=False,
-                             **gdc.kwargs(x))
-    return Act(kind, qs, d, None)
+    act = Act.empty(kind, T, K, x.device)
+    B = _QUANT_COLS[kind]
+    _quant_kernel[(T, triton.cdiv(K, B))](x, act.qs, act.d, act.bsum32 if act.bsum32 is not None else act.d, K,
+                                          x.stride(0), KIND=ACT_KIND[kind], B=B, num_warps=4,
+                                          enable_fp_fusion=False, **gdc.kwargs(x))
+    return act
 
 
 def _check_weight(w: QWeight) -> None:
