@@ -454,6 +454,17 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
                 sweep[f"T{T} {list(cfg)}"] = {"us": sec * 1e6, "bitwise_equal_default": eq}
             except Exception as e:  # noqa: BLE001
                 sweep[f"T{T} {list(cfg)}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    # one row with each program walking its chunks: no chunk-sum launch, N / BN programs
+    for cfg in (qtile_i8.config_for(1), (64, 8, 4, 1)):
+        key = f"T1 {list(cfg)} walk"
+        try:
+            out = torch.empty(1, w.n_out, device=device)
+            got_t = qtile_i8.matmul_tile(w, acts[1], out, config=cfg, split=False)
+            eq = bool(torch.equal(bits(got_t), bits(yb[:1])))
+            sec = graph_seconds(lambda: qtile_i8.matmul_tile(w, acts[1], out, config=cfg, split=False), 10, 1)[0]
+            sweep[key] = {"us": sec * 1e6, "bitwise_equal_default": eq}
+        except Exception as e:  # noqa: BLE001
+            sweep[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
     t["sweep"] = sweep
     return t
 

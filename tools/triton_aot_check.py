@@ -181,9 +181,11 @@ def drive(rec: Recorder) -> None:
     for fmt in ti.FORMATS:  # the integer lane's K-quant tile: decode, verify, prefill buckets, split and walked chunks
         for n_in, n_out in ((512, 24), (2560, 136)):
             w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy()))
-            for T, cfg in ((1, None), (16, None), (17, None), (1, (64, 8, 4, 1)), (17, (64, 16, 4, 1))):
+            for T, cfg, split in ((1, None, None), (16, None, None), (17, None, None), (1, (64, 8, 4, 1), None),
+                                  (17, (64, 16, 4, 1), None), (1, None, False), (1, (64, 8, 4, 1), False)):
                 ti.matmul_tile(w, i8.Act(G.Q8_K, torch.zeros(T, n_in, dtype=torch.int8), torch.zeros(T, n_in // 256),
-                                         torch.zeros(T, n_in // 32, dtype=torch.int32)), torch.empty(T, n_out), cfg)
+                                         torch.zeros(T, n_in // 32, dtype=torch.int32)), torch.empty(T, n_out), cfg,
+                               split)
     from muser.engine.kernels import qgemm_split as sg
 
     for fmt in sg.FORMATS:  # the exact lane's K-quant GEMM: the CUDA-core rows, the 16-row and wide tiles

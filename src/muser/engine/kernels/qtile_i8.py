@@ -465,10 +465,14 @@ def _word_fields(w: QWeight) -> list[torch.Tensor]:
     return out
 
 
-def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
+                split: bool | None = None) -> torch.Tensor:
     """Q8_K activations (qmatmul_i8.Act) [T, K] x K-quant weight [N, K] -> f32 [T, N], bitwise
     matmul_ggml. `out` may be a column slice of a wider output (unit column stride); `config` =
-    (BN, BM, num_warps, PF) overrides the table (speed only)."""
+    (BN, BM, num_warps, PF) overrides the table (speed only). `split`: each 1,024-element chunk
+    its own program and the chunk sums added by a second launch (True), or a program walking its
+    chunks (False); by default split at most SPLIT_ROWS rows. Speed only: the same additions in
+    the same order either way."""
     from . import qmatmul_i8
 
     if w.fmt not in FORMATS:
@@ -482,7 +486,7 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None) -
     ptrs += [ptrs[0]] * (6 - len(ptrs))  # absent slots repeat the first field (never read)
     cb = CHUNK_ELEMS // 256
     nch = -(-(w.n_in // 256) // cb)
-    split = T <= SPLIT_ROWS
+    split = T <= SPLIT_ROWS if split is None else bool(split)
     part = out  # never read unless split over several chunks
     if split and nch > 1:
         part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
