@@ -422,15 +422,17 @@ if HAVE_TRITON:
             tl.store(y + tok[:, None] * sy + n[None, :], tot.to(tl.float32), mask=omask)
 
     @triton.jit(do_not_specialize=["T", "nch"])
-    def _chunk_reduce_kernel(part, y, N, T, sy, nch, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """y[t, n] = f32(+0.0 + part[0, t, n] + part[1, t, n] + ...), chunks in order."""
+    def _chunk_reduce_kernel(part, y, N, T, sy, NCH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """y[t, n] = f32(+0.0 + part[0, t, n] + part[1, t, n] + ...), chunks in order. The chunk
+        loop is unrolled (NCH a constexpr), so every chunk's load is in flight before the first
+        addition waits: the chain of additions no longer waits out one L2 round trip a chunk."""
         after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < T * N
         t = i // N
         n = i % N
         acc = tl.zeros([BLOCK], dtype=tl.float64)
-        for c in range(0, nch):
+        for c in tl.static_range(NCH):
             acc = acc + tl.load(part + c * T * N + i, mask=ok, other=0.0)
         tl.store(y + t * sy + n, acc.to(tl.float32), mask=ok)
 
@@ -524,8 +526,8 @@ def reduce_chunks(part: torch.Tensor, out: torch.Tensor) -> None:
     """out[t, n] = f32(+0.0 + part[0, t, n] + part[1, t, n] + ...): the chunk sums f64
     [n_chunks, T, N] of a split call added in chunk order (dot._chunk_sum's second level)."""
     nch, T, N = part.shape
-    rb = 1024
-    _chunk_reduce_kernel[(triton.cdiv(T * N, rb),)](part, out, N, T, out.stride(0), nch, BLOCK=rb, num_warps=4,
+    rb = 256  # two f64 a thread and chunk: a 20-chunk sum keeps its 40 loads in flight in registers
+    _chunk_reduce_kernel[(triton.cdiv(T * N, rb),)](part, out, N, T, out.stride(0), NCH=nch, BLOCK=rb, num_warps=4,
                                                      enable_fp_fusion=False, **gdc.kwargs(out))
 
 
