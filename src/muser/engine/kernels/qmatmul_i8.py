@@ -180,16 +180,22 @@ if HAVE_TRITON:
     from .gdc import after_prior
 
     @triton.jit
+    def _first_max(a0, i0, v0, a1, i1, v1):
+        """Combine of (|x|, index, x): the larger |x|, of equal ones the smaller index (ggml's
+        `if (ax > amax)` scan keeps the first); associative and commutative, so the reduction's
+        tree does not matter."""
+        take = (a1 > a0) | ((a1 == a0) & (i1 < i0))
+        return tl.where(take, a1, a0), tl.where(take, i1, i0), tl.where(take, v1, v0)
+
+    @triton.jit
     def _q8_K_blocks(v):
         """v f32 [NB, 256] -> (codes int32 [NB, 256], d f32 [NB], bsum32 int32 [NB, 8]): ggml's
         quantize_row_q8_K_ref per block (first-index signed max, iscale = -127 / max, codes
         min(127, nearest_int(iscale * x)), d = 1 / iscale, the 16-sums paired per 32)."""
         NB: tl.constexpr = v.shape[0]
-        e = tl.arange(0, 256)[None, :]
-        av = tl.abs(v)
-        amax = tl.max(av, 1)  # [NB]
-        first = tl.min(tl.where(av == amax[:, None], e, 256), 1)  # first index of the largest |x|
-        mx = tl.sum(tl.where(e == first[:, None], v, 0.0), 1)  # its signed value
+        e = tl.zeros([NB, 256], dtype=tl.int32) + tl.arange(0, 256)[None, :]
+        # one reduction: the largest |x| and, of equal ones, the first index's signed value
+        amax, _, mx = tl.reduce((tl.abs(v), e, v), 1, _first_max)  # [NB] each
         nz = amax != 0.0
         iscale = tl.div_rn(-127.0, tl.where(nz, mx, 1.0))
         q = tl.minimum(_round_int(iscale[:, None] * v), 127)  # [NB, 256] int32
