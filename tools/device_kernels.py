@@ -466,6 +466,25 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
         except Exception as e:  # noqa: BLE001
             sweep[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
     t["sweep"] = sweep
+    from muser.engine.kernels import qwide_i8
+
+    if qwide_i8.supports(w.fmt):  # the wide GEMM (prefill chunks) beside the tile: bits and times
+        wide = {}
+        for T in (64, big):
+            for cfg in (qwide_i8.CONFIG, (128, 64, 8, 1)):
+                key = f"T{T} {list(cfg)}"
+                try:
+                    out = torch.empty(T, w.n_out, device=device)
+                    got_w = qwide_i8.matmul_wide(w, acts[T], out, config=cfg)
+                    eq = bool(torch.equal(bits(got_w), bits(yb[:T])))
+                    sec = graph_seconds(lambda: qwide_i8.matmul_wide(w, acts[T], out, config=cfg), 3, 3)
+                    mean = float(np.mean(sec))
+                    wide[key] = {"us": mean * 1e6, "bitwise_equal_reference": eq,
+                                 "TOPS": 2.0 * T * w.n_out * w.n_in / mean / 1e12,
+                                 "over_tile": mean * 1e6 / t[f"T{T}"]["us"]}
+                except Exception as e:  # noqa: BLE001
+                    wide[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        t["wide"] = wide
     return t
 
 
@@ -588,6 +607,10 @@ def main(argv=None) -> int:
                           f"{tr['bitwise_vs_reference']}", flush=True)
                     print("  tile sweep " + ", ".join(f"{k}: {v.get('us', 0):.1f} us {v.get('bitwise_equal_default', v.get('error'))}"
                                                       for k, v in tr["sweep"].items()), flush=True)
+                    if "wide" in tr:
+                        print("  wide GEMM " + ", ".join(
+                            f"{k}: {v.get('us', 0):.1f} us {v.get('TOPS', 0):.1f} TOPS x{v.get('over_tile', 0):.2f} of the tile "
+                            f"{v.get('bitwise_equal_reference', v.get('error'))}" for k, v in tr["wide"].items()), flush=True)
             except Exception as e:  # noqa: BLE001
                 r = {"fmt": fmt, "n_out": n_out, "n_in": n_in, "error": f"{type(e).__name__}: {e}",
                      "trace": traceback.format_exc()[-2000:]}

@@ -427,7 +427,7 @@ if HAVE_TRITON:
                 tot = tot + acc
             tl.store(y + tok[:, None] * sy + n[None, :], tot.to(tl.float32), mask=omask)
 
-    @triton.jit(do_not_specialize=["T", "nch"])
+    @triton.jit(do_not_specialize=["T"])
     def _chunk_reduce_kernel(part, y, N, T, sy, NCH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """y[t, n] = f32(+0.0 + part[0, t, n] + part[1, t, n] + ...), chunks in order. The chunk
         loop is unrolled (NCH a constexpr), so every chunk's load is in flight before the first

@@ -1,0 +1,209 @@
+"""The integer lane's wide GEMM for Q4_K and Q5_K weights (Triton): prefill chunks of many rows,
+`muser.quant.dot.matmul_ggml` bit for bit, one 256-block a step with two int8 dots of K = 256
+instead of eight dots of K = 32 and their CUDA-core scale combines.
+
+Why: the lane's K-quant scale is per 32-element sub-block, so `qmatmul_i8` and the int8 tile
+(`qtile_i8`) run one K = 32 tensor-core product a sub-block and fold each into the block sum with
+the sub-block's scale on the CUDA cores; at 512 rows that folding and the per-16-row weight
+unpack, not the tensor cores, set their pace (bench/NOTES.md). Here the scale goes into the weight
+operand instead, in two digits that keep it int8:
+
+  sc = 8 sh + sl (sh, sl in 0..7, sc a 6-bit scale): sum_j sc_j sum_k q_k a_k
+     = sum_k (q_k sl_j) a_k + 8 sum_k (q_k sh_j) a_k          (|q sl|, |q sh| <= 112: int8)
+
+Q4_K codes are q in 0..15. Q5_K codes (0..31) would not fit, so they enter as q - 16 in -16..15
+and the offset comes back through the activations' 32-sums: + 16 sum_j sc_j bsum32_j. The mins
+term sum_j m_j bsum32_j and that correction are small dots (K = 8, padded to 32) whose
+activation side, |bsum32| <= 4064, enters as two int8 digits: bsum32 = 64 bh + bl (bl in 0..63,
+bh in -64..63). Every integer is exact in int32 (|sumi| < 2^26), so the float steps see the
+integers `qmatmul_i8` sees, and they are its steps: per 256-block f64(f32(y.d * x.d)) * sumi +
+f64(f32(-y.d * x.dmin)) * summ, each product and the addition rounded once (enable_fp_fusion
+off), summed from +0.0 per 1,024-element chunk in block order and the chunks from +0.0 in chunk
+order, one f32 rounding at the store. So a row's bits are the lane's at every row count and
+tiling (row invariance by construction), and the tests hold them to matmul_ggml.
+
+Layout read (weights.repack fields): qs u8 [N, nb*128] (byte 32c + i: element 64c + i in its low
+nibble, 64c + 32 + i in its high one), sc / m u8 [N, nb*8], d / dmin f16 [N, nb], Q5_K qh u8
+[N, nb*32] (element e's fifth bit: bit e // 32 of qh[e % 32]).
+
+Which calls take it: `ROWS` (calls of at least that many rows, Q4_K and Q5_K weights; None: none)
+is configuration set from a device measurement beside the tile (tools/device_kernels.py); until one
+shows it faster the lane keeps the tile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...errors import LaneError
+from ...gguf.types import GgmlType as G
+from ...quant.dot import CHUNK_ELEMS
+from ..weights import FIELDS, QWeight
+
+try:  # Triton is optional on the CPU; the CUDA backend requires it.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAVE_TRITON = False
+
+FORMATS = (G.Q4_K, G.Q5_K)
+_CODE = {G.Q4_K: 2, G.Q5_K: 3}
+# (BM, BN, num_warps, num_stages): activation rows and weight rows a program
+CONFIG = (64, 64, 8, 1)
+# calls of at least this many rows take the wide GEMM (None: no call does; see the module doc)
+ROWS: int | None = None
+
+
+def supports(fmt: G) -> bool:
+    return fmt in FORMATS
+
+
+def check_config(config) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages) or ValueError naming it: BM and BN powers of two in
+    16..256, num_warps a power of two to 16, 1..4 stages."""
+    try:
+        bm, bn, nw, ns = (int(v) for v in config)
+    except (TypeError, ValueError):
+        raise ValueError(f"config {config!r}: expected (BM, BN, num_warps, num_stages)") from None
+
+    def pow2(v: int, lo: int, hi: int) -> bool:
+        return lo <= v <= hi and v & (v - 1) == 0
+
+    if not (pow2(bm, 16, 256) and pow2(bn, 16, 256) and pow2(nw, 1, 16) and 1 <= ns <= 4):
+        raise ValueError(f"config {list(config)!r}: BM and BN powers of two in 16..256, num_warps a power of "
+                         f"two <= 16, num_stages 1..4")
+    return bm, bn, nw, ns
+
+
+def serves(w: QWeight, rows: int) -> bool:
+    """The lane sends a `rows`-row call on `w` here (ROWS and the format)."""
+    return ROWS is not None and rows >= ROWS and w.fmt in FORMATS
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _digits_dot(bs, wv, BM: tl.constexpr, BN: tl.constexpr):
+        """sum_j bs[:, j] * wv[j, :] exactly, bs int32 [BM, 32] (|bs| <= 4064), wv int8 [32, BN]:
+        bs = 64 bh + bl with bl in 0..63 and bh in -64..63, two int8 dots."""
+        bl = (bs & 63).to(tl.int8)
+        bh = (bs >> 6).to(tl.int8)  # arithmetic shift: floor(bs / 64)
+        hi = tl.dot(bh, wv, out_dtype=tl.int32)
+        return tl.dot(bl, wv, acc=hi * 64, out_dtype=tl.int32)
+
+    @triton.jit
+    def _f64_of(i):
+        """int32 -> float64 exactly without the conversion unit (a quarter of the FP64 rate on
+        sm_90): the bits of 2^52 + 2^51 plus i are the double 2^52 + 2^51 + i (|i| < 2^51 stays in
+        that binade, one unit a step); subtracting 2^52 + 2^51 is exact (Sterbenz)."""
+        return (i.to(tl.int64) + 0x4338000000000000).to(tl.float64, bitcast=True) - 6755399441055744.0
+
+    @triton.jit(do_not_specialize=["T"])
+    def _qwide_kernel(aq, ad, ab, y, qs, wd, wdm, wsc, wm, wqh, N, K, T, sy,
+                      FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CB: tl.constexpr):
+        """y [T, N] f32: program (i, j) takes activation rows i*BM.. and weight rows j*BN.. and
+        walks every chunk of CB 256-blocks."""
+        m = tl.program_id(0) * BM + tl.arange(0, BM)  # activation rows: the fastest grid axis, so
+        n = tl.program_id(1) * BN + tl.arange(0, BN)  # a weight tile's readers run together (L2)
+        mmask = m < T
+        nmask = n < N
+        tok = m.to(tl.int64)
+        row = n.to(tl.int64)
+        nb = K // 256
+        e = tl.arange(0, 256)  # element of a 256-block
+        byte = 32 * (e // 64) + e % 32  # its qs byte
+        shift = 4 * ((e // 32) % 2)  # low nibble for sub-blocks 2c, high for 2c + 1
+        j = e // 32  # its sub-block
+        j32 = tl.arange(0, 32)  # the small dots' K: sub-blocks 0..7, then zeros
+        jm = j32 < 8
+        tot = tl.zeros([BM, BN], dtype=tl.float64)
+        for c in range(0, (nb + CB - 1) // CB):
+            acc = tl.zeros([BM, BN], dtype=tl.float64)  # +0.0 (dot._chunk_sum)
+            for b in range(c * CB, tl.minimum(nb, c * CB + CB)):
+                a = tl.load(aq + tok[:, None] * K + b * 256 + e[None, :], mask=mmask[:, None], other=0)  # [BM, 256]
+                wb = tl.load(qs + row[None, :] * (nb * 128) + b * 128 + byte[:, None], mask=nmask[None, :],
+                             other=0).to(tl.int32)  # [256, BN]
+                q = (wb >> shift[:, None]) & 15
+                if FMT == 3:  # Q5_K: the fifth bit, then q - 16
+                    hb = tl.load(wqh + row[None, :] * (nb * 32) + b * 32 + (e % 32)[:, None], mask=nmask[None, :],
+                                 other=0).to(tl.int32)
+                    q = q + 16 * ((hb >> j[:, None]) & 1) - 16
+                sc = tl.load(wsc + row[None, :] * (nb * 8) + b * 8 + j[:, None], mask=nmask[None, :],
+                             other=0).to(tl.int32)  # [256, BN]: each sub-block's scale
+                s = tl.dot(a, (q * (sc >> 3)).to(tl.int8), out_dtype=tl.int32)
+                s = tl.dot(a, (q * (sc & 7)).to(tl.int8), acc=s * 8, out_dtype=tl.int32)  # sum sc q a
+                bs = tl.load(ab + tok[:, None] * (K // 32) + b * 8 + j32[None, :], mask=mmask[:, None] & jm[None, :],
+                             other=0)  # [BM, 32] int32: bsum32 of sub-blocks 0..7
+                mv = tl.load(wm + row[None, :] * (nb * 8) + b * 8 + j32[:, None], mask=nmask[None, :] & jm[:, None],
+                             other=0).to(tl.int8)  # [32, BN]: the mins (6 bits)
+                summ = _digits_dot(bs, mv, BM, BN)
+                if FMT == 3:  # the codes' offset: + 16 sum_j sc_j bsum32_j
+                    s8 = tl.load(wsc + row[None, :] * (nb * 8) + b * 8 + j32[:, None],
+                                 mask=nmask[None, :] & jm[:, None], other=0).to(tl.int8)
+                    s = s + 16 * _digits_dot(bs, s8, BM, BN)
+                a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
+                d = tl.load(wd + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
+                dm = tl.load(wdm + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
+                dd = a_d[:, None] * d[None, :]  # f32: y.d * fp16(x.d)
+                mm = (-a_d)[:, None] * dm[None, :]  # f32: -y.d * fp16(x.dmin)
+                acc = acc + (dd.to(tl.float64) * _f64_of(s) + mm.to(tl.float64) * _f64_of(summ))
+            tot = tot + acc
+        tl.store(y + tok[:, None] * sy + n[None, :], tot.to(tl.float32), mask=mmask[:, None] & nmask[None, :])
+
+
+def matmul_wide(w: QWeight, act, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """Q8_K activations (qmatmul_i8.Act) [T, K] x Q4_K / Q5_K weight [N, K] -> f32 [T, N], bitwise
+    matmul_ggml. `out` may be a column slice of a wider output (unit column stride); `config` =
+    (BM, BN, num_warps, num_stages) overrides CONFIG (speed only)."""
+    from . import qmatmul_i8
+
+    if w.fmt not in FORMATS:
+        raise LaneError(f"tensor {w.name!r}: {G(w.fmt).name} has no wide integer GEMM (served: "
+                        f"{', '.join(f.name for f in FORMATS)})")
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    out = qmatmul_i8.check_call(w, act, out)
+    T, N = act.rows, w.n_out
+    bm, bn, nw, ns = check_config(config) if config is not None else CONFIG
+    f = w.fields
+    ptrs = [f[k] for k in FIELDS[w.fmt]]  # qs, d, dmin, sc, m[, qh]
+    if len(ptrs) == 5:
+        ptrs.append(ptrs[0])  # Q4_K: no qh (never read)
+    grid = (triton.cdiv(T, bm), triton.cdiv(N, bn))
+    _qwide_kernel[grid](act.qs, act.d, act.bsum32, out, *ptrs, N, w.n_in, T, out.stride(0), FMT=_CODE[w.fmt],
+                        BM=bm, BN=bn, CB=CHUNK_ELEMS // 256, num_warps=nw, num_stages=ns, enable_fp_fusion=False)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def self_check(device: str) -> None:
+    """The wide GEMM against its reference (qmatmul_i8's kernel, the same contract) on this device,
+    once a process, before the lane routes a call to it: each format at 1, 17 and 70 rows on a
+    shape with a partial chunk and partial tiles on both sides. LaneError naming the format, rows
+    and first differing output if a bit differs (the lane refuses rather than compute with a
+    kernel this device or compiler gets wrong)."""
+    from ..weights import random_bytes, repack
+    from . import qmatmul_i8
+
+    g = torch.Generator(device="cpu").manual_seed(7)
+    n_out, n_in = 72, 1280
+    for fmt in FORMATS:
+        raw = torch.from_numpy(random_bytes(fmt, n_out, n_in, 11).copy()).to(device)
+        w = repack("selfcheck", fmt, n_out, n_in, raw)
+        for T in (1, 17, 70):
+            act = qmatmul_i8.quantize_act(torch.randn(T, n_in, generator=g).to(device), G.Q8_K)
+            ref = qmatmul_i8.matmul_i8_act(w, act).view(torch.int32)
+            got = matmul_wide(w, act).view(torch.int32)
+            if not torch.equal(got, ref):
+                t, n = (got != ref).nonzero()[0].tolist()
+                raise LaneError(f"lane 'fast' on {device}: the wide integer GEMM's {fmt.name} output [{t}, {n}] of "
+                                f"a {T}-row call differs from its reference (bits {got[t, n].item():#x} against "
+                                f"{ref[t, n].item():#x}); refusing it on this device")
+
+
+__all__ = ["CONFIG", "FORMATS", "HAVE_TRITON", "ROWS", "check_config", "matmul_wide", "self_check", "serves",
+           "supports"]
