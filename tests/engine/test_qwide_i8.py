@@ -114,3 +114,25 @@ def test_bad_calls_are_refused_before_any_launch(kw):
     with pytest.raises(ValueError, match="512 columns"):
         qwide.matmul_wide(w, act)
     assert not qwide.serves(w, 4096) or qwide.ROWS is not None
+
+
+def test_the_lane_routes_calls_of_rows_wide_to_it(kw, monkeypatch):
+    """With ROWS set, the integer lane's CUDA path (here on the CPU, interpreted) sends Q4_K calls
+    of at least ROWS rows to the wide GEMM and narrower ones elsewhere, with the same bits."""
+    from muser.engine.lanes import Lane, Linear
+
+    qwide, i8 = kw
+    raw, w = _weight(G.Q4_K, 24, 512, 3)
+    lin = Linear(Lane.FAST, torch.device("cpu"))
+    lin.cuda = True  # the CUDA path: quantized activations into the integer GEMMs
+    calls: list[int] = []
+    real = qwide.matmul_wide
+    monkeypatch.setattr(qwide, "ROWS", 8)
+    monkeypatch.setattr(qwide, "matmul_wide", lambda w, act, out=None, config=None: calls.append(act.rows)
+                        or real(w, act, out, config))
+    x = _x(9, 512, 4)
+    wide = lin(w, torch.from_numpy(x))
+    narrow = lin(w, torch.from_numpy(x[:7].copy()))
+    assert calls == [9]
+    assert np.array_equal(_bits(wide), _bits(matmul_ggml(raw, G.Q4_K, x)))
+    assert torch.equal(narrow, wide[:7])
