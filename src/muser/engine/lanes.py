@@ -19,9 +19,10 @@
   ggml_vec_dot_*). CUDA: kernels/qtile_i8.py for the K-quants (int8 tensor-core tiles with the
   operands unpacked in registers; checked bitwise against qmatmul_i8 on the device before it
   serves), kernels/qwide_i8.py for Q4_K/Q5_K calls of at least qwide_i8.ROWS rows when that is
-  set (none by default: it is set from a device measurement), kernels/qmatmul_i8.py for Q8_0/Q4_0; the activations come quantized from the tail
-  kernel that writes them (the norms and gates, kernels/fused.py through act_out / keep_act),
-  a quantize launch only where no tail wrote them; CPU: dot.matmul_codes over codes built once
+  set (none by default: it is set from a device measurement), kernels/qmatmul_i8.py for
+  Q8_0/Q4_0; the activations come quantized from the tail kernel that writes them (the norms
+  and gates, kernels/fused.py through act_out / keep_act), a quantize launch only where no tail
+  wrote them; CPU: dot.matmul_codes over codes built once
   from the repacked fields. Each output row depends only on its own input row, so the lane is
   row-invariant by construction. F32/F16/BF16 weights: the activations are rounded to the
   vec_dot_type (f16/bf16 round-to-nearest-even, f32 as is) and the exact lane's fixed-order f32
@@ -278,13 +279,13 @@ class Linear:
         return out
 
     def _i8(self, w: QWeight, act, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The fast lane's GEMM on CUDA (the SPEC of dot.matmul_ggml): K-quants through the int8 tile
-        where it serves, other integer formats (and devices without it) through kernels/qmatmul_i8."""
-        if self.cuda:
-            from .kernels import qwide_i8
+        """The fast lane's GEMM on CUDA (the SPEC of dot.matmul_ggml): Q4_K/Q5_K calls of at least
+        qwide_i8.ROWS rows through the wide GEMM, K-quants through the int8 tile where it serves,
+        other integer formats (and devices without it) through kernels/qmatmul_i8."""
+        from .kernels import qwide_i8
 
-            if qwide_i8.serves(w, act.rows):  # prefill chunks of Q4_K / Q5_K (qwide_i8.ROWS)
-                return qwide_i8.matmul_wide(w, act, out)
+        if qwide_i8.serves(w, act.rows):  # prefill chunks (qwide_i8.ROWS)
+            return qwide_i8.matmul_wide(w, act, out)
         if w.fmt in self.tile_formats:
             from .kernels import qtile_i8
 
