@@ -136,3 +136,19 @@ def test_the_lane_routes_calls_of_rows_wide_to_it(kw, monkeypatch):
     assert calls == [9]
     assert np.array_equal(_bits(wide), _bits(matmul_ggml(raw, G.Q4_K, x)))
     assert torch.equal(narrow, wide[:7])
+
+
+def test_the_load_check_passes_the_wide_gemm_and_refuses_a_wrong_bit(kw):
+    """qmatmul_i8.check_against_reference (what the lane runs at load for the tile and, when routed,
+    the wide GEMM): the wide GEMM passes it; a kernel one ulp off in one output is refused with a
+    LaneError naming the kernel, format, rows and output."""
+    qwide, i8 = kw
+    i8.check_against_reference("wide integer GEMM", qwide.FORMATS, (1, 17), qwide.matmul_wide, "cpu")
+
+    def off(w, act):
+        y = qwide.matmul_wide(w, act)
+        y.view(torch.int32)[act.rows - 1, 5] += 1
+        return y
+
+    with pytest.raises(LaneError, match=r"the off kernel's Q4_K output \[16, 5\] of a 17-row call"):
+        i8.check_against_reference("off kernel", qwide.FORMATS, (17,), off, "cpu")

@@ -537,11 +537,37 @@ def reduce_chunks(part: torch.Tensor, out: torch.Tensor) -> None:
                                                      enable_fp_fusion=False, **gdc.kwargs(out))
 
 
+def check_against_reference(what: str, formats, rows, kernel, device: str) -> None:
+    """A Q8_K kernel of the integer lane (`kernel(w, act)`, e.g. the int8 tile) against this
+    module's kernel, the same contract, on `device`, before the lane routes calls to it: every
+    format of `formats` at each row count of `rows`, on a 72 x 1,280 weight (5 blocks: chunks of 4
+    and 1; partial tiles). LaneError naming the kernel, format, rows and first differing output if
+    a bit differs (the lane refuses rather than compute with a kernel this device or compiler gets
+    wrong)."""
+    from ..weights import random_bytes, repack
+
+    g = torch.Generator(device="cpu").manual_seed(7)
+    n_out, n_in = 72, 1280
+    for fmt in formats:
+        raw = torch.from_numpy(random_bytes(fmt, n_out, n_in, 11).copy()).to(device)
+        w = repack("selfcheck", fmt, n_out, n_in, raw)
+        for T in rows:
+            act = quantize_act(torch.randn(T, n_in, generator=g).to(device), G.Q8_K)
+            ref = matmul_i8_act(w, act).view(torch.int32)
+            got = kernel(w, act).view(torch.int32)
+            if not torch.equal(got, ref):
+                t, n = (got != ref).nonzero()[0].tolist()
+                raise LaneError(f"lane 'fast' on {device}: the {what}'s {G(fmt).name} output [{t}, {n}] of a {T}-row "
+                                f"call differs from its reference (bits {got[t, n].item():#x} against "
+                                f"{ref[t, n].item():#x}); refusing it on this device")
+
+
 def matmul_i8(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
     """x f32 [T, K] -> f32 [T, N]: x quantized to the weight's vec_dot_type, then matmul_i8_act."""
     _check_weight(w)
     return matmul_i8_act(w, quantize_act(x, VEC_DOT_TYPE[w.fmt]), out, config)
 
 
-__all__ = ["Act", "CONFIGS", "FORMATS", "HAVE_TRITON", "KINDS", "check_call", "check_config", "config_for", "matmul_i8",
+__all__ = ["Act", "CONFIGS", "FORMATS", "HAVE_TRITON", "KINDS", "check_against_reference", "check_call", "check_config",
+           "config_for", "matmul_i8",
            "matmul_i8_act", "quantize_act", "reduce_chunks", "supports", "WIDE_BY_FORMAT"]

@@ -501,29 +501,12 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
 
 @functools.lru_cache(maxsize=None)
 def self_check(device: str) -> None:
-    """The tile against its reference (qmatmul_i8's Triton kernel, the same contract) on this
-    device, once a process, before the fast lane serves a K-quant projection with it: every format
-    at 1, 3, 16 and 40 rows, on a shape with a partial last chunk and a partial last weight tile.
-    LaneError naming the format, the row count and the first differing output if a bit differs
-    (the lane refuses rather than compute with a tile this device or compiler gets wrong)."""
+    """The tile against its reference (qmatmul_i8.check_against_reference) on this device, once a
+    process, before the fast lane serves a K-quant projection with it: every format at 1, 3, 16 and
+    40 rows; LaneError on any differing bit."""
     from . import qmatmul_i8
-    from ..weights import random_bytes, repack
 
-    g = torch.Generator(device="cpu").manual_seed(7)
-    n_out, n_in = 72, 1280  # 5 blocks: chunks of 4 and 1; 72 rows: a partial 64-row tile
-    for fmt in FORMATS:
-        raw = torch.from_numpy(random_bytes(fmt, n_out, n_in, 11).copy()).to(device)
-        w = repack("selfcheck", fmt, n_out, n_in, raw)
-        for T in (1, 3, 16, 40):
-            x = torch.randn(T, n_in, generator=g).to(device)
-            act = qmatmul_i8.quantize_act(x, G.Q8_K)
-            ref = qmatmul_i8.matmul_i8_act(w, act).view(torch.int32)
-            got = matmul_tile(w, act).view(torch.int32)
-            if not torch.equal(got, ref):
-                t, n = (got != ref).nonzero()[0].tolist()
-                raise LaneError(f"lane 'fast' on {device}: the int8 tile's {fmt.name} output [{t}, {n}] of a "
-                                f"{T}-row call differs from its reference (bits {got[t, n].item():#x} against "
-                                f"{ref[t, n].item():#x}); refusing the tile on this device")
+    qmatmul_i8.check_against_reference("int8 tile", FORMATS, (1, 3, 16, 40), matmul_tile, device)
 
 
 __all__ = ["CONFIGS", "FORMATS", "HAVE_GLUON", "available", "check_config", "codes_ref", "config_for",

@@ -63,20 +63,10 @@ def supports(fmt: G) -> bool:
 
 
 def check_config(config) -> tuple[int, int, int, int]:
-    """(BM, BN, num_warps, num_stages) or ValueError naming it: BM and BN powers of two in
-    16..256, num_warps a power of two to 16, 1..4 stages."""
-    try:
-        bm, bn, nw, ns = (int(v) for v in config)
-    except (TypeError, ValueError):
-        raise ValueError(f"config {config!r}: expected (BM, BN, num_warps, num_stages)") from None
+    """(BM, BN, num_warps, num_stages), checked as the reference's tilings are (ValueError naming it)."""
+    from .qmatmul_i8 import check_config as check
 
-    def pow2(v: int, lo: int, hi: int) -> bool:
-        return lo <= v <= hi and v & (v - 1) == 0
-
-    if not (pow2(bm, 16, 256) and pow2(bn, 16, 256) and pow2(nw, 1, 16) and 1 <= ns <= 4):
-        raise ValueError(f"config {list(config)!r}: BM and BN powers of two in 16..256, num_warps a power of "
-                         f"two <= 16, num_stages 1..4")
-    return bm, bn, nw, ns
+    return check(config)
 
 
 def serves(w: QWeight, rows: int) -> bool:
@@ -181,28 +171,12 @@ def matmul_wide(w: QWeight, act, out: torch.Tensor | None = None, config=None) -
 
 @functools.lru_cache(maxsize=None)
 def self_check(device: str) -> None:
-    """The wide GEMM against its reference (qmatmul_i8's kernel, the same contract) on this device,
-    once a process, before the lane routes a call to it: each format at 1, 17 and 70 rows on a
-    shape with a partial chunk and partial tiles on both sides. LaneError naming the format, rows
-    and first differing output if a bit differs (the lane refuses rather than compute with a
-    kernel this device or compiler gets wrong)."""
-    from ..weights import random_bytes, repack
+    """The wide GEMM against its reference (qmatmul_i8.check_against_reference) on this device,
+    once a process, before the lane routes a call to it: each format at 1, 17 and 70 rows;
+    LaneError on any differing bit."""
     from . import qmatmul_i8
 
-    g = torch.Generator(device="cpu").manual_seed(7)
-    n_out, n_in = 72, 1280
-    for fmt in FORMATS:
-        raw = torch.from_numpy(random_bytes(fmt, n_out, n_in, 11).copy()).to(device)
-        w = repack("selfcheck", fmt, n_out, n_in, raw)
-        for T in (1, 17, 70):
-            act = qmatmul_i8.quantize_act(torch.randn(T, n_in, generator=g).to(device), G.Q8_K)
-            ref = qmatmul_i8.matmul_i8_act(w, act).view(torch.int32)
-            got = matmul_wide(w, act).view(torch.int32)
-            if not torch.equal(got, ref):
-                t, n = (got != ref).nonzero()[0].tolist()
-                raise LaneError(f"lane 'fast' on {device}: the wide integer GEMM's {fmt.name} output [{t}, {n}] of "
-                                f"a {T}-row call differs from its reference (bits {got[t, n].item():#x} against "
-                                f"{ref[t, n].item():#x}); refusing it on this device")
+    qmatmul_i8.check_against_reference("wide integer GEMM", FORMATS, (1, 17, 70), matmul_wide, device)
 
 
 __all__ = ["CONFIG", "FORMATS", "HAVE_TRITON", "ROWS", "check_config", "matmul_wide", "self_check", "serves",
