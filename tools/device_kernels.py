@@ -30,7 +30,9 @@ outputs on a row subset checked bitwise against muser.quant.dot.matmul_ggml (the
 and one row alone against the same row inside the 16- and 512-row launches (bitwise); on the
 K-quant shapes the int8 tile (kernels/qtile_i8.py, the lane's CUDA path for them) beside it: bitwise
 matmul_ggml on the row subset and bitwise the reference at 1, 16 and 512 rows (both gated), timed at
-1, 16, 64 and 512 rows, tilings swept.
+1, 16, 64 and 512 rows, tilings swept (one-row calls split or walking their chunks) and the wide
+GEMM (kernels/qwide_i8.py) beside it at 64 and 512 rows; the fastest route per shape and row
+bucket with the reference's bits is written as DIR/i8_tuning.json (qtile_i8.load_tuning's form).
 
     python3 tools/device_kernels.py --out DIR [--budget 140] [--device cuda|cpu --smoke] [--lane exact|fast]
                                     [--before FILE]   (an earlier qmatvec_v3.py: its 4/16-row calls beside)
@@ -236,6 +238,47 @@ def tuning_table(speed: list[dict]) -> list[dict]:
                 best = min(ok, key=ok.__getitem__)
                 table.append({"fmt": r["fmt"], "rows": T, "n_out": r["n_out"], "n_in": r["n_in"],
                               "config": json.loads(best), "us": round(ok[best], 1)})
+    return table
+
+
+def i8_tuning_table(speed: list[dict], margin: float = 0.03) -> list[dict]:
+    """The integer lane's sweep -> i8_tuning.json entries (qtile_i8.load_tuning's form): per shape
+    and row bucket (8: the one-row times, 16, 64: the widest call's) the fastest of the tile's
+    default, its swept tilings (one-row: split or walking its chunks) and, for 64, the wide GEMM,
+    among those whose outputs were bitwise the default's (the wide GEMM: the reference's). A
+    candidate replaces the default only if `margin` faster (the sweep's times are one sample)."""
+    from muser.engine.kernels import qtile_i8
+
+    table = []
+    for r in speed:
+        tr = r.get("tile")
+        if not isinstance(tr, dict) or "error" in tr or "T1" not in tr:
+            continue
+        big = max(int(k[1:]) for k in tr if k.startswith("T") and k[1:].isdigit())
+        for bucket, T in ((8, 1), (16, 16), (64, big)):
+            if f"T{T}" not in tr or not all(tr.get("bitwise_vs_reference", {}).values()):
+                continue
+            default = ({"path": "tile", "config": list(qtile_i8.config_for(T))}, tr[f"T{T}"]["us"])
+            cands = [default]
+            for key, v in tr.get("sweep", {}).items():
+                head, _, rest = key.partition(" ")
+                if head != f"T{T}" or not v.get("bitwise_equal_default"):
+                    continue
+                walk = rest.endswith(" walk")
+                e = {"path": "tile", "config": json.loads(rest.removesuffix(" walk"))}
+                if walk:
+                    e["split"] = False
+                cands.append((e, v["us"]))
+            if bucket == 64:
+                for key, v in tr.get("wide", {}).items():
+                    head, _, rest = key.partition(" ")
+                    if head == f"T{T}" and v.get("bitwise_equal_reference"):
+                        cands.append(({"path": "wide", "config": json.loads(rest)}, v["us"]))
+            best = min(cands, key=lambda c: c[1])
+            if best[1] > (1.0 - margin) * default[1]:
+                best = default
+            table.append({"fmt": r["fmt"], "rows": bucket, "n_out": r["n_out"], "n_in": r["n_in"], **best[0],
+                          "us": round(best[1], 1), "default_us": round(default[1], 1)})
     return table
 
 
@@ -616,6 +659,9 @@ def main(argv=None) -> int:
                      "trace": traceback.format_exc()[-2000:]}
                 print(f"i8 {fmt} {n_out}x{n_in}: {r['error']}", flush=True)
             rec["speed"].append(r)
+            i8_table = i8_tuning_table(rec["speed"])
+            if i8_table:  # the sweep's winners so far, in i8_tuning.json's form
+                (out_dir / "i8_tuning.json").write_text(json.dumps(i8_table, indent=1) + "\n")
             save()
             continue
         if time.time() - t0 > a.budget:

@@ -16,9 +16,10 @@
 # --kinds (default all three) are the speed kinds the speed and nvfp4 stages run, in that order.
 # --kernels-lane (default --lane) is the lane the kernels stage checks; --kernels-timings-only skips
 # its invariance part (tools/device_kernels.py --no-invariance: a tree whose kernels an earlier call
-# checked; the stage's receipt then says partial). --install-tuning: the exact kernels stage's sweep
-# winners (DIR/kernels/v3_tuning.json, checked by load_tuning) replace this copy's
-# kernels/v3_tuning.json for the stages after it (the speed receipts name the table's SHA-256).
+# checked; the stage's receipt then says partial). --install-tuning: the kernels stage's sweep
+# winners (DIR/kernels/v3_tuning.json for the exact lane, i8_tuning.json for the fast lane, checked by
+# the module's load_tuning) replace this copy's kernels/<that file> for the stages after it (the
+# speed receipts name the tables' SHA-256).
 # --lane (default exact) is the lane the kernels, gate, speed and nvfp4 stages measure: with fast,
 # the kernels stage checks the integer lane (tools/device_kernels.py --lane fast), the wide Gate 2 is
 # the integer lane's (against the oracle's ggml-cpu arithmetic) and the speed kinds run --lane fast.
@@ -300,11 +301,12 @@ for st in "${STAGES[@]}"; do
           vb=(); [ -s "$CARRY/qmatvec_v3_before.py" ] && vb=(--before "$CARRY/qmatvec_v3_before.py")
           run_stage kernels 320 60 $PY tools/device_kernels.py --out "$R/kernels" --budget 300 --lane $KLANE "${KARGS[@]}" "${vb[@]}"; fi
         if [ $INSTALL_TUNING = 1 ]; then  # the sweep's winners become this copy's table for the stages after it
-          if [ -s "$R/kernels/v3_tuning.json" ] && $PY -c "import sys; sys.path.insert(0, 'src')
-from muser.engine.kernels import qmatvec_v3 as q; q.load_tuning(sys.argv[1])" "$R/kernels/v3_tuning.json"; then
-            cp "$R/kernels/v3_tuning.json" src/muser/engine/kernels/v3_tuning.json
-            record tuning 0 0 "installed the sweep's table, sha256 $(sha256sum src/muser/engine/kernels/v3_tuning.json | cut -c1-16)"
-          else record tuning 1 0 "no valid sweep table: the tree's own table stays"; fi
+          if [ $KLANE = fast ]; then tf=i8_tuning.json tm=qtile_i8; else tf=v3_tuning.json tm=qmatvec_v3; fi
+          if [ -s "$R/kernels/$tf" ] && $PY -c "import sys; sys.path.insert(0, 'src')
+from muser.engine.kernels import $tm as q; q.load_tuning(sys.argv[1])" "$R/kernels/$tf"; then
+            cp "$R/kernels/$tf" "src/muser/engine/kernels/$tf"
+            record tuning 0 0 "installed the sweep's $tf, sha256 $(sha256sum "src/muser/engine/kernels/$tf" | cut -c1-16)"
+          else record tuning 1 0 "no valid sweep table ($tf): the tree's own stays"; fi
         fi
       else record kernels - 0 "tools/device_kernels.py is absent"; fi ;;
     gate) ;;  # in the background from t = 0 (wide_gate_bg)

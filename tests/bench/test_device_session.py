@@ -4,11 +4,15 @@ receipts and logs archives, summary)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "device_session.sh"
@@ -167,3 +171,64 @@ def test_the_tuning_table_takes_the_fastest_tiling_with_the_default_bits():
     table = device_kernels.tuning_table(speed)
     assert table == [{"fmt": "Q4_K", "rows": 1, "n_out": 64, "n_in": 512, "config": [16, 4, 3], "us": 7.5},
                      {"fmt": "Q4_K", "rows": 16, "n_out": 64, "n_in": 512, "config": [8, 4, 0, 4], "us": 30.0}]
+
+
+def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_path, monkeypatch):
+    """tools/device_kernels.py --lane fast's sweep -> i8_tuning.json: per shape and row bucket the
+    fastest of the tile's default, its tilings (a one-row walk as split false) and the wide GEMM
+    (64-row bucket), among those with the default's (the reference's) bits and more than the margin
+    faster; the table loads (qtile_i8.load_tuning) and routes those calls; a bad entry is refused
+    with nothing taken."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import device_kernels
+    finally:
+        sys.path.pop(0)
+    from muser.engine.kernels import qtile_i8
+    from muser.engine.weights import random_bytes, repack
+    from muser.errors import LaneError
+    from muser.gguf.types import GgmlType as G
+
+    d1, d16, d64 = (list(qtile_i8.config_for(t)) for t in (1, 16, 512))
+    tile = {"bitwise_vs_reference": {"T1": True, "T16": True, "T512": True},
+            "T1": {"us": 10.0}, "T16": {"us": 20.0}, "T64": {"us": 50.0}, "T512": {"us": 100.0},
+            "sweep": {"T1 [64, 8, 4, 1]": {"us": 9.9, "bitwise_equal_default": True},  # inside the margin
+                      "T1 [32, 8, 2, 0]": {"us": 5.0, "bitwise_equal_default": False},
+                      "T1 [64, 8, 4, 0] walk": {"us": 8.0, "bitwise_equal_default": True},
+                      "T16 [64, 16, 4, 1]": {"us": 15.0, "bitwise_equal_default": True},
+                      "T512 [64, 16, 4, 1]": {"us": 90.0, "bitwise_equal_default": True},
+                      "T512 [256, 16, 8, 0]": {"error": "OutOfResources"}},
+            "wide": {"T512 [64, 64, 8, 1]": {"us": 70.0, "bitwise_equal_reference": True},
+                     "T512 [128, 64, 8, 1]": {"us": 40.0, "bitwise_equal_reference": False},
+                     "T64 [64, 64, 8, 1]": {"us": 30.0, "bitwise_equal_reference": True}}}
+    speed = [{"fmt": "Q4_K", "n_out": 64, "n_in": 512, "tile": tile},
+             {"fmt": "Q6_K", "n_out": 64, "n_in": 512, "tile": {**tile, "sweep": {}, "wide": {}}},
+             {"fmt": "Q5_K", "n_out": 64, "n_in": 512, "tile": {"error": "boom"}},
+             {"fmt": "Q6_K", "n_out": 32, "n_in": 512, "tile": {**tile, "bitwise_vs_reference": {"T1": False}}}]
+    table = device_kernels.i8_tuning_table(speed)
+    key = {"fmt": "Q4_K", "n_out": 64, "n_in": 512}
+    assert table[:3] == [{**key, "rows": 8, "path": "tile", "config": [64, 8, 4, 0], "split": False, "us": 8.0,
+                          "default_us": 10.0},
+                         {**key, "rows": 16, "path": "tile", "config": [64, 16, 4, 1], "us": 15.0, "default_us": 20.0},
+                         {**key, "rows": 64, "path": "wide", "config": [64, 64, 8, 1], "us": 70.0, "default_us": 100.0}]
+    assert [(e["fmt"], e["rows"], e["config"]) for e in table[3:]] == [("Q6_K", 8, d1), ("Q6_K", 16, d16),
+                                                                      ("Q6_K", 64, d64)]
+    path = tmp_path / "i8_tuning.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(qtile_i8, "TUNED", {})
+    assert qtile_i8.load_tuning(str(path)) == 6 and qtile_i8.routes_wide()
+    loaded = dict(qtile_i8.TUNED)
+    w = repack("t", G.Q4_K, 64, 512, torch.from_numpy(random_bytes(G.Q4_K, 64, 512, 1).copy()))
+    assert qtile_i8.route(w, 1) == ("tile", (64, 8, 4, 0), False)
+    assert qtile_i8.route(w, 12) == ("tile", (64, 16, 4, 1), None)
+    assert qtile_i8.route(w, 17) == ("wide", (64, 64, 8, 1), None)
+    other = repack("t", G.Q4_K, 32, 512, torch.from_numpy(random_bytes(G.Q4_K, 32, 512, 1).copy()))
+    assert qtile_i8.route(other, 1) == ("tile", None, None)
+    for bad, what in [({"path": "wide", "rows": 16}, "64-row bucket"), ({"fmt": "Q6_K", "path": "wide"}, "64-row bucket"),
+                      ({"rows": 64, "split": True}, "split"), ({"config": [48, 8, 4, 0]}, "config"),
+                      ({"fmt": "Q8_0"}, "K-quant"), ({"rows": 32}, "rows 8, 16 or 64"), ({"path": "cublas"}, "path")]:
+        entry = {**table[0], "rows": 64, "split": None, **bad}
+        path.write_text(json.dumps([table[1], {k: v for k, v in entry.items() if v is not None}]))
+        with pytest.raises(LaneError, match=what):
+            qtile_i8.load_tuning(str(path))
+    assert qtile_i8.TUNED == loaded  # all or nothing: the refused files took no entry

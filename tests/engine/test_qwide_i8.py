@@ -113,29 +113,40 @@ def test_bad_calls_are_refused_before_any_launch(kw):
     _, w = _weight(G.Q4_K, 8, 512, 1)
     with pytest.raises(ValueError, match="512 columns"):
         qwide.matmul_wide(w, act)
-    assert not qwide.serves(w, 4096) or qwide.ROWS is not None
 
 
-def test_the_lane_routes_calls_of_rows_wide_to_it(kw, monkeypatch):
-    """With ROWS set, the integer lane's CUDA path (here on the CPU, interpreted) sends Q4_K calls
-    of at least ROWS rows to the wide GEMM and narrower ones elsewhere, with the same bits."""
+def test_the_lane_routes_the_tables_wide_shapes_to_it(kw, monkeypatch):
+    """A tuning-table entry routing a Q4_K shape's 64-row bucket to the wide GEMM: the integer lane's
+    CUDA path (here on the CPU, interpreted; the tile's place taken by its reference, gluon has no
+    interpreter) sends that shape's calls of more than 16 rows there with the entry's tiling, its
+    narrower calls and other shapes to the tile, with the same bits."""
+    from muser.engine.kernels import qtile_i8
     from muser.engine.lanes import Lane, Linear
 
     qwide, i8 = kw
     raw, w = _weight(G.Q4_K, 24, 512, 3)
+    _, other = _weight(G.Q4_K, 16, 512, 4)
     lin = Linear(Lane.FAST, torch.device("cpu"))
     lin.cuda = True  # the CUDA path: quantized activations into the integer GEMMs
-    calls: list[int] = []
+    lin.tile_formats = qtile_i8.FORMATS
+    calls: list[tuple] = []
     real = qwide.matmul_wide
-    monkeypatch.setattr(qwide, "ROWS", 8)
-    monkeypatch.setattr(qwide, "matmul_wide", lambda w, act, out=None, config=None: calls.append(act.rows)
-                        or real(w, act, out, config))
-    x = _x(9, 512, 4)
+    monkeypatch.setattr(qwide, "matmul_wide", lambda w, act, out=None, config=None: calls.append(
+        ("wide", w.n_out, act.rows, config)) or real(w, act, out, config))
+    monkeypatch.setattr(qtile_i8, "matmul_tile", lambda w, act, out=None, config=None, split=None: calls.append(
+        ("tile", w.n_out, act.rows, config)) or i8.matmul_i8_act(w, act, out))
+    monkeypatch.setattr(qtile_i8, "TUNED", {})
+    cfg = [32, 32, 4, 1]
+    entry = {"fmt": "Q4_K", "rows": 64, "n_out": 24, "n_in": 512, "path": "wide", "config": cfg}
+    qtile_i8.TUNED.update([qtile_i8._parse_route(entry)])
+    assert qtile_i8.routes_wide()
+    x = _x(17, 512, 4)
     wide = lin(w, torch.from_numpy(x))
-    narrow = lin(w, torch.from_numpy(x[:7].copy()))
-    assert calls == [9]
+    narrow = lin(w, torch.from_numpy(x[:16].copy()))
+    lin(other, torch.from_numpy(x))
+    assert calls == [("wide", 24, 17, (32, 32, 4, 1)), ("tile", 24, 16, None), ("tile", 16, 17, None)]
     assert np.array_equal(_bits(wide), _bits(matmul_ggml(raw, G.Q4_K, x)))
-    assert torch.equal(narrow, wide[:7])
+    assert torch.equal(narrow, wide[:16])
 
 
 def test_the_load_check_passes_the_wide_gemm_and_refuses_a_wrong_bit(kw):

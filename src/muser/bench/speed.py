@@ -73,17 +73,22 @@ LLAMA_TARBALL = "llama.cpp-src.tgz"
 
 
 def _tuning_identity() -> dict | None:
-    """The CUDA matvec tiling table this process runs (speed only, never values): its file and the
-    SHA-256 of its bytes, so a receipt names the table it was measured under."""
+    """The CUDA tiling tables this process runs (speed only, never values): each one's file, its
+    entries and the SHA-256 of its bytes (the exact lane's matvec table; `i8` the integer lane's
+    routes), so a receipt names the tables it was measured under."""
     try:
-        from ..engine.kernels import qmatvec_v3
+        from ..engine.kernels import qmatvec_v3, qtile_i8
     except ImportError:
         return None
-    path = Path(qmatvec_v3.TUNING_FILE)
-    if not path.is_file():
-        return None
-    return {"file": "src/muser/engine/kernels/v3_tuning.json", "entries": len(qmatvec_v3.TUNED),
-            "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    out: dict = {}
+    for key, mod in (("v3", qmatvec_v3), ("i8", qtile_i8)):
+        path = Path(mod.TUNING_FILE)
+        if path.is_file():
+            out[key] = {"file": f"src/muser/engine/kernels/{path.name}", "entries": len(mod.TUNED),
+                        "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    if "v3" in out:  # the exact lane's table at the top level, as receipts have always named it
+        out.update(out.pop("v3"))
+    return out or None
 
 
 # --- flags ------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@
   sums, per-block float64 terms summed in block order, one f32 rounding (ggml-cpu quants.c
   ggml_vec_dot_*). CUDA: kernels/qtile_i8.py for the K-quants (int8 tensor-core tiles with the
   operands unpacked in registers; checked bitwise against qmatmul_i8 on the device before it
-  serves), kernels/qwide_i8.py for Q4_K/Q5_K calls of at least qwide_i8.ROWS rows when that is
-  set (none by default: it is set from a device measurement), kernels/qmatmul_i8.py for
+  serves) on the tiling the device sweep's table (kernels/i8_tuning.json) gives each shape,
+  kernels/qwide_i8.py for the Q4_K/Q5_K prefill chunks that table routes there, kernels/qmatmul_i8.py for
   Q8_0/Q4_0; the activations come quantized from the tail kernel that writes them (the norms
   and gates, kernels/fused.py through act_out / keep_act), a quantize launch only where no tail
   wrote them; CPU: dot.matmul_codes over codes built once
@@ -208,10 +208,10 @@ class Linear:
             if qtile_i8.available(device):
                 qtile_i8.self_check(str(device))
                 self.tile_formats = qtile_i8.FORMATS
-            from .kernels import qwide_i8
+                if qtile_i8.routes_wide():  # the tuning table sends some prefill calls to the wide GEMM
+                    from .kernels import qwide_i8
 
-            if qwide_i8.ROWS is not None:  # calls that wide take the wide GEMM: checked like the tile
-                qwide_i8.self_check(str(device))
+                    qwide_i8.self_check(str(device))
 
     def stacked_ok(self, T: int, st=None) -> bool:
         """Stacked projections serve this call: on CUDA stacks of the split GEMM's layout
@@ -279,17 +279,19 @@ class Linear:
         return out
 
     def _i8(self, w: QWeight, act, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The fast lane's GEMM on CUDA (the SPEC of dot.matmul_ggml): Q4_K/Q5_K calls of at least
-        qwide_i8.ROWS rows through the wide GEMM, K-quants through the int8 tile where it serves,
-        other integer formats (and devices without it) through kernels/qmatmul_i8."""
-        from .kernels import qwide_i8
-
-        if qwide_i8.serves(w, act.rows):  # prefill chunks (qwide_i8.ROWS)
-            return qwide_i8.matmul_wide(w, act, out)
+        """The fast lane's GEMM on CUDA (the SPEC of dot.matmul_ggml): K-quants where the int8 tile
+        serves go where the tuning table routes their shape and row bucket (qtile_i8.route: the tile
+        on a tiling, or the wide GEMM for Q4_K/Q5_K prefill chunks), other integer formats (and
+        devices without the tile) through kernels/qmatmul_i8. Every route has the same bits."""
         if w.fmt in self.tile_formats:
             from .kernels import qtile_i8
 
-            return qtile_i8.matmul_tile(w, act, out)
+            r = qtile_i8.route(w, act.rows)
+            if r.path == "wide":
+                from .kernels import qwide_i8
+
+                return qwide_i8.matmul_wide(w, act, out, config=r.config)
+            return qtile_i8.matmul_tile(w, act, out, config=r.config, split=r.split)
         from .kernels import qmatmul_i8
 
         return qmatmul_i8.matmul_i8_act(w, act, out)

@@ -46,6 +46,9 @@ word) and every launch compiling for sm_90 in the tests.
 from __future__ import annotations
 
 import functools
+import json
+import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -114,6 +117,72 @@ def check_config(config) -> tuple[int, int, int, int]:
 
 def config_for(rows: int) -> tuple[int, int, int, int]:
     return CONFIGS[_bucket(rows)]
+
+
+class Route(NamedTuple):
+    """Where the lane sends a call: `path` "tile" (matmul_tile with `config` and `split`; None:
+    its defaults) or "wide" (qwide_i8.matmul_wide with `config`)."""
+    path: str
+    config: tuple[int, int, int, int] | None = None
+    split: bool | None = None
+
+
+# The device sweep's winners per (format, row bucket 8 / 16 / 64, n_out, n_in) (tools/device_kernels.py
+# --lane fast writes i8_tuning.json; `load_tuning` reads one); other shapes take the tile's CONFIGS.
+# Every route gives the same bits (the tile and the wide GEMM are both checked against qmatmul_i8
+# before they serve); the table changes speed only.
+TUNED: dict[tuple[str, int, int, int], Route] = {}
+TUNING_FILE = os.path.join(os.path.dirname(__file__), "i8_tuning.json")
+
+
+def _parse_route(e: dict) -> tuple[tuple[str, int, int, int], Route]:
+    from . import qwide_i8
+
+    key = (str(e["fmt"]), int(e["rows"]), int(e["n_out"]), int(e["n_in"]))
+    fmt = G[key[0]] if key[0] in G.__members__ else None
+    if fmt not in FORMATS or key[1] not in CONFIGS or key[2] <= 0 or key[3] <= 0 or key[3] % 256:
+        raise ValueError(f"entry {key}: expected a K-quant format the tile serves "
+                         f"({', '.join(f.name for f in FORMATS)}), rows 8, 16 or 64 and a 256-multiple row length")
+    path, split = e.get("path", "tile"), e.get("split")
+    if path == "tile":
+        if split is not None and (not isinstance(split, bool) or (split and key[1] > SPLIT_ROWS)):
+            raise ValueError(f"entry {key}: split {split!r} (true or false, true only up to {SPLIT_ROWS} rows)")
+        return key, Route("tile", check_config(e["config"]), split)
+    if path == "wide":
+        if fmt not in qwide_i8.FORMATS or key[1] != 64 or split is not None:
+            raise ValueError(f"entry {key}: the wide GEMM serves the 64-row bucket of "
+                             f"{', '.join(f.name for f in qwide_i8.FORMATS)}, without split")
+        return key, Route("wide", qwide_i8.check_config(e["config"]))
+    raise ValueError(f"entry {key}: path {path!r} (expected 'tile' or 'wide')")
+
+
+def load_tuning(path: str) -> int:
+    """Merge an i8_tuning.json (a list of {fmt, rows, n_out, n_in, path: "tile" | "wide", config,
+    split (tile, optional)}) into TUNED; returns the number of entries. Every entry is checked
+    before any is taken (LaneError naming the file and the entry)."""
+    try:
+        entries = json.loads(open(path).read())
+        if not isinstance(entries, list):
+            raise ValueError(f"expected a list of entries, got {type(entries).__name__}")
+        parsed = [_parse_route(e) for e in entries]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise LaneError(f"int8 tuning file {path!r}: {err}") from None
+    TUNED.update(parsed)  # all or nothing
+    return len(parsed)
+
+
+if os.path.isfile(TUNING_FILE):
+    load_tuning(TUNING_FILE)
+
+
+def route(w: QWeight, rows: int) -> Route:
+    """The table's route for a `rows`-row call on `w`, else the tile on its defaults."""
+    return TUNED.get((G(w.fmt).name, _bucket(rows), w.n_out, w.n_in), Route("tile"))
+
+
+def routes_wide() -> bool:
+    """Some shape of the table takes the wide GEMM (so the lane checks it at load)."""
+    return any(r.path == "wide" for r in TUNED.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,5 +578,6 @@ def self_check(device: str) -> None:
     qmatmul_i8.check_against_reference("int8 tile", FORMATS, (1, 3, 16, 40), matmul_tile, device)
 
 
-__all__ = ["CONFIGS", "FORMATS", "HAVE_GLUON", "available", "check_config", "codes_ref", "config_for",
+__all__ = ["CONFIGS", "FORMATS", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
+           "load_tuning", "route", "routes_wide",
            "matmul_tile", "self_check", "supports"]

@@ -26,9 +26,9 @@ Layout read (weights.repack fields): qs u8 [N, nb*128] (byte 32c + i: element 64
 nibble, 64c + 32 + i in its high one), sc / m u8 [N, nb*8], d / dmin f16 [N, nb], Q5_K qh u8
 [N, nb*32] (element e's fifth bit: bit e // 32 of qh[e % 32]).
 
-Which calls take it: `ROWS` (calls of at least that many rows, Q4_K and Q5_K weights; None: none)
-is configuration set from a device measurement beside the tile (tools/device_kernels.py); until one
-shows it faster the lane keeps the tile.
+Which calls take it: the shapes whose 64-row bucket (calls of more than 16 rows) the integer
+lane's tuning table routes here (qtile_i8.TUNED, "path": "wide"), written from a device sweep that
+timed it beside the tile (tools/device_kernels.py --lane fast); other shapes keep the tile.
 """
 
 from __future__ import annotations
@@ -54,8 +54,6 @@ FORMATS = (G.Q4_K, G.Q5_K)
 _CODE = {G.Q4_K: 2, G.Q5_K: 3}
 # (BM, BN, num_warps, num_stages): activation rows and weight rows a program
 CONFIG = (64, 64, 8, 1)
-# calls of at least this many rows take the wide GEMM (None: no call does; see the module doc)
-ROWS: int | None = None
 
 
 def supports(fmt: G) -> bool:
@@ -67,11 +65,6 @@ def check_config(config) -> tuple[int, int, int, int]:
     from .qmatmul_i8 import check_config as check
 
     return check(config)
-
-
-def serves(w: QWeight, rows: int) -> bool:
-    """The lane sends a `rows`-row call on `w` here (ROWS and the format)."""
-    return ROWS is not None and rows >= ROWS and w.fmt in FORMATS
 
 
 if HAVE_TRITON:
@@ -179,5 +172,4 @@ def self_check(device: str) -> None:
     qmatmul_i8.check_against_reference("wide integer GEMM", FORMATS, (1, 17, 70), matmul_wide, device)
 
 
-__all__ = ["CONFIG", "FORMATS", "HAVE_TRITON", "ROWS", "check_config", "matmul_wide", "self_check", "serves",
-           "supports"]
+__all__ = ["CONFIG", "FORMATS", "HAVE_TRITON", "check_config", "matmul_wide", "self_check", "supports"]
