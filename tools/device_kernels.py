@@ -244,8 +244,9 @@ def tuning_table(speed: list[dict]) -> list[dict]:
 def i8_tuning_table(speed: list[dict], margin: float = 0.03) -> list[dict]:
     """The integer lane's sweep -> i8_tuning.json entries (qtile_i8.load_tuning's form): per shape
     and row bucket (8: the one-row times, 16, 64: the widest call's) the fastest of the tile's
-    default, its swept tilings (one-row: split or walking its chunks) and, for 64, the wide GEMM,
-    among those whose outputs were bitwise the default's (the wide GEMM: the reference's). A
+    default, its swept tilings (one-row: split or walking its chunks) and, for 64, the wide GEMM
+    (a tiling faster than the tile at 64 rows too), among those whose outputs were bitwise the
+    default's (the wide GEMM: the reference's). A
     candidate replaces the default only if `margin` faster (the sweep's times are one sample)."""
     from muser.engine.kernels import qtile_i8
 
@@ -269,10 +270,13 @@ def i8_tuning_table(speed: list[dict], margin: float = 0.03) -> list[dict]:
                 if walk:
                     e["split"] = False
                 cands.append((e, v["us"]))
-            if bucket == 64:
-                for key, v in tr.get("wide", {}).items():
+            if bucket == 64:  # the bucket starts at 17 rows: a wide tiling must also beat the tile at 64
+                wide = tr.get("wide", {})
+                for key, v in wide.items():
                     head, _, rest = key.partition(" ")
-                    if head == f"T{T}" and v.get("bitwise_equal_reference"):
+                    at64 = wide.get(f"T64 {rest}", {})
+                    if (head == f"T{T}" and v.get("bitwise_equal_reference") and at64.get("bitwise_equal_reference")
+                            and "T64" in tr and at64["us"] < tr["T64"]["us"]):
                         cands.append(({"path": "wide", "config": json.loads(rest)}, v["us"]))
             best = min(cands, key=lambda c: c[1])
             if best[1] > (1.0 - margin) * default[1]:

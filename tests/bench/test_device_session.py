@@ -204,6 +204,9 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
     speed = [{"fmt": "Q4_K", "n_out": 64, "n_in": 512, "tile": tile},
              {"fmt": "Q6_K", "n_out": 64, "n_in": 512, "tile": {**tile, "sweep": {}, "wide": {}}},
              {"fmt": "Q5_K", "n_out": 64, "n_in": 512, "tile": {"error": "boom"}},
+             {"fmt": "Q5_K", "n_out": 32, "n_in": 512,  # wide wins at 512 rows but not at 64: the tile stays
+              "tile": {**tile, "sweep": {}, "wide": {"T512 [64, 64, 8, 1]": {"us": 50.0, "bitwise_equal_reference": True},
+                                                     "T64 [64, 64, 8, 1]": {"us": 60.0, "bitwise_equal_reference": True}}}},
              {"fmt": "Q6_K", "n_out": 32, "n_in": 512, "tile": {**tile, "bitwise_vs_reference": {"T1": False}}}]
     table = device_kernels.i8_tuning_table(speed)
     key = {"fmt": "Q4_K", "n_out": 64, "n_in": 512}
@@ -211,12 +214,13 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
                           "default_us": 10.0},
                          {**key, "rows": 16, "path": "tile", "config": [64, 16, 4, 1], "us": 15.0, "default_us": 20.0},
                          {**key, "rows": 64, "path": "wide", "config": [64, 64, 8, 1], "us": 70.0, "default_us": 100.0}]
-    assert [(e["fmt"], e["rows"], e["config"]) for e in table[3:]] == [("Q6_K", 8, d1), ("Q6_K", 16, d16),
-                                                                      ("Q6_K", 64, d64)]
+    assert [(e["fmt"], e["n_out"], e["rows"], e["path"], e["config"]) for e in table[3:]] == [
+        ("Q6_K", 64, 8, "tile", d1), ("Q6_K", 64, 16, "tile", d16), ("Q6_K", 64, 64, "tile", d64),
+        ("Q5_K", 32, 8, "tile", d1), ("Q5_K", 32, 16, "tile", d16), ("Q5_K", 32, 64, "tile", d64)]
     path = tmp_path / "i8_tuning.json"
     path.write_text(json.dumps(table))
     monkeypatch.setattr(qtile_i8, "TUNED", {})
-    assert qtile_i8.load_tuning(str(path)) == 6 and qtile_i8.routes_wide()
+    assert qtile_i8.load_tuning(str(path)) == 9 and qtile_i8.routes_wide()
     loaded = dict(qtile_i8.TUNED)
     w = repack("t", G.Q4_K, 64, 512, torch.from_numpy(random_bytes(G.Q4_K, 64, 512, 1).copy()))
     assert qtile_i8.route(w, 1) == ("tile", (64, 8, 4, 0), False)
