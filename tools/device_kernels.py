@@ -49,6 +49,7 @@ import os
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,6 +112,60 @@ def invariance_case(dtype: str, kv: str, device: str, work: Path, smoke: bool, l
     return out
 
 
+def capture_beside_collection() -> dict:
+    """CUDA: a capture during which a dead CUDA graph, held only by a reference cycle, meets
+    Python's cyclic collector (an engine dropped while another captures). Without the engine's
+    guard (muser.engine.graphs.collector_paused) the collection destroys that graph inside the
+    capture; with it the capture completes and replays. The collector runs at every allocation
+    here (threshold 1), so the unguarded capture meets it for certain."""
+    import gc
+
+    import torch
+
+    from muser.engine.graphs import collector_paused
+
+    x = torch.zeros(16, device="cuda")
+
+    def attempt(guarded: bool) -> dict:
+        dead = torch.cuda.CUDAGraph()
+        with collector_paused(), torch.cuda.graph(dead):
+            x.add_(1)
+        g = torch.cuda.CUDAGraph()
+        was, thresholds = gc.isenabled(), gc.get_threshold()
+        gc.collect()
+        gc.set_threshold(1, 1, 1)
+        gc.enable()
+        try:
+            with collector_paused() if guarded else nullcontext(), torch.cuda.graph(g):
+                x.add_(1)
+                on = gc.isenabled()
+                gc.disable()  # the cycle built and dropped young: generation 0's next run frees it
+                cycle: dict = {"graph": dead}
+                cycle["self"] = cycle
+                del dead, cycle  # the graph's last reference is now the cycle's
+                if on:
+                    gc.enable()
+                _junk = [[i] for i in range(256)]  # allocations: the collector's chances
+                x.add_(1)
+            before = float(x.sum())
+            g.replay()
+            torch.cuda.synchronize()
+            return {"captured": True, "replay_adds": float(x.sum()) - before}
+        except Exception as e:  # noqa: BLE001 - the unguarded attempt is expected to fail
+            torch.cuda.synchronize()
+            return {"captured": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+        finally:
+            gc.set_threshold(*thresholds)
+            if not was:
+                gc.disable()
+            gc.collect()
+
+    guarded = attempt(True)
+    unguarded = attempt(False)  # last: a failed capture is what it demonstrates
+    ok = guarded["captured"] and guarded.get("replay_adds") == 2.0 * x.numel()
+    return {"guarded": guarded, "unguarded": unguarded, "ok": bool(ok)}
+
+
 def graph_seconds(fn, launches: int, reps: int) -> list[float]:
     """CUDA: `launches` calls of fn captured in one graph, replayed `reps` times after one warm
     replay; seconds per call of each replay."""
@@ -118,8 +173,10 @@ def graph_seconds(fn, launches: int, reps: int) -> list[float]:
 
     fn()
     torch.cuda.synchronize()
+    from muser.engine.graphs import collector_paused
+
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_paused(), torch.cuda.graph(graph):
         for _ in range(launches):
             fn()
     graph.replay()
@@ -597,6 +654,13 @@ def main(argv=None) -> int:
         cells = " ".join(f"{k}=bitwise" if v["bitwise"] else f"{k}={v['max_abs_delta']:.3g}"
                          for k, v in r.items() if isinstance(v, dict) and "bitwise" in v)
         print(f"invariance {dtype:10} kv {kv}: ok={r['ok']} {cells or r.get('error', '')}", flush=True)
+        save()
+    if a.device == "cuda" and cases:
+        r = capture_beside_collection()
+        r.update({"dtype": "capture beside a collection", "kv": "-"})
+        rec["invariance"].append(r)
+        print(f"capture beside a collection: ok={r['ok']} guarded {r['guarded']} unguarded {r['unguarded']}",
+              flush=True)
         save()
     shapes = sorted({(f, n_out, n_in) for (f, _, n_out, n_in) in qmatvec_v3.TUNED if f != "NVFP4"})
     # the same shapes in ggml's NVFP4 (type 40): the storage lane's bytes per second beside the K-quants'

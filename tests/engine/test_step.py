@@ -270,3 +270,46 @@ def test_only_prompt_shaped_steps_wait_for_a_second_use_to_be_captured(tiny_gguf
     assert not eng.graph(((1, "last", mc),), ()).prompt_like  # decode
     assert not eng.graph(((16, "all", mc),), ()).prompt_like  # verify
     assert not eng.graph(((1, "last", mc), (1, "last", mc)), ()).prompt_like  # batched decode
+
+
+def test_no_cyclic_collection_runs_inside_a_capture():
+    """A dropped engine's graphs are held by reference cycles; the collector must not free them
+    while another step is being captured (graphs.collector_paused, around StepGraph._capture):
+    inside the guard a dead cycle survives allocations that would each run a collection, the
+    first allocations after it free the cycle, and the collector's state is restored, after an
+    error too."""
+    import gc
+    import weakref
+
+    from muser.engine.graphs import collector_paused
+
+    class Held:  # stands for a CUDA graph an engine's cycle holds
+        pass
+
+    was, thresholds = gc.isenabled(), gc.get_threshold()
+    freed: list[str] = []
+    try:
+        gc.collect()
+        gc.enable()
+        gc.set_threshold(1, 1, 1)  # a collection at (nearly) every allocation
+        with collector_paused():
+            assert not gc.isenabled()
+            cycle: dict = {"graph": Held()}  # built and dropped young, in generation 0
+            cycle["self"] = cycle
+            weakref.finalize(cycle["graph"], freed.append, "graph")
+            del cycle
+            _junk = [[i] for i in range(1000)]
+            assert freed == []  # not collected inside the guard
+        assert gc.isenabled()
+        _junk = [[i] for i in range(1000)]
+        assert freed == ["graph"]  # the collector's next runs free it
+        with pytest.raises(RuntimeError), collector_paused():
+            raise RuntimeError("a capture that fails")
+        assert gc.isenabled()
+        gc.disable()
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # a caller's disabled collector stays disabled
+    finally:
+        gc.set_threshold(*thresholds)
+        (gc.enable if was else gc.disable)()

@@ -22,7 +22,10 @@ so that step is not recorded inside its TTFT.
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -37,6 +40,22 @@ MAX_CAPTURES = 32  # captures kept per shape (least recently used go first)
 # layers' K/V slots and launches the rest (six layers are ~1.1 ms of GPU time at one row against
 # that launch's ~0.5 ms and the reservation's few hundredths of a millisecond).
 FIRST_PART_LAYERS = 6
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic collector off for the duration of a capture, restored after. An engine
+    and its step graphs form reference cycles, so a dropped engine's CUDA graphs are freed by
+    whichever collection finds them; inside a capture that frees them with cudaGraphExecDestroy,
+    which the stream's global capture mode refuses, and the capture in progress ends with
+    cudaErrorStreamCaptureInvalidated (torch's `graph` no longer collects before capturing)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _even(n: int) -> int:
@@ -252,14 +271,15 @@ class StepGraph:
                 ctx[0] = torch.cuda.graph(parts[-1], pool=pool)
                 ctx[0].__enter__()
 
-        ctx[0].__enter__()
-        try:
-            with torch.inference_mode():
-                self._step(hook)
-        except BaseException:
+        with collector_paused():
+            ctx[0].__enter__()
+            try:
+                with torch.inference_mode():
+                    self._step(hook)
+            except BaseException:
+                ctx[0].__exit__(None, None, None)
+                raise
             ctx[0].__exit__(None, None, None)
-            raise
-        ctx[0].__exit__(None, None, None)
         return tuple(parts)
 
     def run(self, sessions: list, ids: list[np.ndarray]) -> torch.Tensor:
