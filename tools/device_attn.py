@@ -60,11 +60,11 @@ def _case(depth: int, sliding: bool, g: torch.Generator):
 
 def _run(mod, q, kn, vn, kp, vp, hm, ol, op, ln, cap, p0, win, f16, plane_len=True):
     T = q.shape[0]
-    meta = torch.tensor([ol, op, ln, cap], dtype=torch.int64, device=DEV)
+    meta = torch.tensor(mod.plane_meta(kp, vp, hm, N_KV, D, ol, op, ln), dtype=torch.int64, device=DEV)
     pos = torch.tensor([p0], dtype=torch.int64, device=DEV)
     sc = mod.AttnScratch(T, H, D, mod.split_count(T, cap, win), DEV)
-    return lambda: mod.attend_triton(q, kn, vn, kp, vp, hm, meta, pos, win, SCALE, sc,
-                                     plane_len=ln if plane_len else None, f16_operands=f16)
+    return lambda: mod.attend_triton(q, kn, vn, hm, meta, pos, win, SCALE, sc,
+                                     rows_bound=ln if plane_len else cap, f16_operands=f16)
 
 
 def _time(fn, reps: int) -> float:

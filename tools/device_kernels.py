@@ -89,6 +89,10 @@ def invariance_case(dtype: str, kv: str, device: str, work: Path, smoke: bool, l
         return {"bitwise": bool(bad.size == 0), "rows_differing": int(bad.size),
                 "max_abs_delta": float(np.abs(got - ref).max())}
 
+    # the decode graph `s` captured, replayed for another session with planes of another size
+    # (a graph reads each session's K/V storage from the step's metadata: engine/graphs.py)
+    s2 = eng.session(max_context=n + 100)
+    out["decode_other_session"] = cmp(np.stack([s2.decode(t) for t in ids]))
     for block in (2, 7) if smoke else (2, 7, 16):
         s = eng.session(max_context=n)
         s.prefill(ids[:3])

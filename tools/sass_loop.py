@@ -162,11 +162,11 @@ def _attn_call(kind: str, T: int) -> None:
     H, KV, D, W = 32, 2, 128, (2048 if kind == "sliding" else 0)
     cap = 2048 if W else 32768 + 64
     kp = torch.zeros(cap, KV * D, dtype=torch.float16)
-    meta = torch.tensor([32768 - (cap if W else 0), 0, cap if W else 32768, cap])
+    meta = torch.tensor(att.plane_meta(kp, kp, False, KV, D, 32768 - (cap if W else 0), 0, cap if W else 32768))
     sc = att.AttnScratch(T, H, D, att.split_count(T, cap, W), "cpu")
     att.attend_triton(torch.zeros(T, H, D), torch.zeros(T, KV, D, dtype=torch.float16),
-                      torch.zeros(T, KV, D, dtype=torch.float16), kp, kp, False, meta, torch.tensor([32768]),
-                      W, 0.1, sc)
+                      torch.zeros(T, KV, D, dtype=torch.float16), False, meta, torch.tensor([32768]),
+                      W, 0.1, sc, rows_bound=cap)
 
 
 def main(argv=None) -> int:

@@ -232,17 +232,17 @@ def drive(rec: Recorder) -> None:
                 kn = torch.zeros(T, n_kv, D, dtype=dt)
                 shape = (n_kv, cap, D) if hm else (cap, n_kv * D)
                 kp = torch.zeros(shape, dtype=dt)
-                meta = torch.tensor([0, 0, 100, cap], dtype=torch.int64)
+                meta = torch.tensor(att.plane_meta(kp, kp, hm, n_kv, D, 0, 0, 100), dtype=torch.int64)
                 pos = torch.tensor([100], dtype=torch.int64)
                 rows = min(T, 16)
                 sc = att.AttnScratch(rows, H, D, att.split_count(rows, cap, win), "cpu")
                 for f16ops in (False, True) if dt == torch.float16 else (False,):  # the fast lane's f16 dots
-                    att.attend_triton(q, kn, kn, kp, kp, hm, meta, pos, win, 0.0883883, sc,
-                                      plane_len=100 if T > 16 else None, f16_operands=f16ops)
+                    att.attend_triton(q, kn, kn, hm, meta, pos, win, 0.0883883, sc,
+                                      rows_bound=100 if T > 16 else cap, f16_operands=f16ops)
                 if T <= 16:  # a graph step's K/V tail: rounding, then both planes' stores
                     kf = torch.zeros(T, n_kv, D)
                     kq, vq = att.kv_round(kf, kf, dt)
-                    att.kv_store(kq, vq, kp, kp, torch.zeros(T, dtype=torch.int64), hm)
+                    att.kv_store(kq, vq, meta, torch.zeros(T, dtype=torch.int64), hm)
 
 
 def main(argv=None) -> int:

@@ -269,23 +269,18 @@ class Model:
 
     def _warm_drafter(self, d) -> None:
         """One speculative round per verify length on a throwaway session (CUDA): the drafter's
-        kernels and the target's capturing verify graphs are built before the first request."""
-        from .engine.warmup import release
+        kernels and the target's capturing verify graphs (which serve every later session of
+        its context bound: engine/graphs.py) are built before the first request."""
         from .spec.format import VERIFY_LENGTHS
         from .spec.session import SpecSession
 
-        made = []
-        try:
-            for k in [k for k in VERIFY_LENGTHS if k <= d.cfg.max_proposals]:
-                t = self.session(max_context=min(self.config.context_length, 4 * (k + 1) + 16),
-                                 capture=d.cfg.target_layers)
-                made.append(t)
-                s = SpecSession(t, d, k)
-                row = s.prefill([0] * 8)
-                for _ in range(3):
-                    row = s.decode(int(row.argmax()))
-        finally:
-            release(self.engine, made)
+        for k in [k for k in VERIFY_LENGTHS if k <= d.cfg.max_proposals]:
+            t = self.session(max_context=min(self.config.context_length, 4 * (k + 1) + 16),
+                             capture=d.cfg.target_layers)
+            s = SpecSession(t, d, k)
+            row = s.prefill([0] * 8)
+            for _ in range(3):
+                row = s.decode(int(row.argmax()))
 
     def close(self) -> None:
         self.engine.model_file.close()

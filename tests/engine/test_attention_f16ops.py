@@ -165,13 +165,13 @@ def test_triton_matches_ref(kernels, case, T, head_major):
     q, kn, vn, args = _inputs(case, T, head_major, seed=case[0] * 3 + T)
     kp, vp, hm, ol, op, ln, cap, p0, window, scale = args
     vmax = max(kp.abs().max().item(), vn.abs().max().item())
-    meta = torch.tensor([ol, op, ln, cap], dtype=torch.int64)
+    meta = torch.tensor(att.plane_meta(kp, vp, hm, N_KV, D, ol, op, ln), dtype=torch.int64)
     pos = torch.tensor([p0], dtype=torch.int64)
     sc = att.AttnScratch(T, H, D, att.split_count(T, cap, window), "cpu")
-    got = att.attend_triton(q, kn, vn, kp, vp, hm, meta, pos, window, scale, sc, plane_len=ln, f16_operands=True)
+    got = att.attend_triton(q, kn, vn, hm, meta, pos, window, scale, sc, rows_bound=ln, f16_operands=True)
     _f16_close(got, attend_ref(q, kn, vn, *args, f16_operands=True), vmax, _n_keys(case, T))
     assert ((got - attend_ref(q, kn, vn, *args)).abs() <= REORDER).double().mean().item() < 0.5
-    again = att.attend_triton(q, kn, vn, kp, vp, hm, meta, pos, window, scale, sc, f16_operands=True)
+    again = att.attend_triton(q, kn, vn, hm, meta, pos, window, scale, sc, rows_bound=cap, f16_operands=True)
     assert torch.equal(again.view(torch.int32), got.view(torch.int32))
 
 
@@ -181,8 +181,8 @@ def test_triton_refuses_f16_operands_over_f32_planes(kernels):
     kp, vp = args[0].float(), args[1].float()
     sc = att.AttnScratch(2, H, D, att.split_count(2, 64, 0), "cpu")
     with pytest.raises(AssertionError, match="f16 operands"):
-        att.attend_triton(q, kn.float(), vn.float(), kp, vp, False, torch.tensor([0, 0, 20, 64]),
-                          torch.tensor([20]), 0, SCALE, sc, f16_operands=True)
+        att.attend_triton(q, kn.float(), vn.float(), False, torch.tensor(att.plane_meta(kp, vp, False, N_KV, D, 0, 0, 20)),
+                          torch.tensor([20]), 0, SCALE, sc, rows_bound=64, f16_operands=True)
 
 
 def _recorder(seen: list, real):
@@ -229,11 +229,11 @@ def test_triton_f16_operands_with_more_rows_per_launch_than_the_scratch_has_rows
     T = 12
     q, kn, vn, args = _inputs(CASES[0], T, False, seed=5)
     kp, vp, hm, ol, op, ln, cap, p0, window, scale = args
-    meta = torch.tensor([ol, op, ln, cap], dtype=torch.int64)
+    meta = torch.tensor(att.plane_meta(kp, vp, hm, N_KV, D, ol, op, ln), dtype=torch.int64)
     pos = torch.tensor([p0], dtype=torch.int64)
     small = att.AttnScratch(2, H, D, 8 * att.split_count(T, cap, window), "cpu")
     assert small.st_m.numel() >= T * H  # the grouped rows' statistics fit
     big = att.AttnScratch(T, H, D, att.split_count(T, cap, window), "cpu")
-    a = att.attend_triton(q, kn, vn, kp, vp, hm, meta, pos, window, scale, small, plane_len=ln, f16_operands=True)
-    b = att.attend_triton(q, kn, vn, kp, vp, hm, meta, pos, window, scale, big, plane_len=ln, f16_operands=True)
+    a = att.attend_triton(q, kn, vn, hm, meta, pos, window, scale, small, rows_bound=ln, f16_operands=True)
+    b = att.attend_triton(q, kn, vn, hm, meta, pos, window, scale, big, rows_bound=ln, f16_operands=True)
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))

@@ -46,13 +46,13 @@ def _attend(att, hist: History, head_major: bool, window: int, p0: int, T: int, 
     """Rows [p0, p0 + T) over a plane holding [ol, p0); K/V of the rows from the history."""
     ln = p0 - ol
     kp, vp = hist.plane(head_major, cap, ol, ln, op)
-    meta = torch.tensor([ol, op, ln, cap], dtype=torch.int64)
+    meta = torch.tensor(att.plane_meta(kp, vp, head_major, N_KV, D, ol, op, ln), dtype=torch.int64)
     pos = torch.tensor([p0], dtype=torch.int64)
     rows = T if scratch_rows is None else scratch_rows
     sc = att.AttnScratch(rows, H, D, att.split_count(rows, cap, window), "cpu")
     q = hist.q[p0:p0 + T].clone()
-    return att.attend_triton(q, hist.k[p0:p0 + T].clone(), hist.v[p0:p0 + T].clone(), kp, vp, head_major,
-                             meta, pos, window, SCALE, sc, plane_len=ln if plane_len else None, f16_operands=f16ops)
+    return att.attend_triton(q, hist.k[p0:p0 + T].clone(), hist.v[p0:p0 + T].clone(), head_major,
+                             meta, pos, window, SCALE, sc, rows_bound=ln if plane_len else cap, f16_operands=f16ops)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -214,8 +214,9 @@ def test_scratch_too_small_is_refused(kernels):
     kp, vp = hist.plane(False, 64, 0, 20, 0)
     sc = att.AttnScratch(1, H, D, 1, "cpu")
     with pytest.raises(AssertionError, match="too small"):
-        att.attend_triton(hist.q[20:22], hist.k[20:22], hist.v[20:22], kp, vp, False,
-                          torch.tensor([0, 0, 20, 64]), torch.tensor([20]), 0, SCALE, sc)
+        att.attend_triton(hist.q[20:22], hist.k[20:22], hist.v[20:22], False,
+                          torch.tensor(att.plane_meta(kp, vp, False, N_KV, D, 0, 0, 20)), torch.tensor([20]), 0, SCALE,
+                          sc, rows_bound=64)
 
 
 def test_graph_step_logits_row_invariant(tiny_gguf, kernels):
@@ -273,7 +274,7 @@ def test_kv_round_and_store_equal_the_cast_and_index_copy(kernels, head_major, d
     base_v = torch.randn(shape, generator=g).to(dtype)
     widx = torch.tensor([10, 11, 0, 1, 2], dtype=torch.int64)
     kp, vp = base_k.clone(), base_v.clone()
-    att.kv_store(kq, vq, kp, vp, widx, head_major)
+    att.kv_store(kq, vq, torch.tensor(att.plane_meta(kp, vp, head_major, N_KV, D, 0, 0, 0)), widx, head_major)
     want_k, want_v = base_k.clone(), base_v.clone()
     TorchBackend.write_rows_at(want_k, widx, kq.reshape(T, N_KV * D), head_major, N_KV, D)
     TorchBackend.write_rows_at(want_v, widx, vq.reshape(T, N_KV * D), head_major, N_KV, D)
@@ -281,3 +282,46 @@ def test_kv_round_and_store_equal_the_cast_and_index_copy(kernels, head_major, d
     untouched = [s for s in range(cap) if s not in widx.tolist()]
     sel = (slice(None), untouched) if head_major else (untouched,)
     assert torch.equal(kp[sel], base_k[sel]) and torch.equal(vp[sel], base_v[sel])
+
+
+def test_one_graph_serves_every_session_of_its_bound(tiny_gguf, small_splits):
+    """A step graph reads each session's K/V storage from the step's metadata (graphs.py), so one
+    graph serves sessions of any max_context up to its bound, a session whose planes an install
+    swapped (restore), and sessions stepped one after another: every one gives the bits of the
+    graph bound to its own max_context, across the 32-position ring wrap and several splits of
+    every layer kind, f16 K/V. A session past the bound is refused before anything is reserved."""
+    import numpy as np
+
+    from muser.engine import Engine
+    from muser.engine.graphs import graph_context
+    from muser.errors import LaneError
+
+    eng = Engine.open(tiny_gguf, device="cpu", lane="exact", kv="f16")
+    prompt = [6 + (i * 37) % 370 for i in range(70)]  # 3 splits of the full layers, 5 of the rings
+    tok = np.array([123])
+
+    def fresh(mc, toks=prompt):
+        s = eng.session(max_context=mc)
+        s.prefill(toks)
+        return s
+
+    def bits(g, s):
+        return g.run([s], [tok]).numpy().copy().view(np.int32)
+
+    own = bits(eng.graph(((1, "all", 80),), ()), fresh(80))
+    wide = eng.graph(((1, "all", 256),), ())
+    assert np.array_equal(bits(wide, fresh(80)), own)  # a smaller session in a wider bound
+    assert np.array_equal(bits(wide, fresh(200)), own)  # another session, larger planes, same graph
+    other = fresh(80, prompt[:10])
+    bits(wide, other)  # its planes' addresses are now this graph's last
+    snap = fresh(80).snapshot()
+    other.restore(snap)  # new planes swapped in
+    assert np.array_equal(bits(wide, other), own)
+    big = fresh(200)
+    before = [p.state() for p in big.cache.planes]
+    with pytest.raises(LaneError, match="max_context 200"):
+        eng.graph(((1, "all", 80),), ()).run([big], [tok])
+    assert [p.state() for p in big.cache.planes] == before
+    assert graph_context(17, 131072) == 4096 and graph_context(4096, 131072) == 4096
+    assert graph_context(4097, 131072) == 8192 and graph_context(100000, 131072) == 131072
+    assert graph_context(40, 64) == 64 and graph_context(64, 64) == 64

@@ -91,10 +91,10 @@ def test_triton_attention_vs_reference(kernels, case):
     vn = torch.randn(T, n_kv, D, generator=g).to(dt)
     kp, vp = _planes(hm, n_kv, cap, D, dt, g)
     ref = att.attend_ref(q, kn, vn, kp, vp, hm, ol, op, ln, cap, p0, window, 0.17)
-    meta = torch.tensor([ol, op, ln, cap], dtype=torch.int64)
+    meta = torch.tensor(att.plane_meta(kp, vp, hm, n_kv, D, ol, op, ln), dtype=torch.int64)
     pos = torch.tensor([p0], dtype=torch.int64)
     sc = att.AttnScratch(T, H, D, att.split_count(T, cap, window), "cpu")
-    got = att.attend_triton(q, kn, vn, kp, vp, hm, meta, pos, window, 0.17, sc)
+    got = att.attend_triton(q, kn, vn, hm, meta, pos, window, 0.17, sc, rows_bound=cap)
     assert (got - ref).abs().max().item() < 2e-6  # f32 summation order only
 
 

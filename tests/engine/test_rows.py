@@ -124,6 +124,8 @@ def test_the_plan_covers_every_row_bucket():
     calls = plan(4096)
     assert {c for c, _, _ in calls} == set(capacities(4096))
     assert {r for _, w, r in calls if w == "verify"} == {2, 4, 8, 16}
+    for t in range(2, 17):  # every prompt length a graph serves, twice: eager, then captured
+        assert [r for _, w, r in calls if w == "prompt"].count(t) == 2
     assert any(w == "prefill" and r > 16 for _, w, r in calls)  # the eager chunk (several matvec slices)
     used: dict[int, int] = {}
     for c, _, r in calls:  # every call fits its session

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from muser.engine import Engine, StepItem
+from muser.engine.graphs import plane_storage
+from muser.engine.kernels.attention import META_FIELDS
 from muser.errors import BatchError, ContextOverflow, EmptyInput, LaneError, NonFiniteLogits, TokenOutOfRange
 from muser.gates import GATE_FLOOR, max_dlsm
 
@@ -232,14 +234,19 @@ def test_graph_inputs_prepared_in_two_layer_ranges_equal_one(tiny_gguf, split):
     gb = type(ga)(eng, ga.shape, ())
     ga._prepare(one, toks, range(0, L))
     want = ga.host.numpy().copy()
+    M = META_FIELDS
+    for (o, _), s in zip(ga.blocks, two):  # the storage addresses are the sessions' own
+        want[o:o + M * L].reshape(L, M)[:, 3:] = plane_storage(s)
     gb._prepare(two, toks, range(0, split))
     head = gb.dev.numpy().copy()
     gb._prepare(two, toks, range(split, L))
     assert np.array_equal(gb.host.numpy(), want) and np.array_equal(gb.dev.numpy(), want)
-    for (a, b), (o, _) in zip(gb.bounds, gb.blocks):  # the first range's layers final in its upload
+    for (a, b), (o, _), s in zip(gb.bounds, gb.blocks, two):  # the first range's layers final in its upload
         T = b - a
-        assert np.array_equal(head[a:b], want[a:b]) and np.array_equal(head[o:o + 4 * split], want[o:o + 4 * split])
-        w = o + 4 * L + 1
+        assert np.array_equal(head[a:b], want[a:b]) and np.array_equal(head[o:o + M * split], want[o:o + M * split])
+        assert [list(r[3:]) for r in head[o:o + M * L].reshape(L, M)[:split]] == \
+            [[p.capacity, p.keys.data_ptr(), p.values.data_ptr()] for p in s.cache.planes[:split]]
+        w = o + M * L + 1
         assert np.array_equal(head[w:w + split * T], want[w:w + split * T])
     for sa, sb in zip(one, two):
         assert [(p.state(), p.appended) for p in sa.cache.planes] == [(p.state(), p.appended) for p in sb.cache.planes]

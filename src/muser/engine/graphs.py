@@ -1,38 +1,42 @@
 """CUDA graphs for step shapes: the whole step, embedding -> softcapped logits, captured once
 per batch shape and replayed (book 10.3: record the tape once, press play).
 
-A shape is the tuple of per-item (rows, output rows 'last' | 'all', max_context) plus the
+A shape is the tuple of per-item (rows, output rows 'last' | 'all', context bound) plus the
 capture layers; a graph belongs to the engine, not to a session. Everything that changes from
 step to step lives in device tensors the graph reads: token ids, positions, and per item each
-plane's (origin_logical, origin_physical, len, capacity) before the append, its first position,
-and the ring/plane write slots reserved by muser.kv on the host. They travel in one pinned
-int64 buffer, one host->device copy per step; the only synchronisation is reading back the
-logits (or, for greedy decode, the argmax and a finiteness flag). All intermediates come from
-the graph's private pool: nothing is allocated on the hot path.
+plane's metadata (kernels/attention.plane_meta: origin_logical, origin_physical, len, capacity
+before the append, and the addresses of its K and V storage), its first position, and the
+ring/plane write slots reserved by muser.kv on the host. They travel in one pinned int64
+buffer, one host->device copy per step; the only synchronisation is reading back the logits
+(or, for greedy decode, the argmax and a finiteness flag). All intermediates come from the
+graph's private pool: nothing is allocated on the hot path.
 
-The attention kernels take each plane's storage as an argument, so a captured graph bakes in
-the storage addresses of the sessions it was captured with: a shape keeps one capture (the
-step's two graphs, FIRST_PART_LAYERS) per set of sessions (their plane storage), up to
-MAX_CAPTURES, and captures anew for sessions it has not seen or whose planes were swapped (a
-detached install or restore). The first call of a (shape, sessions) pair runs the step eagerly
-(its real result) and captures it; later calls replay. A prompt-shaped step (an item of several
-rows with its last row out) is captured only on its second call: a session runs its prompt once,
-so that step is not recorded inside its TTFT.
+Since the plane storage is data, one capture serves every session of the engine whose context
+fits the shape's bound (`graph_context`: max_context rounded up to a power of two, at least
+GRAPH_CONTEXT_MIN; the bound sizes the attention grid and scratch, never the arithmetic), fresh
+sessions, restored ones and swapped planes included. The first call of a shape runs the step
+eagerly (its real result) and captures it; later calls replay. A prompt-shaped step (an item of
+several rows with its last row out) is captured only on its second call, so a shape no warm-up
+recorded does not put its capture inside a request's TTFT; muser.load's warm-up
+(engine/warmup.py) records the prompt shapes of up to 16 rows for the bound of its sessions.
 """
 
 from __future__ import annotations
 
 import gc
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
-from .kernels.attention import AttnScratch, attend_triton, kv_round, kv_store, split_count
+from ..errors import LaneError
 
-MAX_CAPTURES = 32  # captures kept per shape (least recently used go first)
+from .kernels.attention import META_FIELDS, AttnScratch, attend_triton, kv_round, kv_store, plane_meta_of, split_count
+
+# The smallest context bound of a graph: sessions of up to this many positions share one set of
+# captures (the warm-up's, engine/warmup.py), whatever their own max_context.
+GRAPH_CONTEXT_MIN = 4096
 # The step is captured as two graphs sharing one pool: the first FIRST_PART_LAYERS layers, then
 # the rest. A graph launch costs host time per node (the 740-node decode step: 0.57 ms on the
 # H200 host, 20261204T151710Z-step-profile-cuda.json), and the GPU starts a graph only once its
@@ -58,6 +62,31 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+def graph_context(max_context: int, context_length: int) -> int:
+    """The context bound of the graphs serving a session of `max_context` positions: its power of
+    two, at least GRAPH_CONTEXT_MIN, at most the model's context length (so >= max_context)."""
+    assert 0 < max_context <= context_length, f"max_context {max_context} outside (0, {context_length}]"
+    return min(context_length, max(GRAPH_CONTEXT_MIN, 1 << (max_context - 1).bit_length()))
+
+
+def plane_bound(geometry, context: int) -> int:
+    """The largest capacity a plane of `geometry` has in a session of at most `context` positions
+    (muser.kv's formula: rings hold min(context, window)): the attention grid's bound."""
+    return min(context, geometry.window) if geometry.sliding else context
+
+
+def plane_storage(session) -> np.ndarray:
+    """int64 [L, 3]: each plane's (capacity, K address, V address) (plane_meta's last fields,
+    checked there), computed once per set of planes: an install swaps the cache's planes tuple,
+    and the next step recomputes it. The session keeps the tuple it was computed for."""
+    planes = session.cache.planes
+    got = getattr(session, "_plane_storage", None)
+    if got is None or got[0] is not planes:
+        got = (planes, np.array([plane_meta_of(p)[3:] for p in planes], dtype=np.int64).reshape(-1, 3))
+        session._plane_storage = got
+    return got[1]
+
+
 def _even(n: int) -> int:
     """n rounded up to an even count of int64s (a 16-byte boundary)."""
     return n + (n & 1)
@@ -75,14 +104,14 @@ class _GraphKv:
         outs = []
         for i, s in enumerate(g.sessions):
             a, b = g.bounds[i]
-            plane = s.cache.planes[il]
-            geo = plane.geometry
+            geo = s.cache.planes[il].geometry  # the model's layer geometry: the same for every session
             # rounded like the store (llama.cpp reads the cache back), K and V in one launch
             kq, vq = kv_round(k[a:b].contiguous(), v[a:b].contiguous(), s.kv_torch)
-            outs.append(attend_triton(q[a:b], kq, vq, plane.keys, plane.values, geo.head_major, g.meta[i][il],
-                                      g.pos0[i], geo.window if geo.sliding else 0, s.cfg.attn_scale,
-                                      g.scratch[i], f16_operands=s.fwd.f16_attention and s.kv_torch == torch.float16))
-            kv_store(kq, vq, plane.keys, plane.values, g.widx[i][il], geo.head_major)  # after attending
+            outs.append(attend_triton(q[a:b], kq, vq, geo.head_major, g.meta[i][il], g.pos0[i],
+                                      geo.window if geo.sliding else 0, s.cfg.attn_scale, g.scratch[i],
+                                      rows_bound=plane_bound(geo, g.shape[i][2]),
+                                      f16_operands=s.fwd.f16_attention and s.kv_torch == torch.float16))
+            kv_store(kq, vq, g.meta[i][il], g.widx[i][il], geo.head_major)  # after attending
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [N, H, D]
 
 
@@ -98,7 +127,7 @@ class _StaticCapture(dict):
 
 
 class StepGraph:
-    """One batch shape: items ((T, 'last' | 'all', max_context), ...) and capture layers."""
+    """One batch shape: items ((T, 'last' | 'all', context bound), ...) and capture layers."""
 
     def __init__(self, engine, shape: tuple[tuple[int, str, int], ...], capture: tuple[int, ...]):
         cfg = engine.cfg
@@ -116,7 +145,8 @@ class StepGraph:
         # each item's metadata block starts on an even int64 (16 bytes): Triton specializes a
         # kernel on whether a pointer is 16-byte aligned, so an odd offset for the second item
         # of a batch compiled new attention kernels inside the first batched request
-        blocks = [_even(4 * L + 1 + L * T) for T in Ts]
+        M = META_FIELDS
+        blocks = [_even(M * L + 1 + L * T) for T in Ts]
         n = _even(2 * N) + sum(blocks)
         self.cuda = dev.type == "cuda"  # elsewhere the same step runs without capture (tests)
         self.host = torch.zeros(n, dtype=torch.int64)
@@ -132,9 +162,9 @@ class StepGraph:
         self.blocks = []  # per item: (offset, length) of its metadata block in `host` / `dev`
         for T, size in zip(Ts, blocks):
             self.blocks.append((o, size))
-            self.meta.append(self.dev[o:o + 4 * L].view(L, 4))
-            self.pos0.append(self.dev[o + 4 * L:o + 4 * L + 1])  # even offset + 4L: aligned too
-            self.widx.append(self.dev[o + 4 * L + 1:o + 4 * L + 1 + L * T].view(L, T))
+            self.meta.append(self.dev[o:o + M * L].view(L, M))
+            self.pos0.append(self.dev[o + M * L:o + M * L + 1])  # even offset + M L: aligned too
+            self.widx.append(self.dev[o + M * L + 1:o + M * L + 1 + L * T].view(L, T))
             o += size
         # output rows: one item keeps the forward's 'last' / 'all' (llama.cpp inp_out_ids);
         # several items select their rows by a static index tensor
@@ -149,31 +179,26 @@ class StepGraph:
         self.top = torch.empty((R,), dtype=torch.int64, device=dev)
         self.finite = torch.empty((), dtype=torch.bool, device=dev)
         self.captured = {il: torch.empty((N, cfg.hidden), dtype=torch.float32, device=dev) for il in capture}
-        # attention partials per item, sized for its planes' capacities (max_context)
+        # attention partials per item, sized for the largest capacities of its bound
         self.scratch = []
-        for T, _, max_context in shape:
+        for T, _, context in shape:
             W = cfg.sliding_window
-            splits = max(split_count(T, min(max_context, W), W) if sl else split_count(T, max_context, 0)
+            splits = max(split_count(T, min(context, W), W) if sl else split_count(T, context, 0)
                          for sl in cfg.swa_pattern)
             self.scratch.append(AttnScratch(T, cfg.n_heads, cfg.head_dim, splits, dev))
-        self.sessions: list = []
+        self.sessions: list = []  # the items' sessions while a step runs eagerly or is captured
         self.p0: list[int] = []  # each item's first position, read once a step (`_prepare`)
-        self.graphs: OrderedDict = OrderedDict()  # storage key -> the step's CUDA graphs, in replay order
-        self.seen: OrderedDict = OrderedDict()  # storage keys run once, eagerly, not captured yet
+        self.parts: tuple | None = None  # the step's CUDA graphs, in replay order, once captured
+        self.calls = 0  # steps run, captured or not
         # prompt-shaped: some item has several rows and only its last row's logits out
         self.prompt_like = any(T > 1 and mode == "last" for T, mode, _ in shape)
         self.copied = torch.cuda.Event() if self.cuda else None
         self.captures = 0
 
-    @staticmethod
-    def _storage_key(sessions: list) -> tuple:
-        return tuple((id(s),) + tuple((p.keys.data_ptr(), p.values.data_ptr()) for p in s.cache.planes)
-                     for s in sessions)
-
     def _prepare(self, sessions: list, ids: list[np.ndarray], layers: range) -> None:
         """Reserve this step's rows in the planes of `layers` (host metadata, muser.kv) and upload.
         The range starting at layer 0 also checks every plane of every item (a refusal reserves
-        nothing) and writes the tokens and positions; a replayed step prepares its first graph's
+        nothing) and its bound, and writes the tokens and positions; a replayed step prepares its first graph's
         layers, launches that graph, then prepares the rest while the GPU runs it (`launch`).
         Each upload copies the whole buffer (a few KB): a range's layers are final in it, the
         later layers' slots are rewritten by the later upload before any graph reads them."""
@@ -183,10 +208,12 @@ class StepGraph:
         if layers.start == 0:
             if self.copied is not None:
                 self.copied.synchronize()  # the previous upload has left the pinned buffer
-            self.sessions = list(sessions)
             # n_past reads every plane, which disagree between the two ranges' reservations
             self.p0 = [s.n_past for s in sessions]
-            for (a, b), s, p0 in zip(self.bounds, sessions, self.p0):
+            for (a, b), s, p0, (_, _, context) in zip(self.bounds, sessions, self.p0, self.shape):
+                if s.max_context > context:  # its attention grid would not reach every key
+                    raise LaneError(f"a session of max_context {s.max_context} in a step graph bound to "
+                                    f"{context} positions")
                 s.cache.check_batch_all(p0, b - a)
             for (a, b), t, p0 in zip(self.bounds, ids, self.p0):
                 h[a:b] = t
@@ -195,11 +222,12 @@ class StepGraph:
         for (a, b), (o, _), s, p0 in zip(self.bounds, self.blocks, sessions, self.p0):
             T = b - a
             planes = s.cache.planes[lo:hi]
-            # one assignment per block, not one per plane (host time of every graph step)
-            h[o + 4 * lo:o + 4 * hi] = np.array([(p.origin_logical, p.origin_physical, p.len, p.capacity)
-                                                 for p in planes], dtype=np.int64).reshape(-1)
-            h[o + 4 * L] = p0
-            w = o + 4 * L + 1
+            M = META_FIELDS
+            blk = h[o + M * lo:o + M * hi].reshape(-1, M)  # a view: one assignment per column group
+            blk[:, :3] = np.array([(p.origin_logical, p.origin_physical, p.len) for p in planes], dtype=np.int64)
+            blk[:, 3:] = plane_storage(s)[lo:hi]
+            h[o + M * L] = p0
+            w = o + M * L + 1
             placements = s.cache.reserve_batch_all(p0, T, layers)
             assert all(pl.source_first == 0 and len(pl.physical) == T for pl in placements)
             h[w + lo * T:w + hi * T] = np.concatenate([pl.physical for pl in placements])
@@ -218,10 +246,9 @@ class StepGraph:
         """Prepare inputs and run the step (replay; eager + capture on first use; a prompt-shaped
         step eagerly on its first use and captured on its second)."""
         L = self.engine.cfg.n_layers
-        key = self._storage_key(sessions) if self.cuda else ()
-        parts = self.graphs.get(key) if self.cuda else None
+        parts = self.parts
+        self.calls += 1
         if parts is not None:
-            self.graphs.move_to_end(key)
             # the first graph's layers, then the rest prepared while the GPU runs them: the host
             # bookkeeping of the later layers leaves the step's critical path
             split = min(FIRST_PART_LAYERS, L) if len(parts) > 1 else L
@@ -233,28 +260,23 @@ class StepGraph:
                 g.replay()
             return
         self._prepare(sessions, ids, range(0, L))
-        if not self.cuda or (self.prompt_like and key not in self.seen):
-            # a prompt's step (an item of several rows, last row out) comes once per session:
-            # it runs eagerly and is captured only if the same sessions run it again (recording
-            # it cost a 16-token prompt's TTFT 30-40 ms on the H200: bench/NOTES.md)
-            if self.cuda:
-                self.seen[key] = None
-                if len(self.seen) > 4 * MAX_CAPTURES:
-                    self.seen.popitem(last=False)
-            with torch.inference_mode():
-                self._step()
-            return
-        self.seen.pop(key, None)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            self._step()  # the real step for this call (also compiles the kernels)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = self._capture()
-        self.graphs[key] = graph
-        if len(self.graphs) > MAX_CAPTURES:
-            self.graphs.popitem(last=False)
-        self.captures += 1
+        self.sessions = list(sessions)
+        try:
+            if not self.cuda or (self.prompt_like and self.calls == 1):
+                # a prompt shape no warm-up recorded: eagerly, captured if it comes again (recording
+                # it cost a 16-token prompt's TTFT 30-40 ms on the H200: bench/NOTES.md)
+                with torch.inference_mode():
+                    self._step()
+                return
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.inference_mode():
+                self._step()  # the real step for this call (also compiles the kernels)
+            torch.cuda.current_stream().wait_stream(side)
+            self.parts = self._capture()
+            self.captures += 1
+        finally:
+            self.sessions = []  # a graph holds no session: their storage is data (`_prepare`)
 
     def _capture(self) -> tuple:
         """The step recorded (not executed) as graphs of consecutive layers in one pool, replayed

@@ -32,7 +32,7 @@ from ..sequence import (
     non_finite_error,
 )
 from .forward import Forward
-from .kernels.attention import AttnScratch, attend_ref, attend_triton, split_count
+from .kernels.attention import AttnScratch, attend_ref, attend_triton, plane_meta_of, split_count
 from .rows import DeviceRow
 
 PREFILL_CHUNK = 512  # PREFILL_BATCH_TOKENS (book 10.10)
@@ -48,8 +48,7 @@ class _EagerKv:
         self.f16ops = sess.fwd.f16_attention and sess.kv_torch == torch.float16
         self.cuda = sess.device.type == "cuda"
         if self.cuda:
-            meta = np.array([[p.origin_logical, p.origin_physical, p.len, p.capacity]
-                             for p in sess.cache.planes], dtype=np.int64)
+            meta = np.array([plane_meta_of(p) for p in sess.cache.planes], dtype=np.int64)
             self.meta = torch.from_numpy(meta).to(sess.device)
             self.pos = torch.tensor([p0], dtype=torch.int64, device=sess.device)
             self.scratch = sess._scratch()
@@ -62,9 +61,8 @@ class _EagerKv:
         vq = v.to(s.kv_torch)
         window = g.window if g.sliding else 0
         if self.cuda:
-            out = attend_triton(q, kq, vq, plane.keys, plane.values, g.head_major, self.meta[il],
-                                self.pos, window, cfg.attn_scale, self.scratch, plane_len=plane.len,
-                                f16_operands=self.f16ops)
+            out = attend_triton(q, kq, vq, g.head_major, self.meta[il], self.pos, window, cfg.attn_scale,
+                                self.scratch, rows_bound=plane.len, f16_operands=self.f16ops)
         elif s.device.type == "cpu":  # the C kernel: fixed order per row, any T (row-invariant)
             from .kernels import cpu_native
 
@@ -121,9 +119,16 @@ class Session(Sequence):
                 and capture == self.capture_layers
                 and T <= min(p.capacity for p in self.cache.planes))
 
+    @property
+    def graph_context(self) -> int:
+        """The context bound of the step graphs this session's steps replay (graphs.graph_context)."""
+        from .graphs import graph_context
+
+        return graph_context(self.max_context, self.cfg.context_length)
+
     def _graph(self, T: int, out_rows: str):
         """The engine's graph for this session alone with T rows (recorded in `_graphs`)."""
-        g = self.engine.graph(((T, out_rows, self.max_context),), self.capture_layers)
+        g = self.engine.graph(((T, out_rows, self.graph_context),), self.capture_layers)
         self._graphs[(T, out_rows)] = g
         return g
 

@@ -19,8 +19,8 @@ requested row's logits are not finite, every session returns to its state before
 and NonFiniteLogits names the item and row (book 10.9).
 
 On CUDA a step whose items all have <= 16 rows and ask for their last or all rows replays the
-captured graph of its batch shape (engine/graphs.py: keyed by the per-item row counts, owned by
-the engine); other steps run eagerly.
+captured graph of its batch shape (engine/graphs.py: keyed by the per-item row counts and
+context bounds, owned by the engine, serving any sessions); other steps run eagerly.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def run_rows(engine, works: list[StepWork]) -> list[tuple[torch.Tensor | None, d
 
     modes = [_graph_mode(w) for w in works]
     if all(m is not None for m in modes):
-        shape = tuple((w.T, m, w.session.max_context) for w, m in zip(works, modes))
+        shape = tuple((w.T, m, w.session.graph_context) for w, m in zip(works, modes))
         capture = tuple(sorted(set().union(*[w.capture for w in works])))
         g = engine.graph(shape, capture)
         g.launch([w.session for w in works], [w.ids for w in works])

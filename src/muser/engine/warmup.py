@@ -5,15 +5,17 @@ prompt after load <= 50 ms).
 Triton compiles a kernel per specialization: the matvec per row bucket (1, 2, 4, 8, 16 rows:
 qmatvec._rows_bucket); the attention kernels split keys at fixed absolute positions and take the
 split count as a runtime argument (kernels/attention.py), so one session capacity covers every
-depth. The warm-up runs, on a throwaway session, decodes, verify-shaped steps of each row bucket
-(graphs: eager run and capture, then the replay), and an eager prefill chunk wider than the graph
-shapes (its projections in 16-row matvec slices and a partial one). Batched steps of several
-sessions launch the same binaries: every item's metadata in a step graph is 16-byte aligned like a
-single item's (Triton specializes on pointer alignment; engine/graphs.py). What the first request
-still does is capture its own graphs (a graph bakes in its session's plane addresses:
-engine/graphs.py), with every kernel already built; `muser serve` captures its slots' batch shapes
-before it says it is ready (muser.server.loop.EngineLoop.warm_up). The sessions and their graphs
-are released afterwards.
+depth. The warm-up runs, on a throwaway session, decodes, verify-shaped steps of each row bucket,
+prompts of every length up to 16 rows (graphs: a prompt's first call runs eagerly, its second is
+captured; a decode's or verify's first call is captured), and an eager prefill chunk wider than
+the graph shapes (its projections in 16-row matvec slices and a partial one). A graph reads its
+sessions' plane storage from its metadata (engine/graphs.py), so the captures serve every later
+session whose context fits their bound (graphs.graph_context: up to GRAPH_CONTEXT_MIN positions
+for this session's), and a request of such a session replays from its first step. Batched steps
+of several sessions launch the same binaries: every item's metadata in a step graph is 16-byte
+aligned like a single item's (Triton specializes on pointer alignment; engine/graphs.py);
+`muser serve` captures its slots' batch shapes before it says it is ready
+(muser.server.loop.EngineLoop.warm_up). The session is released afterwards; the graphs stay.
 
 On the CPU nothing runs (no compilation, no graphs): muser.load calls this for CUDA only.
 """
@@ -31,6 +33,7 @@ from .kernels.qmatvec import MAX_ROWS
 
 WARM_CAPACITY = 4096  # the warm-up session's capacity (at most the context length)
 ROW_BUCKETS = (2, 4, 8, MAX_VERIFY)  # verify-shaped steps, one per matvec row bucket past 1
+PROMPT_ROWS = tuple(range(2, MAX_VERIFY + 1))  # prompt-shaped steps: every length a graph serves
 EAGER_ROWS = 2 * MAX_ROWS + 8  # an eager prefill chunk: two full matvec slices and a partial one
 
 
@@ -40,14 +43,15 @@ def capacities(context_length: int) -> list[int]:
 
 
 def plan(context_length: int) -> list[tuple[int, str, int]]:
-    """The warm-up's calls, in order: (session capacity, 'decode' | 'verify' | 'prefill', rows);
-    each session starts with one prefilled token, each shape runs twice (eager + capture, then
-    the replay)."""
+    """The warm-up's calls, in order: (session capacity, 'decode' | 'verify' | 'prompt' | 'prefill',
+    rows); each session starts with one prefilled token, each shape runs twice (a decode or verify:
+    eager + capture, then the replay; a prompt: eager, then eager + capture)."""
     caps = capacities(context_length)
     big = caps[-1]
     shapes = [(c, "decode", 1) for c in caps[:-1]]
     shapes.append((big, "prefill", EAGER_ROWS))
     shapes += [(big, "verify", t) for t in ROW_BUCKETS]
+    shapes += [(big, "prompt", t) for t in PROMPT_ROWS]
     shapes.append((big, "decode", 1))
     out = []
     used: dict[int, int] = {}
@@ -77,7 +81,8 @@ def warm_up(engine, stream=None, enabled: bool = True) -> dict:
 
 
 def run_plan(engine, calls: list[tuple[int, str, int]], bar: Progress) -> None:
-    """The calls of `plan` on throwaway sessions (random ids), released afterwards."""
+    """The calls of `plan` on throwaway sessions (random ids), dropped afterwards (the graphs they
+    captured stay with the engine: they hold no session)."""
     rng = np.random.default_rng(0)
     vocab = engine.cfg.vocab
     sessions: dict[int, object] = {}
@@ -94,31 +99,18 @@ def run_plan(engine, calls: list[tuple[int, str, int]], bar: Progress) -> None:
                 s.prefill(ids)
             elif what == "verify":
                 s.verify(ids)
+            elif what == "prompt":  # a request's prompt: its last row's logits left on the device
+                row = s.prefill_row(ids)
+                if not isinstance(row, np.ndarray):
+                    row.host()
             else:
                 row = s.decode_row(ids[0])  # the generation loop's call (the row kept on the device)
                 if not isinstance(row, np.ndarray):
                     row.host()
             bar.advance(1, f"{what} {rows} row{'s' * (rows > 1)}, context {cap}")
     finally:
-        release(engine, made)
         sessions.clear()
         made.clear()
 
 
-def release(engine, sessions: list) -> None:
-    """Drop the graphs captured for `sessions` (throwaway warm-up sessions): their memory pools
-    and the sessions' planes are freed; graphs of other sessions stay."""
-    ids = {id(s) for s in sessions}
-    for key in list(engine._graphs):
-        g = engine._graphs[key]
-        for k in [k for k in g.graphs if any(part[0] in ids for part in k)]:
-            del g.graphs[k]
-        for k in [k for k in g.seen if any(part[0] in ids for part in k)]:
-            del g.seen[k]
-        if any(id(s) in ids for s in g.sessions):
-            g.sessions = []
-        if not g.graphs:
-            del engine._graphs[key]
-
-
-__all__ = ["capacities", "plan", "release", "run_plan", "warm_up"]
+__all__ = ["PROMPT_ROWS", "capacities", "plan", "run_plan", "warm_up"]

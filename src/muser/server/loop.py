@@ -322,10 +322,10 @@ class EngineLoop:
     # -- outside the loop ----------------------------------------------------------------------
     def warm_up(self, stream=None) -> dict | None:
         """Before `start`, on CUDA: the steps of `warm_batches` on the slots' own sessions (the
-        decoders in slot order, as slots fill from an idle server), so their graphs are captured
-        here and not inside the first requests that batch k decoders: a graph bakes in its
-        sessions' plane storage (engine/graphs.py), so muser.load's warm-up, on throwaway
-        sessions, compiles the kernels but cannot capture these. A progress line on stderr.
+        decoders in slot order, as slots fill from an idle server), so the graphs of k batched
+        decoders at the server's context bound are captured here and not inside the first
+        requests that batch them (muser.load's warm-up captures single-session shapes at its own
+        bound; a graph serves any sessions of its shape: engine/graphs.py). A progress line on stderr.
         Returns {seconds, steps}; None on the CPU, where nothing is captured (start-up stays fast)."""
         if self.model.device == "cpu":
             return None

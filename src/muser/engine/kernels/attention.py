@@ -30,8 +30,9 @@ over the keys (statistics, then probabilities x V), each split at the same fixed
   the CPU lane's C kernel (kernels/cpu_native.attend, same arguments), and the path of devices
   with neither.
 * `attend_triton` - split softmax (flash-decoding): a worker's (max, sum, acc) triple summarises
-  the keys it saw, so pieces merge exactly (book 16.2); plane metadata is read from device
-  tensors, so one captured CUDA graph serves every position (book 10.3, CUDA graphs).
+  the keys it saw, so pieces merge exactly (book 16.2); the plane's metadata and the addresses of
+  its K and V storage are read from a device tensor (`plane_meta`), so one captured CUDA graph
+  serves every position of every session (book 10.3, CUDA graphs).
 
 Row invariance (DESIGN.md "Exactness contract", Gate 3): with or without f16 operands, a row's
 output at position p is bitwise the same whether it is decoded alone, verified as row j of a
@@ -82,6 +83,43 @@ def plane_strides(plane: torch.Tensor, head_major: bool, n_kv: int, head_dim: in
         return plane.stride(1), plane.stride(0)
     assert plane.dim() == 2 and plane.shape[1] == n_kv * head_dim
     return plane.stride(0), head_dim
+
+
+META_FIELDS = 6  # a plane's device metadata: plane_meta's fields, one int64 each
+
+
+def plane_meta(k_plane: torch.Tensor, v_plane: torch.Tensor, head_major: bool, n_kv: int, head_dim: int,
+               origin_logical: int, origin_physical: int, length: int) -> list[int]:
+    """A plane's metadata as the kernels read it (int64 [META_FIELDS]): (origin_logical,
+    origin_physical, len, capacity, K storage address, V storage address), the state before the
+    step's append. The kernels form every address from these, so a captured graph reads the
+    storage of whichever session the step's metadata names. Checked here, since the kernels
+    cannot: both planes contiguous, of one dtype, token-major [cap, n_kv*D] or head-major
+    [n_kv, cap, D], 16-byte aligned (the kernels' vector loads assume it), indexed in int32."""
+    shape = tuple(k_plane.shape)
+    cap = shape[1] if head_major else shape[0]
+    want = (n_kv, cap, head_dim) if head_major else (cap, n_kv * head_dim)
+    if shape != want or tuple(v_plane.shape) != want:
+        raise ValueError(f"plane of shape {shape} / {tuple(v_plane.shape)}: expected {want} "
+                         f"({'head' if head_major else 'token'}-major)")
+    if k_plane.dtype != v_plane.dtype or not (k_plane.is_contiguous() and v_plane.is_contiguous()):
+        raise ValueError(f"planes of {k_plane.dtype} / {v_plane.dtype} must share a dtype and be contiguous")
+    if k_plane.numel() >= 2**31:
+        raise ValueError(f"plane of {k_plane.numel()} elements: the kernels index in int32")
+    ka, va = k_plane.data_ptr(), v_plane.data_ptr()
+    if ka % 16 or va % 16:
+        raise ValueError(f"plane storage at {ka:#x} / {va:#x} is not 16-byte aligned")
+    if not (0 <= length <= cap and 0 <= origin_physical < max(cap, 1) and origin_logical >= 0):
+        raise ValueError(f"plane state (origin_logical {origin_logical}, origin_physical {origin_physical}, "
+                         f"len {length}) outside a capacity of {cap}")
+    return [origin_logical, origin_physical, length, cap, ka, va]
+
+
+def plane_meta_of(plane) -> list[int]:
+    """plane_meta of a muser.kv plane (its storage and its state before the step's append)."""
+    g = plane.geometry
+    return plane_meta(plane.keys, plane.values, g.head_major, g.n_kv_heads, g.head_dim, plane.origin_logical,
+                      plane.origin_physical, plane.len)
 
 
 def _old_rows(plane: torch.Tensor, physical: torch.Tensor, head_major: bool, n_kv: int, d: int) -> torch.Tensor:
@@ -238,12 +276,28 @@ if HAVE_TRITON:
             acc = tl.dot(a1, b, acc, input_precision="tf32")
         return acc
 
+    @triton.jit
+    def _plane(meta, i: tl.constexpr, like):
+        # the storage address in meta[i] (plane_meta) as a pointer of `like`'s element type, 16-byte
+        # aligned (plane_meta checks it): the hint keeps the row loads vectorized, which an address
+        # formed from an integer otherwise loses
+        return tl.multiple_of(tl.load(meta + i).to(tl.pointer_type(like.dtype.element_ty)), 16)
+
+    @triton.jit
+    def _plane_strides(cap, KV: tl.constexpr, D: tl.constexpr, HEAD_MAJOR: tl.constexpr):
+        # (slot, head) strides in elements of a contiguous plane: [KV, cap, D] or [cap, KV*D]
+        if HEAD_MAJOR:
+            return D, cap * D
+        else:
+            return KV * D, D
+
     @triton.jit(do_not_specialize=["r0", "NSP", "window"])
-    def _attn_partial(q, kn, vn, kp, vp, meta, pos, m_out, l_out, o_out, st_m, st_inv,
+    def _attn_partial(q, kn, vn, meta, pos, m_out, l_out, o_out, st_m, st_inv,
                       r0, H, NSP, window, scale,
-                      s_qt, s_qh, s_nt, s_nh, s_slot, s_head,
-                      HPK: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                      S: tl.constexpr, PASS: tl.constexpr, SPLIT_KV: tl.constexpr, PDL: tl.constexpr):
+                      s_qt, s_qh, s_nt, s_nh,
+                      HPK: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, KV: tl.constexpr,
+                      HEAD_MAJOR: tl.constexpr, S: tl.constexpr, PASS: tl.constexpr, SPLIT_KV: tl.constexpr,
+                      PDL: tl.constexpr):
         # PASS 0: f32 operands, online softmax -> (m, l, acc) per split; both dots on tf32 tensor
         # cores with every product exact (_dot_exact; SPLIT_KV: f32 planes, K and V split too).
         # f16 operands, PASS 1: (m, l) per split from f16 K·Q; PASS 2: p = f16(exp(s - m_row) *
@@ -256,6 +310,9 @@ if HAVE_TRITON:
         op = tl.load(meta + 1).to(tl.int32)
         ln = tl.load(meta + 2).to(tl.int32)
         cap = tl.load(meta + 3).to(tl.int32)
+        kp = _plane(meta, 4, kn)  # the session's K and V storage (plane_meta)
+        vp = _plane(meta, 5, vn)
+        s_slot, s_head = _plane_strides(cap, KV, D, HEAD_MAJOR)
         p0 = tl.load(pos).to(tl.int32)
         pt = p0 + r0 + r  # this row's position
         # the lowest visible key position: of this row, and of the launch's first row
@@ -396,18 +453,17 @@ class AttnScratch:
         self.st_inv = torch.empty(n, dtype=torch.float32, device=device)
 
 
-def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                  k_plane: torch.Tensor, v_plane: torch.Tensor, head_major: bool,
+def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, head_major: bool,
                   meta: torch.Tensor, pos: torch.Tensor, window: int, scale: float,
-                  scratch: AttnScratch, out: torch.Tensor | None = None,
-                  plane_len: int | None = None, f16_operands: bool = False) -> torch.Tensor:
-    """As attend_ref, with the plane metadata in device memory: meta int64 [4] =
-    (origin_logical, origin_physical, len, capacity) before the append; pos int64 [1] = p0.
+                  scratch: AttnScratch, rows_bound: int, out: torch.Tensor | None = None,
+                  f16_operands: bool = False) -> torch.Tensor:
+    """As attend_ref, with the plane in device memory: meta int64 [META_FIELDS] as `plane_meta`
+    writes it (the state before the append and the storage addresses); pos int64 [1] = p0.
 
-    plane_len: an upper bound on len known on the host (eager calls), which only sizes the grid;
-    None sizes it for the plane's capacity (graph-captured calls, any position). Rows go in
-    launches of as many as the scratch holds; neither choice changes a bit of the result.
-    f16_operands: K·Q and V·P on f16 operands (f16 planes only), in two passes (module docstring)."""
+    rows_bound: an upper bound on the plane's len (its length, where the host knows it; a graph's
+    bound on every capacity it serves), which only sizes the grid. Rows go in launches of as many
+    as the scratch holds; neither choice changes a bit of the result. f16_operands: K·Q and V·P on
+    f16 operands (f16 planes only), in two passes (module docstring)."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     T, H, D = q.shape
@@ -416,16 +472,12 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     assert q.dtype == torch.float32 and q.stride(2) == 1
     assert k_new.shape == v_new.shape == (T, n_kv, D) and k_new.stride() == v_new.stride()
     assert k_new.stride(2) == 1
-    assert k_new.dtype == k_plane.dtype == v_plane.dtype
-    assert not f16_operands or k_plane.dtype == torch.float16, f"f16 operands over a {k_plane.dtype} plane"
-    assert meta.dtype == torch.int64 and meta.numel() >= 4 and pos.dtype == torch.int64
+    assert k_new.dtype in (torch.float16, torch.float32)
+    assert not f16_operands or k_new.dtype == torch.float16, f"f16 operands over a {k_new.dtype} plane"
+    assert meta.dtype == torch.int64 and meta.numel() >= META_FIELDS and pos.dtype == torch.int64
     assert D >= 16 and (D & (D - 1)) == 0, f"head_dim {D} must be a power of two >= 16"
-    s_slot, s_head = plane_strides(k_plane, head_major, n_kv, D)
-    assert plane_strides(v_plane, head_major, n_kv, D) == (s_slot, s_head)
-    capacity = k_plane.shape[1] if head_major else k_plane.shape[0]
-    assert k_plane.numel() < 2**31 and k_new.numel() < 2**31, "the kernel indexes in int32"
-    rows_bound = capacity if plane_len is None else plane_len
-    assert 0 <= rows_bound <= capacity, f"plane_len {plane_len} outside [0, {capacity}]"
+    assert k_new.numel() < 2**31, "the kernel indexes in int32"
+    assert rows_bound >= 0, f"rows_bound {rows_bound}"
     S = split_len(window)
     bs = block_len(S, f16_operands)
     units = scratch.rows * scratch.splits  # (row, split) partials per head the scratch holds
@@ -450,19 +502,20 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         nsp = _splits_over(_span(r0, r1, rows_bound, window), S)
         for ps in ((1, 2) if f16_operands else (0,)):
             _attn_partial[(r1 - r0, n_kv, nsp)](
-                q, k_new, v_new, k_plane, v_plane, meta, pos, sc.m, sc.l, sc.o, sc.st_m, sc.st_inv,
+                q, k_new, v_new, meta, pos, sc.m, sc.l, sc.o, sc.st_m, sc.st_inv,
                 r0, H, nsp, window, scale,
-                q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), s_slot, s_head,
-                HPK=hpk, HP=hp, D=D, BS=bs, S=S, PASS=ps, SPLIT_KV=k_plane.dtype == torch.float32,
-                **(PARTIAL_LAUNCH if ps == 0 else F16_LAUNCH), **gdc.kwargs(q))
+                q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
+                HPK=hpk, HP=hp, D=D, BS=bs, KV=n_kv, HEAD_MAJOR=head_major, S=S, PASS=ps,
+                SPLIT_KV=k_new.dtype == torch.float32, **(PARTIAL_LAUNCH if ps == 0 else F16_LAUNCH), **gdc.kwargs(q))
             _attn_reduce[(r1 - r0, H)](sc.m, sc.l, sc.o, out, sc.st_m, sc.st_inv, meta, pos, r0, H, nsp, window,
                                        out.stride(0), out.stride(1), D=D, S=S, SC=REDUCE_CHUNK, PASS=ps,
                                        num_warps=4, **gdc.kwargs(q))
     return out
 
 
-__all__ = ["BLOCK", "BLOCK_EXACT", "HAVE_TRITON", "REDUCE_CHUNK", "SPLIT_FULL", "SPLIT_SLIDING", "AttnScratch", "attend_ref",
-           "attend_triton", "block_len", "plane_strides", "split_count", "split_len"]
+__all__ = ["BLOCK", "BLOCK_EXACT", "HAVE_TRITON", "META_FIELDS", "REDUCE_CHUNK", "SPLIT_FULL", "SPLIT_SLIDING",
+           "AttnScratch", "attend_ref", "attend_triton", "block_len", "plane_meta", "plane_meta_of", "plane_strides",
+           "split_count", "split_len"]
 
 
 # --- the step's new K/V rows: rounded to the plane type once, stored into both planes once ------
@@ -481,10 +534,14 @@ if HAVE_TRITON:
         tl.store(vq + i, tl.load(v + i, mask=m).to(vq.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _kv_store_kernel(kq, vq, kp, vp, widx, s_row, s_slot, s_head, D: tl.constexpr, PDL: tl.constexpr):
+    def _kv_store_kernel(kq, vq, meta, widx, s_row, KV: tl.constexpr, D: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+                         PDL: tl.constexpr):
         after_prior(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
+        kp = _plane(meta, 4, kq)  # the session's K and V storage (plane_meta)
+        vp = _plane(meta, 5, vq)
+        s_slot, s_head = _plane_strides(tl.load(meta + 3), KV, D, HEAD_MAJOR)
         d = tl.arange(0, D)
         slot = tl.load(widx + t)  # int64: the slot offset is formed in 64 bits
         src = t * s_row + h * D + d
@@ -508,19 +565,18 @@ def kv_round(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torc
     return kq, vq
 
 
-def kv_store(kq: torch.Tensor, vq: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
-             widx: torch.Tensor, head_major: bool) -> None:
+def kv_store(kq: torch.Tensor, vq: torch.Tensor, meta: torch.Tensor, widx: torch.Tensor, head_major: bool) -> None:
     """Row t of kq / vq [T, KV, D] (the plane's type, contiguous) into slot widx[t] (int64 [T],
-    device) of k_plane / v_plane, token-major [cap, KV*D] or head-major [KV, cap, D]; the
-    slots of one call are distinct (muser.kv reserves each once). What
-    TorchBackend.write_rows_at does for each plane, in one launch (graph-capturable)."""
+    device) of the planes whose storage `meta` names (plane_meta: int64 [META_FIELDS]), token-major
+    [cap, KV*D] or head-major [KV, cap, D]; the slots of one call are distinct (muser.kv reserves
+    each once). What TorchBackend.write_rows_at does for each plane, in one launch
+    (graph-capturable; a graph serves every session, the addresses being data)."""
     T, n_kv, D = kq.shape
     assert vq.shape == kq.shape and kq.is_contiguous() and vq.is_contiguous()
-    assert kq.dtype == vq.dtype == k_plane.dtype == v_plane.dtype
+    assert kq.dtype == vq.dtype
+    assert meta.dtype == torch.int64 and meta.numel() >= META_FIELDS
     assert widx.dtype == torch.int64 and widx.shape == (T,) and widx.stride(0) == 1
-    s_slot, s_head = plane_strides(k_plane, head_major, n_kv, D)
-    assert plane_strides(v_plane, head_major, n_kv, D) == (s_slot, s_head)
     assert (D & (D - 1)) == 0
     if T:
-        _kv_store_kernel[(T, n_kv)](kq, vq, k_plane, v_plane, widx, n_kv * D, s_slot, s_head, D=D, num_warps=1,
+        _kv_store_kernel[(T, n_kv)](kq, vq, meta, widx, n_kv * D, KV=n_kv, D=D, HEAD_MAJOR=head_major, num_warps=1,
                                     **gdc.kwargs(kq))
