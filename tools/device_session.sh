@@ -9,7 +9,8 @@
 #                                [--lane exact|fast|split] [--kinds decode,prefill,verify]
 #                                [--kernels-lane exact|fast|split] [--kernels-timings-only] [--install-tuning]
 #                                [--profile-lanes exact,fast] [--profile-depths LIST] [--profile-rows 1,16]
-#                                [--profile-modes eager,graph] [--profile-pdl on,off] [--profile-acts tails,separate] STAGE...
+#                                [--profile-modes eager,graph] [--profile-pdl on,off] [--profile-acts tails,separate]
+#                                [--cli-lanes exact,fast] STAGE...
 #
 # --reuse-gates takes a wide Gate 2 receipt of this tree and lane from an earlier call on this
 # machine or, on a bare machine, from DIR/gates/ of the carry (a receipt fetched back from one).
@@ -28,7 +29,7 @@
 # that need their outputs wait for them inside their own time box):
 #   build    the pinned llama.cpp, CUDA sm_90, from DIR/llama.cpp-src.tgz: llama-bench, then
 #            llama-server (-j10; ~5-6 min)
-#   fixture  (implied by speed, kvpack and nvfp4)
+#   fixture  (implied by speed, kvpack, nvfp4, profile and cli)
 #            the full geometry (tools/make_fixture.py --full: Q4_K mix, 16.75 GB) and, once that is
 #            written and when the nvfp4 stage is named, its NVFP4 form by `muser quantize FULL NV
 #            --to nvfp4-ggml` (ggml type 40, the file llama.cpp runs too; one process per core;
@@ -48,6 +49,10 @@
 #            2048,8192,32768) + a new 64-token question (--suffix-tokens 64), one repetition, exact lane
 #   sampling python3 tools/device_sampling.py: device-filtered candidates vs the full chain on CUDA,
 #            the load-time warm-up, `muser generate` TTFT and tok/s on the micro model
+#   cli      `muser generate` as a user runs it on the full Q4_K file, once per lane of --cli-lanes
+#            (default exact,fast): a prompt of 16 tokens (the longest prefix of README.md that
+#            tokenizes to 16), 64 tokens, seed 0, --json; the process's seconds (load, warm-up,
+#            request) in stages.tsv, its TTFT and tok/s in logs/cli-LANE.log
 #   nvfp4    the same Gate 2 for the NVFP4 mix (background from t = 0), the speed kinds on the NVFP4 full file,
 #            llama-bench (type 40) on that file beside them; the Q4_K receipts of the speed stage
 #            are the K-quant side (same geometry, random valid blocks of each format)
@@ -80,6 +85,7 @@ cd "$(dirname "$0")/.."
 DRY=0 CARRY=.device/gpubench DEADLINE=585 LLAMA_SERVER="" DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
 KIND_BOX=150 KVPACK_BOX=420 REUSE_GATES=0 GATES_ONLY=0 LANE=exact KINDS=decode,prefill,verify
 STAGES=() KLANE="" KARGS=() INSTALL_TUNING=0 PLANES=exact,fast PDEPTHS="" PROWS=1,16 PMODES=eager,graph PPDL=on PACTS=tails
+CLI_LANES=exact,fast
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu-dry) DRY=1 ;;
@@ -108,7 +114,10 @@ while [ $# -gt 0 ]; do
     --profile-modes) PMODES=${2:?--profile-modes eager,graph}; shift ;;
     --profile-pdl) PPDL=${2:?--profile-pdl on,off}; shift ;;
     --profile-acts) PACTS=${2:?--profile-acts tails,separate}; shift ;;
-    build|fixture|kernels|attn|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile) STAGES+=("$1") ;;
+    --cli-lanes) CLI_LANES=${2:?--cli-lanes LIST}; shift
+                 [[ "$CLI_LANES" =~ ^(exact|fast)(,(exact|fast))*$ ]] || {
+                   echo "--cli-lanes $CLI_LANES: expected a comma-separated list of exact, fast" >&2; exit 2; } ;;
+    build|fixture|kernels|attn|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile|cli) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
   shift
@@ -189,7 +198,7 @@ if has build; then
   fi
 fi
 # the stages that read the full file write it when it is absent, named or not (a bare machine)
-if has fixture || has speed || has kvpack || has nvfp4 || has profile; then
+if has fixture || has speed || has kvpack || has nvfp4 || has profile || has cli; then
   if [ $DRY = 1 ]; then FX_Q4=(tools/make_fixture.py "$FULL" --dtype q4_k_xl --source blocks --layers 8)
   else FX_Q4=(tools/make_fixture.py "$FULL" --full); fi
   ( t=$(date +%s); [ -s "$FULL" ] || $PY "${FX_Q4[@]}" >"$L/fixture-q4_k_xl.log" 2>&1
@@ -319,6 +328,36 @@ from muser.engine.kernels import $tm as q; q.load_tuning(sys.argv[1])" "$R/kerne
         rm -rf "$W/heldout" && mkdir -p "$W/heldout" && tar xzf "$CARRY/heldout.tgz" -C "$W/heldout" && croot=(--corpus-root "$W/heldout")
       fi
       run_stage spec 150 40 $PY -m muser bench spec --device $DEV --prompts 3 --max-tokens 64 --reps 1 "${croot[@]}" --out-dir "$R" ;;
+    cli)
+      if ! wait_for "$W/full.done" $(( DEADLINE - 60 )) || [ ! -s "$FULL" ]; then
+        record cli - 0 "no $FULL ($(cat "$W/full.done" 2>/dev/null || echo 'fixture not done'))"; continue; fi
+      # the longest prefix of README.md that the file's tokenizer makes 16 tokens (BOS included)
+      if ! $PY - "$FULL" README.md "$W/cli-prompt.txt" >"$L/cli-prompt.log" 2>&1 <<'PYEOF'
+import sys
+from muser import prompt as P
+from muser.gguf.reader import GGUFFile
+from muser.text import Tokenizer
+
+f = GGUFFile(sys.argv[1])
+tok = Tokenizer.from_gguf(f)
+text, best = open(sys.argv[2], encoding="utf-8").read(), None
+for c in range(1, 2000):
+    n = len(P.encode_text(tok, text[:c]))
+    if n == 16:
+        best = text[:c]
+    elif n > 16:
+        break
+f.close()
+if best is None:
+    sys.exit("no prefix of 16 tokens")
+open(sys.argv[3], "w", encoding="utf-8").write(best)
+print(f"prompt of 16 tokens: {best!r}")
+PYEOF
+      then record cli 1 0 "no 16-token prompt (logs/cli-prompt.log)"; continue; fi
+      for l in ${CLI_LANES//,/ }; do
+        run_stage "cli-$l" 200 40 $PY -m muser generate --model "$FULL" --device $DEV --lane $l --max-tokens 64 \
+          --seed 0 --json --prompt-file "$W/cli-prompt.txt"
+      done ;;
     sampling)
       if [ $DRY = 1 ]; then record sampling - 0 "dry run: the device-side candidates and the warm-up need CUDA"
       else mkdir -p "$R/sampling"; run_stage sampling 120 30 $PY tools/device_sampling.py --out "$R/sampling"; fi ;;

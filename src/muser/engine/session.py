@@ -6,8 +6,8 @@ is one Engine.step forward (engine/step.py) with this session as its only item.
 
 Prefill streams the prompt through 512-row chunks, 64 when decoders are waiting (book 10.10);
 in the exact and fast lanes results do not depend on the chunking at all (row invariance:
-engine/lanes.py). On CUDA, decode (1 row) and
-verify (<= 16 rows) run as captured CUDA graphs (engine/graphs.py); prefill runs eagerly.
+engine/lanes.py). On CUDA, decode (1 row), verify and prompts of <= 16 rows run as captured CUDA
+graphs shared by every session of the engine (engine/graphs.py); longer prefill chunks run eagerly.
 prefill_row / decode_row leave the next-token logits on the device (engine/rows.py) for the
 sampler to reduce there (muser.sample.candidates).
 """
