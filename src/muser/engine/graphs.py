@@ -80,10 +80,10 @@ def plane_storage(session) -> np.ndarray:
     checked there), computed once per set of planes: an install swaps the cache's planes tuple,
     and the next step recomputes it. The session keeps the tuple it was computed for."""
     planes = session.cache.planes
-    got = getattr(session, "_plane_storage", None)
+    got = session._graph_storage
     if got is None or got[0] is not planes:
         got = (planes, np.array([plane_meta_of(p)[3:] for p in planes], dtype=np.int64).reshape(-1, 3))
-        session._plane_storage = got
+        session._graph_storage = got
     return got[1]
 
 

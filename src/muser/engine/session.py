@@ -99,6 +99,8 @@ class Session(Sequence):
             raise LaneError("CUDA graphs need device 'cuda'")
         self._graphs: dict = {}  # (rows, output) -> the engine's StepGraph this session ran alone
         self._attn_scratch: AttnScratch | None = None
+        # (planes tuple, int64 [L, 3] capacity and K/V addresses) for the step graphs (graphs.plane_storage)
+        self._graph_storage: tuple | None = None
 
     @property
     def kv_bytes(self) -> int:

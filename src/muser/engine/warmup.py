@@ -86,31 +86,21 @@ def run_plan(engine, calls: list[tuple[int, str, int]], bar: Progress) -> None:
     rng = np.random.default_rng(0)
     vocab = engine.cfg.vocab
     sessions: dict[int, object] = {}
-    made: list = []
-    try:
-        for cap, what, rows in calls:
-            s = sessions.get(cap)
-            if s is None:
-                s = sessions[cap] = engine.session(max_context=cap)
-                made.append(s)
-                s.prefill(rng.integers(0, vocab, 1))
-            ids = rng.integers(0, vocab, rows)
-            if what == "prefill":
-                s.prefill(ids)
-            elif what == "verify":
-                s.verify(ids)
-            elif what == "prompt":  # a request's prompt: its last row's logits left on the device
-                row = s.prefill_row(ids)
-                if not isinstance(row, np.ndarray):
-                    row.host()
-            else:
-                row = s.decode_row(ids[0])  # the generation loop's call (the row kept on the device)
-                if not isinstance(row, np.ndarray):
-                    row.host()
-            bar.advance(1, f"{what} {rows} row{'s' * (rows > 1)}, context {cap}")
-    finally:
-        sessions.clear()
-        made.clear()
+    for cap, what, rows in calls:
+        s = sessions.get(cap)
+        if s is None:
+            s = sessions[cap] = engine.session(max_context=cap)
+            s.prefill(rng.integers(0, vocab, 1))
+        ids = rng.integers(0, vocab, rows)
+        if what == "prefill":
+            s.prefill(ids)
+        elif what == "verify":
+            s.verify(ids)
+        else:  # a request's prompt or the generation loop's decode: the last row kept on the device
+            row = s.prefill_row(ids) if what == "prompt" else s.decode_row(ids[0])
+            if not isinstance(row, np.ndarray):
+                row.host()
+        bar.advance(1, f"{what} {rows} row{'s' * (rows > 1)}, context {cap}")
 
 
 __all__ = ["PROMPT_ROWS", "capacities", "plan", "run_plan", "warm_up"]
