@@ -70,6 +70,10 @@
 #            --profile-acts's (tails: the tails quantize the projections' inputs, the default;
 #            tails,separate times both), 200 s; it waits for the
 #            fixture only, so named before speed it runs while the wide gate is computed
+#   counters python3 tools/device_counters.py: the projection kernels of both lanes on
+#            --counters-shape (Q4_K:39936:6656) at 1 and 16 rows under ncu's hardware counters
+#            (stall reasons per issued instruction, pipe and memory-path use, occupancy), 200 s;
+#            synthetic weights, no fixture
 #   spec     muser bench spec on the shipped micro target + drafter (natural and synthetic prompts,
 #            greedy and sampled; Gate 3: speculative tokens == plain tokens) on CUDA
 #
@@ -85,7 +89,7 @@ cd "$(dirname "$0")/.."
 DRY=0 CARRY=.device/gpubench DEADLINE=585 LLAMA_SERVER="" DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
 KIND_BOX=150 KVPACK_BOX=420 REUSE_GATES=0 GATES_ONLY=0 LANE=exact KINDS=decode,prefill,verify
 STAGES=() KLANE="" KARGS=() INSTALL_TUNING=0 PLANES=exact,fast PDEPTHS="" PROWS=1,16 PMODES=eager,graph PPDL=on PACTS=tails
-CLI_LANES=exact,fast
+CLI_LANES=exact,fast CSHAPE=Q4_K:39936:6656
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu-dry) DRY=1 ;;
@@ -117,7 +121,8 @@ while [ $# -gt 0 ]; do
     --cli-lanes) CLI_LANES=${2:?--cli-lanes LIST}; shift
                  [[ "$CLI_LANES" =~ ^(exact|fast)(,(exact|fast))*$ ]] || {
                    echo "--cli-lanes $CLI_LANES: expected a comma-separated list of exact, fast" >&2; exit 2; } ;;
-    build|fixture|kernels|attn|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile|cli) STAGES+=("$1") ;;
+    --counters-shape) CSHAPE=${2:?--counters-shape FMT:N_OUT:N_IN}; shift ;;
+    build|fixture|kernels|attn|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile|cli|counters) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
   shift
@@ -382,6 +387,9 @@ PYEOF
       g=$(gate_receipt q4_k_xl); gr=(); [ -n "$g" ] && gr=(--gate-receipt "$g")
       run_stage profile 200 60 $PY tools/device_profile.py "$FULL" "$R" --lanes "$PLANES" \
           --depths "${PDEPTHS:-${DEPTHS%%,*}}" --rows "$PROWS" --modes "$PMODES" --pdl "$PPDL" --acts "$PACTS" --steps 8 "${gr[@]}" ;;
+    counters)
+      if [ $DRY = 1 ]; then record counters - 0 "dry run: the hardware counters need CUDA"; continue; fi
+      run_stage counters 200 60 $PY tools/device_counters.py "$R/counters" --shape "$CSHAPE" ;;
     attn)
       if [ $DRY = 1 ]; then run_stage attn 150 20 $PY tools/device_attn.py --smoke --json "$R/attn-cpu.json"
       else
