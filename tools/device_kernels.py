@@ -562,14 +562,16 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
                 sweep[f"T{T} {list(cfg)}"] = {"us": sec * 1e6, "bitwise_equal_default": eq}
             except Exception as e:  # noqa: BLE001
                 sweep[f"T{T} {list(cfg)}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    # one row with each program walking its chunks: no chunk-sum launch, N / BN programs
-    for cfg in (qtile_i8.config_for(1), (64, 8, 4, 1)):
-        key = f"T1 {list(cfg)} walk"
+    # each program walking its chunks: no chunk-sum launch and no f64 partials written and read
+    # back, N / BN programs
+    for T, cfg in ((1, qtile_i8.config_for(1)), (1, (64, 8, 4, 1)), (16, qtile_i8.config_for(16)),
+                   (16, (64, 16, 4, 0))):
+        key = f"T{T} {list(cfg)} walk"
         try:
-            out = torch.empty(1, w.n_out, device=device)
-            got_t = qtile_i8.matmul_tile(w, acts[1], out, config=cfg, split=False)
-            eq = bool(torch.equal(bits(got_t), bits(yb[:1])))
-            sec = graph_seconds(lambda: qtile_i8.matmul_tile(w, acts[1], out, config=cfg, split=False), 10, 1)[0]
+            out = torch.empty(T, w.n_out, device=device)
+            got_t = qtile_i8.matmul_tile(w, acts[T], out, config=cfg, split=False)
+            eq = bool(torch.equal(bits(got_t), bits(yb[:T])))
+            sec = graph_seconds(lambda: qtile_i8.matmul_tile(w, acts[T], out, config=cfg, split=False), 10, 1)[0]
             sweep[key] = {"us": sec * 1e6, "bitwise_equal_default": eq}
         except Exception as e:  # noqa: BLE001
             sweep[key] = {"error": f"{type(e).__name__}: {e}"[:300]}

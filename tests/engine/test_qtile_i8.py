@@ -13,6 +13,7 @@ matmul_ggml).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,23 +93,43 @@ def _sass(tmp_path, *args: str) -> tuple[str, str, dict[str, int]]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
 def test_tile_prefetch_keeps_the_next_blocks_loads_in_flight_during_the_immas(tmp_path, fmt):
-    """PF 1: the next 256-block's weight words are loaded inside this block's iteration, after its
-    first IMMA (they are in flight while it computes); PF 0 issues every load of a block before
-    its first IMMA and waits for them. Both loops issue the same loads a block."""
+    """PF 1: the next 256-block's weight words are loaded inside this block's iteration and first
+    read after its last IMMA (they are in flight while it computes); PF 0 reads every word it
+    loads before its last IMMA (a block's loads feed its own IMMAs, and it waits for them). Both
+    loops issue the same loads a block."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    after, total = {}, {}
+    ahead, total = {}, {}
     for pf in (0, 1):
         p = subprocess.run([sys.executable, str(REPO / "tools" / "sass_loop.py"), "tile", fmt, "1", "--config",
                             f"64,8,4,{pf}", "--dump"], env=env, capture_output=True, text=True, timeout=280)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        body = [ln for ln in p.stdout.splitlines()[3:] if "\t" in ln]
-        first = next(i for i, ln in enumerate(body) if "IMMA" in ln)
-        after[pf] = sum("LDG" in ln for ln in body[first:])
+        body = [ln.split("\t", 1)[1] for ln in p.stdout.splitlines()[3:] if "\t" in ln]
+        last = max(i for i, ln in enumerate(body) if "IMMA" in ln)
+        ahead[pf] = sum(_first_read(body, i) > last for i, ln in enumerate(body) if "LDG" in ln)
         total[pf] = sum("LDG" in ln for ln in body)
     assert total[0] == total[1], total
     words = 16 if fmt == "Q4_K" else 24  # a thread's qs (Q6_K: ql and qh) words of one block
-    assert after[1] >= words and after[0] < after[1], after
+    assert ahead[1] >= words and ahead[0] < ahead[1], ahead
+
+
+def _first_read(body: list[str], i: int) -> int:
+    """The index of the first instruction after body[i] (an instruction with a destination
+    register) that reads that register, or len(body) where none in the loop does (its value is
+    read in the next iteration)."""
+    ops = body[i].split(";")[0].split(None, 2 if body[i].startswith("@") else 1)[-1]
+    dest = re.match(r"\s*(R\d+)", ops)
+    if dest is None:
+        return -1
+    reg = re.compile(rf"\b{dest.group(1)}\b")
+    for j in range(i + 1, len(body)):
+        ins = body[j].split(";")[0]
+        ops_j = ins.split(None, 2 if ins.startswith("@") else 1)[-1].split(",")
+        if any(reg.search(o) for o in ops_j[1:]):
+            return j
+        if reg.fullmatch(ops_j[0].strip()):  # redefined before any read
+            return len(body)
+    return len(body)
 
 
 @pytest.mark.timeout(600)

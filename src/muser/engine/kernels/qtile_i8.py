@@ -436,14 +436,19 @@ if HAVE_GLUON:
     def _qtile_kernel(aq, ad, ab, y, part, w0, w1, w2, w3, w4, w5, N, K, T, sy,
                      FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr,
                      CB: gl.constexpr, SPLIT: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr):
-        """y [T, N] f32 (or, SPLIT over several chunks, part [n_chunks, T, N] f64): program (i, j[, c])
-        takes activation rows i*BM.. and weight rows j*BN.. (and chunk c)."""
+        """y [T, N] f32 (or, SPLIT over several chunks, part [n_chunks, T, N] f64): program (c, i, j)
+        takes activation rows i*BM.. and weight rows j*BN.. (and, SPLIT, chunk c; else c is 0)."""
         _after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
         lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-        m0 = gl.program_id(0) * BM  # activation tiles vary fastest: a weight tile's readers run together (L2)
-        n0 = gl.program_id(1) * BN
+        # program (c, i, j): a weight tile's chunks and then its activation tiles vary fastest, so the
+        # programs that read one weight row's bytes run together and share each DRAM burst through
+        # L2 (a chunk's d, dmin, sc and m are 8-32 bytes a row, less than a DRAM burst: in
+        # chunk-slowest order a one-row Q4_K 39936 x 6656 call read 171.6 MB from DRAM for its
+        # 153.7 MB of fields, the exact lane's matvec 153.8 for as many; ncu, tools/device_counters.py)
+        m0 = gl.program_id(1) * BM
+        n0 = gl.program_id(2) * BN
         # the weight operand [BN, 32]: row n, code k in word k // 4 of a sub-block's 32 bytes
         an = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, la))
         ak = gl.arange(0, 32, layout=gl.SliceLayout(0, la))
@@ -471,7 +476,7 @@ if HAVE_GLUON:
         # across the iteration), so a warp has a block's loads in flight while it computes; PF 0
         # loads each word where it is used. Same values, same arithmetic: same bits.
         if SPLIT:  # this program's chunk
-            b0 = gl.program_id(2) * CB
+            b0 = gl.program_id(0) * CB
         else:  # every chunk
             b0 = 0
         if PF:  # the first block's weight side
@@ -485,7 +490,7 @@ if HAVE_GLUON:
             f0 = gl.zeros([BN], gl.float16, layout=gl.SliceLayout(1, mma))
             f1 = f0
         if SPLIT:
-            c = gl.program_id(2)
+            c = gl.program_id(0)
             b1 = gl.minimum(nb, c * CB + CB)
             acc = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
             for b in range(b0, b1):
@@ -559,7 +564,7 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
     part = out  # never read unless split over several chunks
     if split and nch > 1:
         part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
-    grid = (-(-T // bm), -(-N // bn), nch if split else 1)
+    grid = (nch if split else 1, -(-T // bm), -(-N // bn))  # chunks fastest (the kernel's note)
     _qtile_kernel[grid](act.qs.view(torch.int32), act.d, act.bsum32, out, part, *ptrs, N, w.n_in, T, out.stride(0),
                        FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, PF=pf, num_warps=nw,
                        enable_fp_fusion=False, **gdc.kwargs(out))
