@@ -217,3 +217,50 @@ def test_a_register_of_four_int8_operands_is_one_word(tmp_path):
         rb, lb, wb = b["reg_bases"], b["lane_bases"], b["warp_bases"]  # B [k, BM]
         assert rb[:2] == [[1, 0], [2, 0]] and lb[:2] == [[4, 0], [8, 0]], (cfg, rb, lb)
         assert [16, 0] in rb and all(w == [0, 0] for w in wb), (cfg, rb, wb)
+
+
+_FOLD_PTX = r"""
+import sys
+sys.path[:0] = [sys.argv[1] + "/tools", sys.argv[1] + "/src"]
+import torch, triton
+import triton_aot_check as A
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import JITFunction
+from muser.engine.kernels import qmatmul_i8 as i8, qtile_i8 as ti
+from muser.engine.weights import random_bytes, repack
+from muser.gguf.types import GgmlType as G
+rec = A.Recorder()
+orig, JITFunction.run = JITFunction.run, lambda self, *a, **kw: rec.run(self, a, kw)
+w = repack("t", G.Q4_K, 136, 2560, torch.from_numpy(random_bytes(G.Q4_K, 136, 2560, 1).copy()))
+ti.matmul_tile(w, i8.Act(G.Q8_K, torch.zeros(1, 2560, dtype=torch.int8), torch.zeros(1, 10),
+                         torch.zeros(1, 80, dtype=torch.int32)), torch.empty(1, 136), fold=True)
+JITFunction.run = orig
+(fn, s, c, o), = rec.launches.values()
+print(triton.compile(GluonASTSource(fn, s, constexprs=c), target=GPUTarget("cuda", 90, 32), options=o).asm["ptx"])
+"""
+
+
+@pytest.mark.timeout(600)
+def test_folded_chunk_sums_are_published_before_they_are_counted(tmp_path):
+    """The fold as compiled for sm_90 (one row, 3 chunks, no reduce launch): every thread's chunk
+    sums stored, then a CTA barrier, then one thread's acq_rel count on the output block's counter;
+    the last program reads the chunk sums from L2 (.cg) only after the count (and the barrier that
+    hands its value to every thread), and resets the counter after its store."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    p = subprocess.run([sys.executable, "-c", _FOLD_PTX, str(REPO)], env=env, capture_output=True, text=True,
+                       timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = [ln.strip() for ln in p.stdout.splitlines()]
+    at = lambda pred: [i for i, ln in enumerate(lines) if pred(ln)]  # noqa: E731
+    count = at(lambda ln: "atom.global.gpu.acq_rel.add" in ln)
+    reset = at(lambda ln: "atom.global.gpu.relaxed.exch" in ln)
+    bars = at(lambda ln: ln.startswith("bar.sync"))
+    part_stores = at(lambda ln: "st.global" in ln and ".b64" in ln)  # the f64 chunk sums
+    reads = at(lambda ln: "ld.global.cg.b64" in ln)
+    y_stores = at(lambda ln: "st.global.b32" in ln)
+    assert len(count) == 1 and len(reset) == 1 and reads and part_stores and y_stores, p.stdout[-2000:]
+    assert max(part_stores) < max(b for b in bars if b < count[0]) < count[0]
+    assert any(count[0] < b < min(reads) for b in bars)  # the count's value reaches every thread first
+    assert max(y_stores) < reset[0]
