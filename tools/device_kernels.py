@@ -305,12 +305,10 @@ def tuning_table(speed: list[dict]) -> list[dict]:
 def i8_tuning_table(speed: list[dict], margin: float = 0.03) -> list[dict]:
     """The integer lane's sweep -> i8_tuning.json entries (qtile_i8.load_tuning's form): per shape
     and row bucket (8: the one-row times, 16, 64: the widest call's) the fastest of the tile's
-    default, its swept tilings (one-row: split or walking its chunks; 1 and 16 rows: the chunk sums
-    folded into the tile) and, for 64, the wide GEMM (a tiling faster than the tile at 64 rows too),
-    among those whose outputs were bitwise the default's (the wide GEMM: the reference's). A
-    candidate replaces the default only if `margin` faster (the sweep's times are one sample); the
-    fold, timed like the default (5 samples of 20 launches) and doing its work less a launch, if
-    faster at all."""
+    default, its swept tilings (one-row: split or walking its chunks) and, for 64, the wide GEMM
+    (a tiling faster than the tile at 64 rows too), among those whose outputs were bitwise the
+    default's (the wide GEMM: the reference's). A
+    candidate replaces the default only if `margin` faster (the sweep's times are one sample)."""
     from muser.engine.kernels import qtile_i8
 
     table = []
@@ -323,30 +321,27 @@ def i8_tuning_table(speed: list[dict], margin: float = 0.03) -> list[dict]:
             if f"T{T}" not in tr or not all(tr.get("bitwise_vs_reference", {}).values()):
                 continue
             default = ({"path": "tile", "config": list(qtile_i8.config_for(T))}, tr[f"T{T}"]["us"])
-            cands = [default]  # those faster than the default by their margin (and the default)
+            cands = [default]
             for key, v in tr.get("sweep", {}).items():
                 head, _, rest = key.partition(" ")
                 if head != f"T{T}" or not v.get("bitwise_equal_default"):
                     continue
-                walk, fold = rest.endswith(" walk"), rest.endswith(" fold")
-                e = {"path": "tile", "config": json.loads(rest.removesuffix(" walk").removesuffix(" fold"))}
+                walk = rest.endswith(" walk")
+                e = {"path": "tile", "config": json.loads(rest.removesuffix(" walk"))}
                 if walk:
                     e["split"] = False
-                if fold:
-                    e["fold"] = True
-                # the fold is the default's work less a launch, timed as the default was: no margin
-                if v["us"] <= (1.0 - (0.0 if fold else margin)) * default[1]:
-                    cands.append((e, v["us"]))
+                cands.append((e, v["us"]))
             if bucket == 64:  # the bucket starts at 17 rows: a wide tiling must also beat the tile at 64
                 wide = tr.get("wide", {})
                 for key, v in wide.items():
                     head, _, rest = key.partition(" ")
                     at64 = wide.get(f"T64 {rest}", {})
                     if (head == f"T{T}" and v.get("bitwise_equal_reference") and at64.get("bitwise_equal_reference")
-                            and "T64" in tr and at64["us"] < tr["T64"]["us"]
-                            and v["us"] <= (1.0 - margin) * default[1]):
+                            and "T64" in tr and at64["us"] < tr["T64"]["us"]):
                         cands.append(({"path": "wide", "config": json.loads(rest)}, v["us"]))
             best = min(cands, key=lambda c: c[1])
+            if best[1] > (1.0 - margin) * default[1]:
+                best = default
             table.append({"fmt": r["fmt"], "rows": bucket, "n_out": r["n_out"], "n_in": r["n_in"], **best[0],
                           "us": round(best[1], 1), "default_us": round(default[1], 1)})
     return table
@@ -578,18 +573,6 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
             eq = bool(torch.equal(bits(got_t), bits(yb[:T])))
             sec = graph_seconds(lambda: qtile_i8.matmul_tile(w, acts[T], out, config=cfg, split=False), 10, 1)[0]
             sweep[key] = {"us": sec * 1e6, "bitwise_equal_default": eq}
-        except Exception as e:  # noqa: BLE001
-            sweep[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    # the chunk sums folded into the tile (its last chunk program of each output block adds them):
-    # no reduce launch; timed like the default, so the table can take it at no margin
-    for T in (1, 16):
-        key = f"T{T} {list(qtile_i8.config_for(T))} fold"
-        try:
-            out = torch.empty(T, w.n_out, device=device)
-            got_t = qtile_i8.matmul_tile(w, acts[T], out, fold=True)
-            eq = bool(torch.equal(bits(got_t), bits(yb[:T])))
-            samples = graph_seconds(lambda: qtile_i8.matmul_tile(w, acts[T], out, fold=True), 20, 5)
-            sweep[key] = {"us": float(np.mean(samples)) * 1e6, "samples_s": samples, "bitwise_equal_default": eq}
         except Exception as e:  # noqa: BLE001
             sweep[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
     t["sweep"] = sweep

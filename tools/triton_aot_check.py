@@ -178,16 +178,14 @@ def drive(rec: Recorder) -> None:
     from muser.engine.kernels import qtile_i8 as ti
     from muser.gguf.types import GgmlType as G
 
-    for fmt in ti.FORMATS:  # the integer lane's K-quant tile: decode, verify, prefill buckets, split, walked
-        for n_in, n_out in ((512, 24), (2560, 136)):  # and folded chunks
+    for fmt in ti.FORMATS:  # the integer lane's K-quant tile: decode, verify, prefill buckets, split and walked chunks
+        for n_in, n_out in ((512, 24), (2560, 136)):
             w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy()))
-            for T, cfg, split, fold in ((1, None, None, None), (16, None, None, None), (17, None, None, None),
-                                        (1, (64, 8, 4, 1), None, None), (17, (64, 16, 4, 1), None, None),
-                                        (1, None, False, None), (1, (64, 8, 4, 1), False, None), (1, None, None, True),
-                                        (16, None, None, True), (1, (64, 8, 4, 1), None, True)):
+            for T, cfg, split in ((1, None, None), (16, None, None), (17, None, None), (1, (64, 8, 4, 1), None),
+                                  (17, (64, 16, 4, 1), None), (1, None, False), (1, (64, 8, 4, 1), False)):
                 ti.matmul_tile(w, i8.Act(G.Q8_K, torch.zeros(T, n_in, dtype=torch.int8), torch.zeros(T, n_in // 256),
                                          torch.zeros(T, n_in // 32, dtype=torch.int32)), torch.empty(T, n_out), cfg,
-                               split, fold)
+                               split)
     from muser.engine.kernels import qwide_i8 as wi
 
     for fmt in wi.FORMATS:  # the integer lane's wide GEMM (prefill chunks), default and swept tilings

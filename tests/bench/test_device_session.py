@@ -202,9 +202,7 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
                      "T512 [128, 64, 8, 1]": {"us": 40.0, "bitwise_equal_reference": False},
                      "T64 [64, 64, 8, 1]": {"us": 30.0, "bitwise_equal_reference": True}}}
     speed = [{"fmt": "Q4_K", "n_out": 64, "n_in": 512, "tile": tile},
-             {"fmt": "Q6_K", "n_out": 64, "n_in": 512, "tile": {**tile, "wide": {}, "sweep": {  # the fold: no margin
-                 f"T1 {d1} fold": {"us": 10.2, "bitwise_equal_default": True},  # slower: the default stays
-                 f"T16 {d16} fold": {"us": 19.9, "bitwise_equal_default": True}}}},
+             {"fmt": "Q6_K", "n_out": 64, "n_in": 512, "tile": {**tile, "sweep": {}, "wide": {}}},
              {"fmt": "Q5_K", "n_out": 64, "n_in": 512, "tile": {"error": "boom"}},
              {"fmt": "Q5_K", "n_out": 32, "n_in": 512,  # wide wins at 512 rows but not at 64: the tile stays
               "tile": {**tile, "sweep": {}, "wide": {"T512 [64, 64, 8, 1]": {"us": 50.0, "bitwise_equal_reference": True},
@@ -216,27 +214,23 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
                           "default_us": 10.0},
                          {**key, "rows": 16, "path": "tile", "config": [64, 16, 4, 1], "us": 15.0, "default_us": 20.0},
                          {**key, "rows": 64, "path": "wide", "config": [64, 64, 8, 1], "us": 70.0, "default_us": 100.0}]
-    assert [(e["fmt"], e["n_out"], e["rows"], e["path"], e["config"], e.get("fold")) for e in table[3:]] == [
-        ("Q6_K", 64, 8, "tile", d1, None), ("Q6_K", 64, 16, "tile", d16, True), ("Q6_K", 64, 64, "tile", d64, None),
-        ("Q5_K", 32, 8, "tile", d1, None), ("Q5_K", 32, 16, "tile", d16, None), ("Q5_K", 32, 64, "tile", d64, None)]
+    assert [(e["fmt"], e["n_out"], e["rows"], e["path"], e["config"]) for e in table[3:]] == [
+        ("Q6_K", 64, 8, "tile", d1), ("Q6_K", 64, 16, "tile", d16), ("Q6_K", 64, 64, "tile", d64),
+        ("Q5_K", 32, 8, "tile", d1), ("Q5_K", 32, 16, "tile", d16), ("Q5_K", 32, 64, "tile", d64)]
     path = tmp_path / "i8_tuning.json"
     path.write_text(json.dumps(table))
     monkeypatch.setattr(qtile_i8, "TUNED", {})
     assert qtile_i8.load_tuning(str(path)) == 9 and qtile_i8.routes_wide()
     loaded = dict(qtile_i8.TUNED)
     w = repack("t", G.Q4_K, 64, 512, torch.from_numpy(random_bytes(G.Q4_K, 64, 512, 1).copy()))
-    assert qtile_i8.route(w, 1) == ("tile", (64, 8, 4, 0), False, None)
-    assert qtile_i8.route(w, 12) == ("tile", (64, 16, 4, 1), None, None)
-    assert qtile_i8.route(w, 17) == ("wide", (64, 64, 8, 1), None, None)
-    w6 = repack("t", G.Q6_K, 64, 512, torch.from_numpy(random_bytes(G.Q6_K, 64, 512, 1).copy()))
-    assert qtile_i8.route(w6, 16) == ("tile", tuple(d16), None, True)
+    assert qtile_i8.route(w, 1) == ("tile", (64, 8, 4, 0), False)
+    assert qtile_i8.route(w, 12) == ("tile", (64, 16, 4, 1), None)
+    assert qtile_i8.route(w, 17) == ("wide", (64, 64, 8, 1), None)
     other = repack("t", G.Q4_K, 32, 512, torch.from_numpy(random_bytes(G.Q4_K, 32, 512, 1).copy()))
-    assert qtile_i8.route(other, 1) == ("tile", None, None, None)
+    assert qtile_i8.route(other, 1) == ("tile", None, None)
     for bad, what in [({"path": "wide", "rows": 16}, "64-row bucket"), ({"fmt": "Q6_K", "path": "wide"}, "64-row bucket"),
                       ({"rows": 64, "split": True}, "split"), ({"config": [48, 8, 4, 0]}, "config"),
-                      ({"fmt": "Q8_0"}, "K-quant"), ({"rows": 32}, "rows 8, 16 or 64"), ({"path": "cublas"}, "path"),
-                      ({"fold": True}, "fold"), ({"rows": 8, "fold": True, "split": False}, "fold"),
-                      ({"rows": 8, "fold": 1}, "fold"), ({"path": "wide", "fold": False}, "64-row bucket")]:
+                      ({"fmt": "Q8_0"}, "K-quant"), ({"rows": 32}, "rows 8, 16 or 64"), ({"path": "cublas"}, "path")]:
         entry = {**table[0], "rows": 64, "split": None, **bad}
         path.write_text(json.dumps([table[1], {k: v for k, v in entry.items() if v is not None}]))
         with pytest.raises(LaneError, match=what):

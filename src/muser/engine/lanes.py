@@ -291,7 +291,7 @@ class Linear:
                 from .kernels import qwide_i8
 
                 return qwide_i8.matmul_wide(w, act, out, config=r.config)
-            return qtile_i8.matmul_tile(w, act, out, config=r.config, split=r.split, fold=r.fold)
+            return qtile_i8.matmul_tile(w, act, out, config=r.config, split=r.split)
         from .kernels import qmatmul_i8
 
         return qmatmul_i8.matmul_i8_act(w, act, out)

@@ -32,12 +32,7 @@ Arithmetic (dot.py's, one fixed float order; the integer steps are exact whateve
   f64(f32(ad * wd)) * f64(sumi).
 - The terms are summed in f64 per chunk of dot.CHUNK_ELEMS elements from +0.0 in block order,
   then the chunks from +0.0 in chunk order, rounded to f32 at the store. Calls of <= SPLIT_ROWS
-  rows give each chunk its own program and add the chunk sums with qmatmul_i8's reduce launch,
-  or (`fold`) in the tile itself: each chunk program stores its sums, counts itself in on its
-  output block's counter (an acq_rel atomic after a CTA barrier), and the program that counts
-  last adds the block's chunk sums from +0.0 in chunk order, the reduce's additions, and resets
-  the counter for the next launch. The counters are one buffer per device (`_counters`): calls
-  of one device run on one stream, in order (a launch's counters are all 0 again when it ends).
+  rows give each chunk its own program and add the chunk sums with qmatmul_i8's reduce launch.
 Launched with enable_fp_fusion=False: no multiply and add contract into an FMA. A one-row launch
 takes programmatic dependent launch on sm_90 (gdc.py; `_after_prior` is the kernel's first step).
 
@@ -125,12 +120,11 @@ def config_for(rows: int) -> tuple[int, int, int, int]:
 
 
 class Route(NamedTuple):
-    """Where the lane sends a call: `path` "tile" (matmul_tile with `config`, `split` and `fold`;
-    None: its defaults) or "wide" (qwide_i8.matmul_wide with `config`)."""
+    """Where the lane sends a call: `path` "tile" (matmul_tile with `config` and `split`; None:
+    its defaults) or "wide" (qwide_i8.matmul_wide with `config`)."""
     path: str
     config: tuple[int, int, int, int] | None = None
     split: bool | None = None
-    fold: bool | None = None
 
 
 # The device sweep's winners per (format, row bucket 8 / 16 / 64, n_out, n_in) (tools/device_kernels.py
@@ -149,16 +143,13 @@ def _parse_route(e: dict) -> tuple[tuple[str, int, int, int], Route]:
     if fmt not in FORMATS or key[1] not in CONFIGS or key[2] <= 0 or key[3] <= 0 or key[3] % 256:
         raise ValueError(f"entry {key}: expected a K-quant format the tile serves "
                          f"({', '.join(f.name for f in FORMATS)}), rows 8, 16 or 64 and a 256-multiple row length")
-    path, split, fold = e.get("path", "tile"), e.get("split"), e.get("fold")
+    path, split = e.get("path", "tile"), e.get("split")
     if path == "tile":
         if split is not None and (not isinstance(split, bool) or (split and key[1] > SPLIT_ROWS)):
             raise ValueError(f"entry {key}: split {split!r} (true or false, true only up to {SPLIT_ROWS} rows)")
-        if fold is not None and (not isinstance(fold, bool) or (fold and (split is False or key[1] > SPLIT_ROWS))):
-            raise ValueError(f"entry {key}: fold {fold!r} (true or false, true only for split calls of up to "
-                             f"{SPLIT_ROWS} rows)")
-        return key, Route("tile", check_config(e["config"]), split, fold)
+        return key, Route("tile", check_config(e["config"]), split)
     if path == "wide":
-        if fmt not in qwide_i8.FORMATS or key[1] != 64 or split is not None or fold is not None:
+        if fmt not in qwide_i8.FORMATS or key[1] != 64 or split is not None:
             raise ValueError(f"entry {key}: the wide GEMM serves the 64-row bucket of "
                              f"{', '.join(f.name for f in qwide_i8.FORMATS)}, without split")
         return key, Route("wide", qwide_i8.check_config(e["config"]))
@@ -167,7 +158,7 @@ def _parse_route(e: dict) -> tuple[tuple[str, int, int, int], Route]:
 
 def load_tuning(path: str) -> int:
     """Merge an i8_tuning.json (a list of {fmt, rows, n_out, n_in, path: "tile" | "wide", config,
-    split and fold (tile, optional)}) into TUNED; returns the number of entries. Every entry is checked
+    split (tile, optional)}) into TUNED; returns the number of entries. Every entry is checked
     before any is taken (LaneError naming the file and the entry)."""
     try:
         entries = json.loads(open(path).read())
@@ -442,13 +433,11 @@ if HAVE_GLUON:
         return term
 
     @gluon.jit
-    def _qtile_kernel(aq, ad, ab, y, part, count, w0, w1, w2, w3, w4, w5, N, K, T, sy,
+    def _qtile_kernel(aq, ad, ab, y, part, w0, w1, w2, w3, w4, w5, N, K, T, sy,
                      FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr,
-                     CB: gl.constexpr, SPLIT: gl.constexpr, FOLD: gl.constexpr, PF: gl.constexpr,
-                     PDL: gl.constexpr):
-        """y [T, N] f32 (or, SPLIT over several chunks, part [n_chunks, T, N] f64 and, FOLD, y from
-        the output block's last chunk program): program (c, i, j) takes activation rows i*BM.. and
-        weight rows j*BN.. (and, SPLIT, chunk c; else c is 0)."""
+                     CB: gl.constexpr, SPLIT: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr):
+        """y [T, N] f32 (or, SPLIT over several chunks, part [n_chunks, T, N] f64): program (c, i, j)
+        takes activation rows i*BM.. and weight rows j*BN.. (and, SPLIT, chunk c; else c is 0)."""
         _after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
@@ -517,19 +506,6 @@ if HAVE_GLUON:
                 gl.store(y + stok[None, :] * sy + srow[:, None], acc.to(gl.float32), mask=omask)
             else:
                 gl.store(part + (c * T + stok[None, :]) * N + srow[:, None], acc, mask=omask)
-                if FOLD:
-                    nch = gl.num_programs(0)
-                    blk = gl.program_id(1) * gl.num_programs(2) + gl.program_id(2)
-                    gl.thread_barrier()  # every thread's chunk sums stored before the block counts this program
-                    # release: those stores visible to the program that counts last; acquire: it sees theirs
-                    seen = gl.atomic_add(count + blk, 1, sem="acq_rel", scope="gpu")
-                    if seen == nch - 1:  # the last of the block's chunk programs: the reduce's additions
-                        tot = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
-                        for c2 in range(0, nch):  # chunk order; .cg: from L2, past this SM's L1
-                            tot = tot + gl.load(part + (c2 * T + stok[None, :]) * N + srow[:, None], mask=omask,
-                                                other=0.0, cache_modifier=".cg")
-                        gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
-                        gl.atomic_xchg(count + blk, 0, sem="relaxed", scope="gpu")  # 0 for the next launch
         else:
             tot = gl.zeros([BN, BM], gl.float64, layout=mma)
             for c in range(0, (nb + CB - 1) // CB):
@@ -563,34 +539,14 @@ def _word_fields(w: QWeight) -> list[torch.Tensor]:
     return out
 
 
-# The fold's per-output-block counters, one buffer per device (int32, all 0 between launches):
-# enough for the most blocks a split call makes (SPLIT_ROWS rows in tiles of >= 8, N in tiles of >= 16)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, blocks: int) -> torch.Tensor:
-    """The device's fold counters, allocated (zeroed) on the first call outside a graph capture
-    (self_check makes it when the lane is set up): a buffer made inside a capture would live in
-    the graph's pool."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < blocks:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise LaneError(f"the int8 tile's fold counters for {blocks} output blocks were not allocated before "
-                            "this graph capture (qtile_i8.self_check allocates them)")
-        n = max(blocks, 1 << 16)
-        _COUNTERS[device] = c = torch.zeros(n, dtype=torch.int32, device=device)
-    return c
-
-
 def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
-                split: bool | None = None, fold: bool | None = None) -> torch.Tensor:
+                split: bool | None = None) -> torch.Tensor:
     """Q8_K activations (qmatmul_i8.Act) [T, K] x K-quant weight [N, K] -> f32 [T, N], bitwise
     matmul_ggml. `out` may be a column slice of a wider output (unit column stride); `config` =
     (BN, BM, num_warps, PF) overrides the table (speed only). `split`: each 1,024-element chunk
     its own program and the chunk sums added by a second launch (True), or a program walking its
-    chunks (False); by default split at most SPLIT_ROWS rows. `fold` (split calls): the chunk sums
-    added by each output block's last chunk program instead of a second launch (module doc);
-    default off. Speed only: the same additions in the same order every way."""
+    chunks (False); by default split at most SPLIT_ROWS rows. Speed only: the same additions in
+    the same order either way."""
     from . import qmatmul_i8
 
     if w.fmt not in FORMATS:
@@ -605,20 +561,14 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
     cb = CHUNK_ELEMS // 256
     nch = -(-(w.n_in // 256) // cb)
     split = T <= SPLIT_ROWS if split is None else bool(split)
-    fold = bool(fold) and split and nch > 1
-    if fold and T > SPLIT_ROWS:
-        raise LaneError(f"fold serves split calls of up to {SPLIT_ROWS} rows, not {T}")
-    grid = (nch if split else 1, -(-T // bm), -(-N // bn))  # chunks fastest (the kernel's note)
     part = out  # never read unless split over several chunks
-    count = out  # never touched unless folding
     if split and nch > 1:
         part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
-    if fold:
-        count = _counters(out.device, grid[1] * grid[2])
-    _qtile_kernel[grid](act.qs.view(torch.int32), act.d, act.bsum32, out, part, count, *ptrs, N, w.n_in, T,
-                        out.stride(0), FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, FOLD=fold, PF=pf,
-                        num_warps=nw, enable_fp_fusion=False, **gdc.kwargs(out))
-    if split and nch > 1 and not fold:
+    grid = (nch if split else 1, -(-T // bm), -(-N // bn))  # chunks fastest (the kernel's note)
+    _qtile_kernel[grid](act.qs.view(torch.int32), act.d, act.bsum32, out, part, *ptrs, N, w.n_in, T, out.stride(0),
+                       FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, PF=pf, num_warps=nw,
+                       enable_fp_fusion=False, **gdc.kwargs(out))
+    if split and nch > 1:
         qmatmul_i8.reduce_chunks(part, out)
     return out
 
@@ -627,13 +577,10 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
 def self_check(device: str) -> None:
     """The tile against its reference (qmatmul_i8.check_against_reference) on this device, once a
     process, before the fast lane serves a K-quant projection with it: every format at 1, 3, 16 and
-    40 rows, and with the chunk sums folded at 1, 3 and 16 (which also allocates the fold's
-    counters before any graph capture); LaneError on any differing bit."""
+    40 rows; LaneError on any differing bit."""
     from . import qmatmul_i8
 
     qmatmul_i8.check_against_reference("int8 tile", FORMATS, (1, 3, 16, 40), matmul_tile, device)
-    qmatmul_i8.check_against_reference("int8 tile, chunk sums folded", FORMATS, (1, 3, 16),
-                                       lambda w, act: matmul_tile(w, act, fold=True), device)
 
 
 __all__ = ["CONFIGS", "FORMATS", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
