@@ -45,9 +45,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the K-quant projections through the split-activation integer GEMM, row-invariant at every "
                         "row count (prefill chunks of any size), slower today (H200 decode 55.94 against 91.96 tok/s); "
                         "default exact, the faster gated lane at decode on both devices (H200, full geometry: "
-                        "104.78 against the integer lane's 81.86 tok/s; H100: 97.61 against 87.91; the integer lane prefills "
-                        "and verifies faster, H100 pp512 1,451 against 306 tok/s, first token of a 16-token prompt "
-                        "19.5 against 55.6 ms; "
+                        "104.78 against the integer lane's 81.86 tok/s; H100: 101.17 against 96.82; the integer lane prefills "
+                        "and verifies faster, H100 pp512 1,469 against 306 tok/s, first token of a 16-token prompt "
+                        "18.7 against 54.6 ms; "
                         "on the CPU, micro model: decode 0.97x, prefill 1.14x; bench/NOTES.md)")
     p.add_argument("--kv", default="f16", choices=KV_TYPES, help="KV cache type (default f16)")
     p.add_argument("--threads", type=int, help="CPU threads for the forward (default: torch's, the usable cores)")
