@@ -8,9 +8,12 @@ values); no model file.
     python3 tools/device_counters.py OUT [--shape Q4_K:39936:6656] [--rows 1,16] [--lanes exact,fast]
 
 Runs itself under `ncu --clock-control none` (METHOD.md: leave the clocks alone) with profiling
-off until every kernel has compiled and run once; writes OUT/counters.json (one record per kernel
-launch: the kernel, lane, rows, and each metric) and OUT/counters.txt (a table), and prints it.
-Where `ncu` is absent or cannot read the counters it says so and exits 3.
+off until every kernel has compiled and run once; writes OUT/counters.json (`labels`: the calls
+in launch order, e.g. "exact T16"; `records`: one per kernel launch in the same order, its kernel
+name and each metric; a call may launch more than one kernel: the exact lane's activation prep,
+the integer lane's chunk reduce) and OUT/counters.txt (a table), and prints it. A bad --shape or
+--lanes is refused before any work; where `ncu` is absent or cannot read the counters it says so
+and exits 3.
 """
 
 from __future__ import annotations
@@ -58,9 +61,41 @@ METRICS = (
 ) + tuple(f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS)
 
 
-def _shape(s: str) -> tuple[str, int, int]:
-    fmt, n_out, n_in = s.split(":")
-    return fmt, int(n_out), int(n_in)
+LANES = ("exact", "fast")
+FORMATS = ("Q4_K", "Q5_K", "Q6_K")  # the K-quants both lanes' kernels serve
+
+
+def shape_arg(s: str) -> tuple[str, int, int]:
+    """FMT:N_OUT:N_IN -> (FMT, N_OUT, N_IN), or an argparse error naming the value."""
+    parts = s.split(":")
+    if (len(parts) != 3 or parts[0] not in FORMATS or not all(p.isdigit() and int(p) > 0 for p in parts[1:])
+            or int(parts[2]) % 256):
+        raise argparse.ArgumentTypeError(f"{s!r}: expected FMT:N_OUT:N_IN with FMT one of {', '.join(FORMATS)} "
+                                         "and N_IN a positive multiple of 256")
+    return parts[0], int(parts[1]), int(parts[2])
+
+
+def list_arg(allowed: tuple[str, ...] | None):
+    def parse(s: str) -> list[str]:
+        items = s.split(",")
+        bad = [v for v in items if (v not in allowed if allowed else not (v.isdigit() and 1 <= int(v) <= 16))]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{s!r}: {bad[0]!r} is not one of "
+                                             f"{', '.join(allowed) if allowed else '1..16 (rows)'}")
+        return items
+    return parse
+
+
+def parse_records(raw: str) -> list[dict]:
+    """ncu's `--csv --page raw` output -> [{kernel, metrics}] in launch order: the header row is
+    the first that starts with "ID", the units row after it has no ID, numbers may carry
+    thousands separators; text before the header (the program's own output) is skipped."""
+    at = raw.find('"ID"')
+    if at < 0:
+        return []
+    rows = [r for r in csv.DictReader(io.StringIO(raw[at:])) if r.get("ID", "").strip().isdigit()]
+    return [{"kernel": r.get("Kernel Name", ""), "metrics": {k: _num(r[k]) for k in METRICS if k in r}}
+            for r in rows]
 
 
 def target(args) -> int:
@@ -71,16 +106,16 @@ def target(args) -> int:
     from muser.engine.weights import random_bytes, repack
     from muser.gguf.types import GgmlType as G
 
-    fmt_name, n_out, n_in = _shape(args.shape)
+    fmt_name, n_out, n_in = args.shape
     fmt = G[fmt_name]
     dev = "cuda"
     w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 3).copy()).to(dev))
     packed = qmatvec_v3.pack(w)
     g = torch.Generator(device="cpu").manual_seed(1)
-    rows = [int(r) for r in args.rows.split(",")]
+    rows = [int(r) for r in args.rows]
     x = torch.randn(max(rows), n_in, generator=g).to(dev)
     calls = []  # (label, fn): one launch group each, in the order ncu sees them
-    for lane in args.lanes.split(","):
+    for lane in args.lanes:
         for T in rows:
             xt = x[:T].contiguous()
             if lane == "exact":
@@ -115,9 +150,9 @@ def _num(v: str):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", nargs="?")
-    ap.add_argument("--shape", default="Q4_K:39936:6656", help="FMT:N_OUT:N_IN")
-    ap.add_argument("--rows", default="1,16")
-    ap.add_argument("--lanes", default="exact,fast")
+    ap.add_argument("--shape", type=shape_arg, default="Q4_K:39936:6656", help="FMT:N_OUT:N_IN")
+    ap.add_argument("--rows", type=list_arg(None), default="1,16", help="activation rows, 1..16 each")
+    ap.add_argument("--lanes", type=list_arg(LANES), default="exact,fast")
     ap.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--order", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -126,37 +161,29 @@ def main(argv=None) -> int:
     if not args.out:
         ap.error("OUT is required")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/opt/nvidia").glob("nsight-compute/*/ncu"))), None)
     if ncu is None and Path("/usr/local/cuda/bin/ncu").exists():
         ncu = "/usr/local/cuda/bin/ncu"
     if ncu is None:
         print("ncu: not found on this machine", file=sys.stderr)
         return 3
+    out.mkdir(parents=True, exist_ok=True)
     order = out / "order.json"
+    shape = ":".join(str(v) for v in args.shape)
     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
            "--metrics", ",".join(METRICS), sys.executable, __file__, "--target", "--order", str(order),
-           "--shape", args.shape, "--rows", args.rows, "--lanes", args.lanes]
+           "--shape", shape, "--rows", ",".join(args.rows), "--lanes", ",".join(args.lanes)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     (out / "ncu.log").write_text(p.stdout + "\n--- stderr ---\n" + p.stderr)
     if p.returncode != 0:
         print(p.stderr[-3000:], file=sys.stderr)
         return 3
-    text = p.stdout[p.stdout.find('"ID"'):] if '"ID"' in p.stdout else ""
-    recs = list(csv.DictReader(io.StringIO(text)))
-    recs = [r for r in recs if r.get("ID", "").strip().isdigit()]  # the units row has no ID
-    if not recs:
+    table = parse_records(p.stdout)
+    if not table:
         print("ncu: no kernel records (counters unreadable?)\n" + p.stdout[-2000:], file=sys.stderr)
         return 3
     labels = json.loads(order.read_text())
-    table = []
-    for r in recs:
-        name = r.get("Kernel Name", "")
-        m = {k: _num(r[k]) for k in METRICS if k in r}
-        table.append({"kernel": name, "metrics": m})
-    # launches belong to the labels in order: a label's call may launch several kernels (the
-    # exact lane's act_prep, the integer lane's chunk reduce); each record keeps its kernel name
-    res = {"shape": args.shape, "labels": labels, "records": table, "ncu": ncu}
+    res = {"shape": shape, "labels": labels, "records": table, "ncu": ncu}
     (out / "counters.json").write_text(json.dumps(res, indent=1))
     lines = []
     for t in table:
@@ -174,7 +201,7 @@ def main(argv=None) -> int:
                      f"L1 {m.get('l1tex__throughput.avg.pct_of_peak_sustained_active')} "
                      f"eligible {m.get('smsp__warps_eligible.avg.per_cycle_active')}\n"
                      f"    stalls per issue: " + ", ".join(f"{s} {v:.2f}" for v, s in top))
-    txt = f"{args.shape}; launches in order of {labels}\n" + "\n".join(lines)
+    txt = f"{shape}; launches in order of {labels}\n" + "\n".join(lines)
     (out / "counters.txt").write_text(txt + "\n")
     print(txt)
     return 0
