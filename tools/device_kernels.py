@@ -305,8 +305,7 @@ def tuning_table(speed: list[dict]) -> list[dict]:
 def i8_tuning_table(speed: list[dict], margin: float = 0.03) -> list[dict]:
     """The integer lane's sweep -> i8_tuning.json entries (qtile_i8.load_tuning's form): per shape
     and row bucket (8: the one-row times, 16, 64: the widest call's) the fastest of the tile's
-    default, its swept tilings (one-row: split or walking its chunks; 1 and 16 rows: the chunks over
-    a program's warps) and, for 64, the wide GEMM
+    default, its swept tilings (one-row: split or walking its chunks) and, for 64, the wide GEMM
     (a tiling faster than the tile at 64 rows too), among those whose outputs were bitwise the
     default's (the wide GEMM: the reference's). A
     candidate replaces the default only if `margin` faster (the sweep's times are one sample)."""
@@ -328,10 +327,7 @@ def i8_tuning_table(speed: list[dict], margin: float = 0.03) -> list[dict]:
                 if head != f"T{T}" or not v.get("bitwise_equal_default"):
                     continue
                 walk = rest.endswith(" walk")
-                if rest.endswith(" warps"):
-                    e = {"path": "warps", "config": json.loads(rest.removesuffix(" warps"))}
-                else:
-                    e = {"path": "tile", "config": json.loads(rest.removesuffix(" walk"))}
+                e = {"path": "tile", "config": json.loads(rest.removesuffix(" walk"))}
                 if walk:
                     e["split"] = False
                 cands.append((e, v["us"]))
@@ -579,20 +575,6 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
             sweep[key] = {"us": sec * 1e6, "bitwise_equal_default": eq}
         except Exception as e:  # noqa: BLE001
             sweep[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    # each program holding all its chunks, its warps taking them in rounds (matmul_warps): one launch,
-    # no f64 partials in memory; (BN, BM, WK, WN)
-    for T, cfgs in ((1, [(16, 8, 4, 1), (16, 8, 8, 1), (32, 8, 4, 1), (16, 8, 2, 1), (32, 8, 2, 2)]),
-                    (16, [(16, 16, 4, 1), (16, 16, 8, 1), (32, 16, 4, 1), (32, 16, 2, 2), (16, 16, 2, 1)])):
-        for cfg in cfgs:
-            key = f"T{T} {list(cfg)} warps"
-            try:
-                out = torch.empty(T, w.n_out, device=device)
-                got_t = qtile_i8.matmul_warps(w, acts[T], out, config=cfg)
-                eq = bool(torch.equal(bits(got_t), bits(yb[:T])))
-                sec = graph_seconds(lambda: qtile_i8.matmul_warps(w, acts[T], out, config=cfg), 10, 1)[0]
-                sweep[key] = {"us": sec * 1e6, "bitwise_equal_default": eq}
-            except Exception as e:  # noqa: BLE001
-                sweep[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
     t["sweep"] = sweep
     from muser.engine.kernels import qwide_i8
 

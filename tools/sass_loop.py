@@ -8,8 +8,6 @@ instructions by class, then divide by the weights one thread decodes per iterati
     python3 tools/sass_loop.py split FMT T [--config ...] [--rows-kernel 0|1] [--dump]
     python3 tools/sass_loop.py tile FMT T [--config BN,BM,NUM_WARPS] [--dump]   (the integer lane's int8 tile:
                                                                              its super-block loop)
-    python3 tools/sass_loop.py warps FMT T [--config BN,BM,WK,WN] [--dump]   (the tile with its chunks
-                                                                             over a program's warps)
     python3 tools/sass_loop.py attn full|sliding T [--dump]   (the exact pass at depth 32,768)
 
 Used to predict a kernel's issue-bound ceiling before spending GPU time (bench/NOTES.md).
@@ -145,12 +143,11 @@ def _matmul_launch(a):
         ws, act = mod.pack(w), mod.split_act_ref(x)
         rk = None if a.rows_kernel is None else bool(a.rows_kernel)
         fn, args, kw, grid = capture(lambda: mod.launch_matmul(ws, act, torch.empty(a.T, a.n_out), cfg, rk))
-    elif a.kernel in ("tile", "warps"):
+    elif a.kernel == "tile":
         from muser.engine.kernels import qmatmul_i8, qtile_i8
         act = qmatmul_i8.Act(G.Q8_K, torch.zeros(a.T, a.n_in, dtype=torch.int8), torch.zeros(a.T, a.n_in // 256),
                              torch.zeros(a.T, a.n_in // 32, dtype=torch.int32))
-        launch = qtile_i8.matmul_tile if a.kernel == "tile" else qtile_i8.matmul_warps
-        fn, args, kw, grid = capture(lambda: launch(w, act, torch.empty(a.T, a.n_out), cfg), 0)
+        fn, args, kw, grid = capture(lambda: qtile_i8.matmul_tile(w, act, torch.empty(a.T, a.n_out), cfg), 0)
     else:
         from muser.engine.kernels import qmatvec_v3 as mod
         w3 = mod.pack(w)
@@ -174,7 +171,7 @@ def _attn_call(kind: str, T: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kernel", choices=["v3", "split", "tile", "warps", "attn"])
+    ap.add_argument("kernel", choices=["v3", "split", "tile", "attn"])
     ap.add_argument("fmt")
     ap.add_argument("T", type=int)
     ap.add_argument("--n-out", type=int, default=4096)
@@ -206,10 +203,6 @@ def main(argv=None) -> int:
     print("  " + ", ".join(f"{o}:{c}" for o, c in ops.most_common()))
     if a.kernel == "tile":  # one loop iteration: one 256-block of BN weight rows, BN / num_warps a warp
         per_warp = kw["BN"] // kw["num_warps"] * 256
-        print(f"  {len(body) / per_warp:.4f} warp-instructions a weight for {kw['BM']} activation rows "
-              f"(IMMA {ops['IMMA']}, shared memory {k.metadata.shared} B)")
-    if a.kernel == "warps":  # one loop iteration: one 256-block of BN weight rows on each of WK chunk lanes
-        per_warp = kw["BN"] // kw["WN"] * 256
         print(f"  {len(body) / per_warp:.4f} warp-instructions a weight for {kw['BM']} activation rows "
               f"(IMMA {ops['IMMA']}, shared memory {k.metadata.shared} B)")
     if a.dump:

@@ -175,8 +175,8 @@ def test_the_tuning_table_takes_the_fastest_tiling_with_the_default_bits():
 
 def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_path, monkeypatch):
     """tools/device_kernels.py --lane fast's sweep -> i8_tuning.json: per shape and row bucket the
-    fastest of the tile's default, its tilings (a one-row walk as split false), the chunks over a
-    program's warps (path warps) and the wide GEMM (64-row bucket), among those with the default's (the reference's) bits and more than the margin
+    fastest of the tile's default, its tilings (a one-row walk as split false) and the wide GEMM
+    (64-row bucket), among those with the default's (the reference's) bits and more than the margin
     faster; the table loads (qtile_i8.load_tuning) and routes those calls; a bad entry is refused
     with nothing taken."""
     sys.path.insert(0, str(REPO / "tools"))
@@ -196,8 +196,6 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
                       "T1 [32, 8, 2, 0]": {"us": 5.0, "bitwise_equal_default": False},
                       "T1 [64, 8, 4, 0] walk": {"us": 8.0, "bitwise_equal_default": True},
                       "T16 [64, 16, 4, 1]": {"us": 15.0, "bitwise_equal_default": True},
-                      "T16 [16, 16, 4, 1] warps": {"us": 12.0, "bitwise_equal_default": True},
-                      "T1 [16, 8, 4, 1] warps": {"us": 4.0, "bitwise_equal_default": False},
                       "T512 [64, 16, 4, 1]": {"us": 90.0, "bitwise_equal_default": True},
                       "T512 [256, 16, 8, 0]": {"error": "OutOfResources"}},
             "wide": {"T512 [64, 64, 8, 1]": {"us": 70.0, "bitwise_equal_reference": True},
@@ -214,7 +212,7 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
     key = {"fmt": "Q4_K", "n_out": 64, "n_in": 512}
     assert table[:3] == [{**key, "rows": 8, "path": "tile", "config": [64, 8, 4, 0], "split": False, "us": 8.0,
                           "default_us": 10.0},
-                         {**key, "rows": 16, "path": "warps", "config": [16, 16, 4, 1], "us": 12.0, "default_us": 20.0},
+                         {**key, "rows": 16, "path": "tile", "config": [64, 16, 4, 1], "us": 15.0, "default_us": 20.0},
                          {**key, "rows": 64, "path": "wide", "config": [64, 64, 8, 1], "us": 70.0, "default_us": 100.0}]
     assert [(e["fmt"], e["n_out"], e["rows"], e["path"], e["config"]) for e in table[3:]] == [
         ("Q6_K", 64, 8, "tile", d1), ("Q6_K", 64, 16, "tile", d16), ("Q6_K", 64, 64, "tile", d64),
@@ -226,15 +224,12 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
     loaded = dict(qtile_i8.TUNED)
     w = repack("t", G.Q4_K, 64, 512, torch.from_numpy(random_bytes(G.Q4_K, 64, 512, 1).copy()))
     assert qtile_i8.route(w, 1) == ("tile", (64, 8, 4, 0), False)
-    assert qtile_i8.route(w, 12) == ("warps", (16, 16, 4, 1), None)
+    assert qtile_i8.route(w, 12) == ("tile", (64, 16, 4, 1), None)
     assert qtile_i8.route(w, 17) == ("wide", (64, 64, 8, 1), None)
     other = repack("t", G.Q4_K, 32, 512, torch.from_numpy(random_bytes(G.Q4_K, 32, 512, 1).copy()))
     assert qtile_i8.route(other, 1) == ("tile", None, None)
     for bad, what in [({"path": "wide", "rows": 16}, "64-row bucket"), ({"fmt": "Q6_K", "path": "wide"}, "64-row bucket"),
                       ({"rows": 64, "split": True}, "split"), ({"config": [48, 8, 4, 0]}, "config"),
-                      ({"path": "warps", "config": [16, 16, 4, 1]}, "<= 16 rows"),
-                      ({"path": "warps", "rows": 16, "config": [16, 16, 3, 1]}, "config"),
-                      ({"path": "warps", "rows": 16, "config": [16, 16, 4, 1], "split": False}, "without split"),
                       ({"fmt": "Q8_0"}, "K-quant"), ({"rows": 32}, "rows 8, 16 or 64"), ({"path": "cublas"}, "path")]:
         entry = {**table[0], "rows": 64, "split": None, **bad}
         path.write_text(json.dumps([table[1], {k: v for k, v in entry.items() if v is not None}]))

@@ -281,8 +281,7 @@ class Linear:
     def _i8(self, w: QWeight, act, out: torch.Tensor | None = None) -> torch.Tensor:
         """The fast lane's GEMM on CUDA (the SPEC of dot.matmul_ggml): K-quants where the int8 tile
         serves go where the tuning table routes their shape and row bucket (qtile_i8.route: the tile
-        on a tiling, the tile with its chunks over a program's warps for decode and verify calls, or
-        the wide GEMM for Q4_K/Q5_K prefill chunks), other integer formats (and
+        on a tiling, or the wide GEMM for Q4_K/Q5_K prefill chunks), other integer formats (and
         devices without the tile) through kernels/qmatmul_i8. Every route has the same bits."""
         if w.fmt in self.tile_formats:
             from .kernels import qtile_i8
@@ -292,8 +291,6 @@ class Linear:
                 from .kernels import qwide_i8
 
                 return qwide_i8.matmul_wide(w, act, out, config=r.config)
-            if r.path == "warps":
-                return qtile_i8.matmul_warps(w, act, out, config=r.config)
             return qtile_i8.matmul_tile(w, act, out, config=r.config, split=r.split)
         from .kernels import qmatmul_i8
 

@@ -71,8 +71,6 @@ except (ImportError, AssertionError):  # pragma: no cover - absent, or Triton al
 FORMATS = (G.Q4_K, G.Q5_K, G.Q6_K)
 _CODE = {G.Q4_K: 2, G.Q5_K: 3, G.Q6_K: 4}  # qmatmul_i8's FMT numbers
 SPLIT_ROWS = 16  # as qmatmul_i8.SPLIT_ROWS: one program per chunk up to this many rows
-# (BN, BM, WK, WN) of matmul_warps by row bucket 8 / 16 (check_warps_config); the device sweep picks per shape
-WARPS_CONFIGS: dict[int, tuple[int, int, int, int]] = {8: (16, 8, 8, 1), 16: (16, 16, 4, 1)}
 
 # (BN weight rows, BM activation rows, num_warps, PF) per row bucket. BM 8 serves decode, 16 verify
 # and prefill tiles; BN 16 x warps is one m-tile a warp. Above one row, (128, 16, 4), two m-tiles a
@@ -123,8 +121,7 @@ def config_for(rows: int) -> tuple[int, int, int, int]:
 
 class Route(NamedTuple):
     """Where the lane sends a call: `path` "tile" (matmul_tile with `config` and `split`; None:
-    its defaults), "warps" (matmul_warps with `config`, calls of <= SPLIT_ROWS rows) or "wide"
-    (qwide_i8.matmul_wide with `config`)."""
+    its defaults) or "wide" (qwide_i8.matmul_wide with `config`)."""
     path: str
     config: tuple[int, int, int, int] | None = None
     split: bool | None = None
@@ -151,22 +148,17 @@ def _parse_route(e: dict) -> tuple[tuple[str, int, int, int], Route]:
         if split is not None and (not isinstance(split, bool) or (split and key[1] > SPLIT_ROWS)):
             raise ValueError(f"entry {key}: split {split!r} (true or false, true only up to {SPLIT_ROWS} rows)")
         return key, Route("tile", check_config(e["config"]), split)
-    if path == "warps":
-        if key[1] > SPLIT_ROWS or split is not None:
-            raise ValueError(f"entry {key}: the chunks-over-warps tile serves calls of <= {SPLIT_ROWS} rows, "
-                             f"without split")
-        return key, Route("warps", check_warps_config(e["config"]))
     if path == "wide":
         if fmt not in qwide_i8.FORMATS or key[1] != 64 or split is not None:
             raise ValueError(f"entry {key}: the wide GEMM serves the 64-row bucket of "
                              f"{', '.join(f.name for f in qwide_i8.FORMATS)}, without split")
         return key, Route("wide", qwide_i8.check_config(e["config"]))
-    raise ValueError(f"entry {key}: path {path!r} (expected 'tile', 'warps' or 'wide')")
+    raise ValueError(f"entry {key}: path {path!r} (expected 'tile' or 'wide')")
 
 
 def load_tuning(path: str) -> int:
-    """Merge an i8_tuning.json (a list of {fmt, rows, n_out, n_in, path: "tile" | "warps" | "wide",
-    config, split (tile, optional)}) into TUNED; returns the number of entries. Every entry is checked
+    """Merge an i8_tuning.json (a list of {fmt, rows, n_out, n_in, path: "tile" | "wide", config,
+    split (tile, optional)}) into TUNED; returns the number of entries. Every entry is checked
     before any is taken (LaneError naming the file and the entry)."""
     try:
         entries = json.loads(open(path).read())
@@ -531,159 +523,6 @@ if HAVE_GLUON:
                 tot = tot + acc
             gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
 
-    @gluon.jit
-    def _term_w(FMT: gl.constexpr, s, w0, w1, qrow, hrow, kw, p1, p2, p3, p4, aq, xrow, xk, pbs, pad, amask, snm,
-                bmask, bmask_lo, bmask_hi, stm, WK: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
-                mma: gl.constexpr, la: gl.constexpr):
-        """_term for the chunks-over-warps tile: the f64 terms [WK, BN, BM] of each chunk lane's
-        256-block, formed as _term forms them. Offsets and pointers hold each lane's first block: the
-        code words at w0 + qrow + kw (Q4_K/Q5_K qs, Q6_K ql; qrow [WK, BN, 1], kw [1, 1, 32]) and
-        w1 + hrow + kw (Q5_K qh at w5, Q6_K qh), the per-row fields p1..p4 [WK, BN] (Q4_K/Q5_K d,
-        dmin, sc, m; Q6_K sc at p2, d at p3), the activation words aq + xrow + xk ([WK, 1, BM] and
-        [1, 32, 1]), pbs and pad [WK, BM] their bsum32 and d. `s` is the block offset from there,
-        the same for every lane; lanes whose block is past the row's end (masked) load zeros, whose
-        term is +0.0."""
-        zero = gl.zeros([WK, BN, BM], gl.int32, layout=mma)
-        sumi = gl.zeros([WK, BN, BM], gl.int32, layout=mma)
-        if FMT <= 3:  # Q4_K / Q5_K: p0 qs, p1 d, p2 dmin, p3 sc words, p4 m words, p5 Q5_K qh
-            e0 = gl.load(p3 + s * 2, mask=snm, other=0)  # [WK, BN] sc bytes 0..3
-            e1 = gl.load(p3 + s * 2 + 1, mask=snm, other=0)
-            e2 = gl.load(p4 + s * 2, mask=snm, other=0)  # m bytes 0..3
-            e3 = gl.load(p4 + s * 2 + 1, mask=snm, other=0)
-            if FMT == 3:
-                v4 = gl.load(w1 + (hrow + s * 8) + kw, mask=amask, other=0)  # [WK, BN, 32] qh
-            summ = gl.zeros([WK, BN, BM], gl.int32, layout=mma)
-            for c in gl.static_range(4):
-                words = gl.load(w0 + (qrow + (s * 32 + 8 * c)) + kw, mask=amask, other=0)  # [WK, BN, 32]
-                for h in gl.static_range(2):
-                    j = 2 * c + h
-                    sh = gl.full([WK, BN, 32], 4 * h, gl.int32, layout=la)
-                    if FMT == 3:
-                        codes = _nib5(words, sh, v4, gl.full([WK, BN, 32], j, gl.int32, layout=la))
-                    else:
-                        codes = _nib(words, sh)
-                    x = _as_i8(gl.load(aq + (xrow + (s * 64 + 8 * j)) + xk, mask=bmask, other=0))  # [WK, 32, BM]
-                    isum = mma_v2(codes, x, zero)  # [WK, BN, BM] exact
-                    scj = _byte_of(e0, e1, e0, e1, j, False)
-                    mj = _byte_of(e2, e3, e2, e3, j, False)
-                    bs = gl.load(pbs + s * 8 + j, mask=stm, other=0)  # [WK, BM] int32
-                    sumi = sumi + isum * scj[:, :, None]
-                    summ = summ + mj[:, :, None] * bs[:, None, :]
-            a_d = gl.load(pad + s, mask=stm, other=0.0)  # [WK, BM] f32
-            wd = gl.load(p1 + s, mask=snm, other=0.0).to(gl.float32)  # [WK, BN] f16 -> f32
-            wm = gl.load(p2 + s, mask=snm, other=0.0).to(gl.float32)
-            dd = wd[:, :, None] * a_d[:, None, :]  # f32: y.d * fp16(x.d)
-            dm = wm[:, :, None] * (-a_d)[:, None, :]  # f32: -y.d * fp16(x.dmin)
-            term = dd.to(gl.float64) * sumi.to(gl.float64) + dm.to(gl.float64) * summ.to(gl.float64)
-        else:  # Q6_K: p0 ql, p1 qh, p2 sc words, p3 d
-            e0 = gl.load(p2 + s * 4, mask=snm, other=0)  # [WK, BN] sc bytes 0..15
-            e1 = gl.load(p2 + s * 4 + 1, mask=snm, other=0)
-            e2 = gl.load(p2 + s * 4 + 2, mask=snm, other=0)
-            e3 = gl.load(p2 + s * 4 + 3, mask=snm, other=0)
-            for hh in gl.static_range(2):  # 128-element halves
-                hw = gl.load(w1 + (hrow + (s * 16 + 8 * hh)) + kw, mask=amask, other=0)
-                for g in gl.static_range(2):
-                    lw = gl.load(w0 + (qrow + (s * 32 + 16 * hh + 8 * g)) + kw, mask=amask, other=0)
-                    for hi in gl.static_range(2):
-                        qq = g + 2 * hi  # quarter: elements 128 hh + 32 qq + k
-                        codes = _six(lw, gl.full([WK, BN, 32], 4 * hi, gl.int32, layout=la), hw,
-                                     gl.full([WK, BN, 32], 2 * qq, gl.int32, layout=la))
-                        xp = aq + (xrow + (s * 64 + 32 * hh + 8 * qq)) + xk
-                        xl = _as_i8(gl.load(xp, mask=bmask_lo, other=0))  # k < 16: sub-block 8 hh + 2 qq
-                        xh = _as_i8(gl.load(xp, mask=bmask_hi, other=0))  # k >= 16: the next
-                        il = mma_v2(codes, xl, zero)
-                        ih = mma_v2(codes, xh, zero)
-                        sl = _byte_of(e0, e1, e2, e3, 8 * hh + 2 * qq, True)
-                        sh_ = _byte_of(e0, e1, e2, e3, 8 * hh + 2 * qq + 1, True)
-                        sumi = sumi + il * sl[:, :, None]
-                        sumi = sumi + ih * sh_[:, :, None]
-            a_d = gl.load(pad + s, mask=stm, other=0.0)
-            wd = gl.load(p3 + s, mask=snm, other=0.0).to(gl.float32)
-            dd = wd[:, :, None] * a_d[:, None, :]
-            term = dd.to(gl.float64) * sumi.to(gl.float64)
-        return term
-
-    @gluon.jit
-    def _qtile_warps_kernel(aq, ad, ab, y, w0, w1, w2, w3, w4, w5, N, K, T, sy,
-                            FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, WK: gl.constexpr,
-                            WN: gl.constexpr, CB: gl.constexpr, PDL: gl.constexpr):
-        """y [T, N] f32: program (i, j) takes activation rows i*BM.. and weight rows j*BN.., all of
-        their chunks. Its WK x WN warps are [chunk lane, weight-row group]: in round r, lane k sums
-        chunk r*WK + k from +0.0 in block order (dot._chunk_sum's first level); the round's WK chunk
-        sums go through shared memory and join the total in chunk order (its second level), so no
-        f64 partials leave the program and no second launch adds them."""
-        _after_prior(PDL)  # gdc.py: the previous kernel done before the first read
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WK, WN, 1],
-                                                      instr_shape=[1, 16, 8])
-        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-        # the round's chunk sums [WK * BN, BM] (lane-major) and the total [BN, BM]
-        ps: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        lo: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [WK * WN, 1], [1, 0])
-        m0 = gl.program_id(0) * BM
-        n0 = gl.program_id(1) * BN
-        nb = K // 256
-        # each lane's first block (lane k, round 0) in the four layouts: weight operand [WK, BN, 32],
-        # activation operand [WK, 32, BM], by weight row [WK, BN] and by activation row [WK, BM]
-        ka = (gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, la))) * CB)[:, None, None]
-        kb = (gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, lb))) * CB)[:, None, None]
-        ks = (gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma))) * CB)[:, None]
-        kt = (gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(1, mma))) * CB)[:, None]
-        an = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, la)))
-        ak = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, la)))
-        arow = an.to(gl.int64)[None, :, None]
-        kw = (ak // 4)[None, None, :]  # code k in word k // 4 of a sub-block's 32 bytes
-        anm = (an < N)[None, :, None] & (ak < 32)[None, None, :]
-        bk = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, lb)))
-        bt = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(1, lb)))
-        bok = (bt < T)[None, None, :] & (bk < 32)[None, :, None]
-        xrow = bt.to(gl.int64)[None, None, :] * (K // 4) + kb * 64  # activation words: aq + xrow + xk
-        xk = (bk // 4)[None, :, None]
-        sn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
-        srow = sn.to(gl.int64)[None, :]
-        snn = (sn < N)[None, :]
-        st = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
-        stok = st.to(gl.int64)[None, :]
-        stt = (st < T)[None, :]
-        pbs = ab + stok * (K // 32) + kt * 8
-        pad = ad + stok * nb + kt
-        qrow = arow * (nb * 32) + ka * 32  # qs / ql words [N, nb * 32]
-        if FMT <= 3:  # d, dmin f16 [N, nb], sc, m words [N, nb * 2], Q5_K qh words [N, nb * 8]
-            hrow = arow * (nb * 8) + ka * 8
-            wh = w5
-            p1 = w1 + srow * nb + ks
-            p2 = w2 + srow * nb + ks
-            p3 = w3 + srow * (nb * 2) + ks * 2
-            p4 = w4 + srow * (nb * 2) + ks * 2
-        else:  # qh words [N, nb * 16], sc words [N, nb * 4], d f16 [N, nb]
-            hrow = arow * (nb * 16) + ka * 16
-            wh = w1
-            p2 = w2 + srow * (nb * 4) + ks * 4
-            p3 = w3 + srow * nb + ks
-            p1 = p3
-            p4 = p2
-        part = gl.allocate_shared_memory(gl.float64, [WK * BN, BM], ps)
-        tot = gl.zeros([BN, BM], gl.float64, layout=lo)  # +0.0 (dot._chunk_sum's second level)
-        nch = (nb + CB - 1) // CB
-        for r in range(0, (nch + WK - 1) // WK):
-            acc = gl.zeros([WK, BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
-            for i in range(0, CB):
-                s = r * (WK * CB) + i  # lane k's block is k * CB + s
-                left = nb - s  # a lane's block is in the row while k * CB < left
-                bmask = bok & (kb < left)
-                acc = acc + _term_w(FMT, s, w0, wh, qrow, hrow, kw, p1, p2, p3, p4, aq, xrow, xk, pbs, pad,
-                                    anm & (ka < left), snn & (ks < left),
-                                    bmask, bmask & (bk < 16)[None, :, None], bmask & (bk >= 16)[None, :, None],
-                                    stt & (kt < left), WK, BN, BM, mma, la)
-            part.store(gl.reshape(acc, [WK * BN, BM]))
-            gl.thread_barrier()
-            for k in gl.static_range(WK):  # chunks r*WK + k in order (past the last: +0.0, adding nothing)
-                tot = tot + part.slice(k * BN, BN, dim=0).load(lo)
-            gl.thread_barrier()  # every warp has read the round before the next one is stored
-        on = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, lo))
-        ot = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, lo))
-        gl.store(y + ot.to(gl.int64)[None, :] * sy + on.to(gl.int64)[:, None], tot.to(gl.float32),
-                 mask=(on < N)[:, None] & (ot < T)[None, :])
 
 def _need_gluon() -> None:
     if not HAVE_GLUON:
@@ -734,57 +573,16 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
     return out
 
 
-
-def check_warps_config(config) -> tuple[int, int, int, int]:
-    """(BN, BM, WK, WN) of the chunks-over-warps tile or ValueError naming it: WK chunk lanes and WN
-    weight-row groups a program (WK x WN warps, at most 8), BN weight rows (16 or 32 a row group), BM
-    activation rows 8 or 16."""
-    try:
-        bn, bm, wk, wn = (int(v) for v in config)
-    except (TypeError, ValueError):
-        raise ValueError(f"config {config!r}: expected (BN, BM, WK, WN)") from None
-    if not (wk in (2, 4, 8) and wn in (1, 2, 4) and wk * wn <= 8 and bn in (16 * wn, 32 * wn) and bm in (8, 16)):
-        raise ValueError(f"config {list(config)!r}: WK 2, 4 or 8 chunk lanes, WN 1, 2 or 4 row groups (WK x WN <= 8 "
-                         f"warps), BN 16 or 32 rows a row group, BM 8 or 16")
-    return bn, bm, wk, wn
-
-
-def matmul_warps(w: QWeight, act, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
-    """matmul_tile's contract with each program holding every chunk of its tile: its warps take the
-    chunks in rounds of WK and add each round's chunk sums in chunk order through shared memory
-    (`_qtile_warps_kernel`), so a decode or verify call is one launch with no f64 partials in memory.
-    `config` = (BN, BM, WK, WN) (check_warps_config); by default WARPS_CONFIGS by rows. Speed only:
-    the same additions in the same order as matmul_tile."""
-    from . import qmatmul_i8
-
-    if w.fmt not in FORMATS:
-        raise LaneError(f"tensor {w.name!r}: {G(w.fmt).name} has no int8 tile (served: "
-                        f"{', '.join(f.name for f in FORMATS)})")
-    out = qmatmul_i8.check_call(w, act, out)
-    T, N = act.rows, w.n_out
-    bn, bm, wk, wn = check_warps_config(config) if config is not None else WARPS_CONFIGS[8 if T <= 8 else 16]
-    _need_gluon()
-    ptrs = _word_fields(w)
-    ptrs += [ptrs[0]] * (6 - len(ptrs))  # absent slots repeat the first field (never read)
-    grid = (-(-T // bm), -(-N // bn))
-    _qtile_warps_kernel[grid](act.qs.view(torch.int32), act.d, act.bsum32, out, *ptrs, N, w.n_in, T, out.stride(0),
-                              FMT=_CODE[w.fmt], BN=bn, BM=bm, WK=wk, WN=wn, CB=CHUNK_ELEMS // 256,
-                              num_warps=wk * wn, enable_fp_fusion=False, **gdc.kwargs(out))
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def self_check(device: str) -> None:
     """The tile against its reference (qmatmul_i8.check_against_reference) on this device, once a
     process, before the fast lane serves a K-quant projection with it: every format at 1, 3, 16 and
-    40 rows, and matmul_warps at 1, 3 and 16; LaneError on any differing bit."""
+    40 rows; LaneError on any differing bit."""
     from . import qmatmul_i8
 
     qmatmul_i8.check_against_reference("int8 tile", FORMATS, (1, 3, 16, 40), matmul_tile, device)
-    qmatmul_i8.check_against_reference("int8 tile with its chunks over warps", FORMATS, (1, 3, 16), matmul_warps,
-                                       device)
 
 
-__all__ = ["CONFIGS", "FORMATS", "HAVE_GLUON", "TUNED", "TUNING_FILE", "WARPS_CONFIGS", "Route", "available",
-           "check_config", "check_warps_config", "codes_ref", "config_for", "load_tuning", "route", "routes_wide",
-           "matmul_tile", "matmul_warps", "self_check", "supports"]
+__all__ = ["CONFIGS", "FORMATS", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
+           "load_tuning", "route", "routes_wide",
+           "matmul_tile", "self_check", "supports"]
