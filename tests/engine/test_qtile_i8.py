@@ -134,13 +134,14 @@ def _first_read(body: list[str], i: int) -> int:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fmt,rows,imma,limit,ldl,config", [
-    ("Q4_K", "1", 8, 0.1, 0, None), ("Q6_K", "1", 16, 0.13, 0, None), ("Q4_K", "16", 32, 0.12, 0, None),
-    ("Q5_K", "16", 32, 0.14, 4, None), ("Q4_K", "512", 32, 0.12, 0, None),
-    ("Q4_K", "1", 8, 0.1, 0, "64,8,4,1"), ("Q5_K", "1", 8, 0.14, 0, "64,8,4,1"), ("Q6_K", "1", 16, 0.13, 0, "64,8,4,1"),
-    ("Q4_K", "16", 16, 0.14, 0, "64,16,4,1")])
+    ("Q4_K", "1", 16, 0.1, 0, None), ("Q6_K", "1", 16, 0.13, 0, None), ("Q4_K", "16", 64, 0.11, 0, None),
+    ("Q5_K", "16", 64, 0.13, 7, None), ("Q4_K", "512", 64, 0.11, 0, None),
+    ("Q4_K", "1", 16, 0.1, 0, "64,8,4,1"), ("Q5_K", "1", 16, 0.14, 0, "64,8,4,1"), ("Q6_K", "1", 16, 0.13, 0, "64,8,4,1"),
+    ("Q4_K", "16", 32, 0.14, 0, "64,16,4,1")])
 def test_tile_loop_unpacks_operands_in_registers(tmp_path, fmt, rows, imma, limit, ldl, config):
-    """A 256-block of the tile's loop as compiled for sm_90: per m-tile of a warp one IMMA per 32
-    codes (Q6_K: per 16) and n-tile (above one row a warp takes two m-tiles), the operands
+    """A 256-block of the tile's loop as compiled for sm_90: per m-tile of a warp and n-tile two IMMAs
+    per 32 codes (Q4_K/Q5_K: the codes and the row's min, both against the same activations; Q6_K
+    one per 16 codes; above one row a warp takes two m-tiles), the operands
     straight from 32-bit loads (no shared memory, no barrier), within the warp-instruction budget
     a weight that keeps a decode under the weight stream (bench/NOTES.md: ~0.1 a weight is ~2.7 ms
     a token of the 28 G). Nothing is stored to local memory inside the loop; the two-m-tile

@@ -25,7 +25,11 @@ borrow crosses a byte).
 
 Arithmetic (dot.py's, one fixed float order; the integer steps are exact whatever the tiling):
 - Q4_K/Q5_K: isum_j per 32-element sub-block (an IMMA into zeros), sumi = sum_j sc_j isum_j and
-  summ = sum_j m_j bsum32_j in int32 (|sumi| < 2^26, |summ| < 2^21); the block term
+  summ = sum_j m_j bsum32_j in int32 (|sumi| < 2^26, |summ| < 2^21). summ is formed on the tensor
+  cores: a second IMMA per sub-block against the same activation operand, its weight operand the
+  row's 6-bit m_j in every code slot (one byte permute of the m word), accumulating over the
+  sub-blocks: sum_j sum_k m_j x_jk is the same integer as sum_j m_j bsum32_j, without a multiply
+  per output and sub-block or the bsum32 loads; the block term
   f64(f32(ad * wd)) * f64(sumi) + f64(f32(-ad * wmin)) * f64(summ), each step rounded once.
 - Q6_K: per 16-element sub-block one IMMA against the activations with the other half loaded as
   zeros (a masked load; the zeros add nothing), sumi = sum_s sc_s isum_s (|sumi| < 2^28), term
@@ -292,11 +296,30 @@ if HAVE_GLUON:
         return (w >> (8 * (i % 4))) & 0xFF
 
     @gluon.jit
-    def _load(FMT: gl.constexpr, b, ok, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, srow, snm):
+    def _rep(w, i: gl.constexpr):
+        """Byte i (0..3) of each word in all four of its bytes (PTX prmt): a weight row's 6-bit min
+        m_j as a register of four int8 operands, the same value for every code k of the row."""
+        if i == 0:
+            r = gl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x0000;", "=r,r", [w], dtype=gl.int32, is_pure=True,
+                                          pack=1)
+        elif i == 1:
+            r = gl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x1111;", "=r,r", [w], dtype=gl.int32, is_pure=True,
+                                          pack=1)
+        elif i == 2:
+            r = gl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x2222;", "=r,r", [w], dtype=gl.int32, is_pure=True,
+                                          pack=1)
+        else:
+            r = gl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x3333;", "=r,r", [w], dtype=gl.int32, is_pure=True,
+                                          pack=1)
+        return r
+
+    @gluon.jit
+    def _load(FMT: gl.constexpr, b, ok, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, srow, snm, arow1, anm1):
         """The weight side of 256-block b, as the registers _term reads (nothing is loaded where `ok`
         is false: the block past a program's last). Q4_K/Q5_K: v0..v3 the qs words of 64-element
-        chunks 0..3 [BN, 32], v4 Q5_K's qh words (Q4_K: v0 again, unread), e0/e1 the sc words and
-        e2/e3 the m words [BN], f0/f1 d and dmin (f16 [BN]). Q6_K: v0..v3 the ql words of (half,
+        chunks 0..3 [BN, 32], v4 Q5_K's qh words (Q4_K: v0 again, unread), e0/e1 the sc words [BN]
+        and e2/e3 the m words [BN] by the weight operand's rows (arow1: they build an operand), f0/f1
+        d and dmin (f16 [BN]). Q6_K: v0..v3 the ql words of (half,
         64-element group) (0, 0), (0, 1), (1, 0), (1, 1), v4/v5 the qh words of halves 0 and 1,
         e0..e3 the sc words, f0 d (f1 = f0)."""
         nb = K // 256
@@ -314,8 +337,8 @@ if HAVE_GLUON:
             v5 = v0
             e0 = gl.load(w3 + srow * (nb * 2) + b * 2, mask=sm, other=0)  # [BN] sc bytes 0..3
             e1 = gl.load(w3 + srow * (nb * 2) + b * 2 + 1, mask=sm, other=0)
-            e2 = gl.load(w4 + srow * (nb * 2) + b * 2, mask=sm, other=0)  # m bytes 0..3
-            e3 = gl.load(w4 + srow * (nb * 2) + b * 2 + 1, mask=sm, other=0)
+            e2 = gl.load(w4 + arow1 * (nb * 2) + b * 2, mask=anm1 & ok, other=0)  # m bytes 0..3
+            e3 = gl.load(w4 + arow1 * (nb * 2) + b * 2 + 1, mask=anm1 & ok, other=0)
             f0 = gl.load(w1 + srow * nb + b, mask=sm, other=0.0)  # [BN] f16
             f1 = gl.load(w2 + srow * nb + b, mask=sm, other=0.0)
         else:
@@ -336,7 +359,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _term(FMT: gl.constexpr, b, v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1, ad, ab, K,
               bptr, bmask, bmask_lo, bmask_hi, stok, stm, w0, w1, w2, w3, w4, w5, arow, kw, amask, srow, snm,
-              PF: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, mma: gl.constexpr, la: gl.constexpr):
+              arow1, anm1, PF: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, mma: gl.constexpr,
+              la: gl.constexpr):
         """The float64 term [BN, BM] of 256-block b, formed as dot.py forms it. PF: its weight side
         as _load read it an iteration ahead (v*, e*, f*); otherwise each word is loaded where it is
         used (fewer registers live: the 128-row tiles keep their loop out of local memory)."""
@@ -345,8 +369,8 @@ if HAVE_GLUON:
             if FMT <= 3:
                 e0 = gl.load(w3 + srow * (nb * 2) + b * 2, mask=snm, other=0)  # [BN] sc bytes 0..3
                 e1 = gl.load(w3 + srow * (nb * 2) + b * 2 + 1, mask=snm, other=0)
-                e2 = gl.load(w4 + srow * (nb * 2) + b * 2, mask=snm, other=0)  # m bytes 0..3
-                e3 = gl.load(w4 + srow * (nb * 2) + b * 2 + 1, mask=snm, other=0)
+                e2 = gl.load(w4 + arow1 * (nb * 2) + b * 2, mask=anm1, other=0)  # m bytes 0..3
+                e3 = gl.load(w4 + arow1 * (nb * 2) + b * 2 + 1, mask=anm1, other=0)
                 if FMT == 3:
                     v4 = gl.load(w5 + arow * (nb * 8) + b * 8 + kw, mask=amask, other=0)  # [BN, 32]
             else:
@@ -379,10 +403,15 @@ if HAVE_GLUON:
                     x = _as_i8(gl.load(bptr + b * 64 + 8 * j, mask=bmask, other=0))  # [32, BM] int8
                     isum = mma_v2(codes, x, zero)  # [BN, BM] exact
                     scj = _byte_of(e0, e1, e0, e1, j, False)
-                    mj = _byte_of(e2, e3, e2, e3, j, False)
-                    bs = gl.load(ab + stok * (K // 32) + b * 8 + j, mask=stm, other=0)  # [BM] int32
                     sumi = sumi + isum * scj[:, None]
-                    summ = summ + mj[:, None] * bs[None, :]
+                    # summ: m_j in every code slot of its row against the same activations, one IMMA
+                    # accumulating over the sub-blocks: sum_k m_j x_k = m_j bsum32_j, the same integer
+                    if j < 4:
+                        mw = _rep(e2, j)
+                    else:
+                        mw = _rep(e3, j - 4)
+                    mops = _as_i8(mw[:, None] + gl.zeros([BN, 32], gl.int32, layout=la))  # [BN, 32] int8
+                    summ = mma_v2(mops, x, summ)
             a_d = gl.load(ad + stok * nb + b, mask=stm, other=0.0)  # [BM] f32
             if not PF:
                 f0 = gl.load(w1 + srow * nb + b, mask=snm, other=0.0)
@@ -454,6 +483,8 @@ if HAVE_GLUON:
         ak = gl.arange(0, 32, layout=gl.SliceLayout(0, la))
         amask = (an < N)[:, None] & (ak < 32)[None, :]
         arow = an.to(gl.int64)[:, None]
+        arow1 = an.to(gl.int64)  # [BN] by the weight operand's rows (the m words: an operand of theirs)
+        anm1 = an < N
         kw = (ak // 4)[None, :]
         # the activation operand [32, BM]: element k of a sub-block, activation row t
         bk = gl.arange(0, 32, layout=gl.SliceLayout(1, lb))
@@ -481,7 +512,7 @@ if HAVE_GLUON:
             b0 = 0
         if PF:  # the first block's weight side
             v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1 = _load(FMT, b0, True, w0, w1, w2, w3, w4, w5, K, arow,
-                                                                   kw, amask, srow, snm)
+                                                                   kw, amask, srow, snm, arow1, anm1)
         else:  # placeholders: _term loads the block itself
             v0 = gl.zeros([BN, 32], gl.int32, layout=la)
             v1, v2, v3, v4, v5 = v0, v0, v0, v0, v0
@@ -496,10 +527,10 @@ if HAVE_GLUON:
             for b in range(b0, b1):
                 if PF:
                     n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3, h0, h1 = _load(
-                        FMT, b + 1, b + 1 < b1, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, srow, snm)
+                        FMT, b + 1, b + 1 < b1, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, srow, snm, arow1, anm1)
                 acc = acc + _term(FMT, b, v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1, ad, ab, K, bptr, bmask,
                                   bmask_lo, bmask_hi, stok, stm, w0, w1, w2, w3, w4, w5, arow, kw, amask, srow, snm,
-                                  PF, BN, BM, mma, la)
+                                  arow1, anm1, PF, BN, BM, mma, la)
                 if PF:
                     v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1 = n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3, h0, h1
             if (nb + CB - 1) // CB == 1:  # +0.0 + acc is acc (acc starts at +0.0, never -0.0)
@@ -513,10 +544,10 @@ if HAVE_GLUON:
                 for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
                     if PF:  # runs on across chunk boundaries
                         n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3, h0, h1 = _load(
-                            FMT, b + 1, b + 1 < nb, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, srow, snm)
+                            FMT, b + 1, b + 1 < nb, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, srow, snm, arow1, anm1)
                     acc = acc + _term(FMT, b, v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1, ad, ab, K, bptr, bmask,
                                       bmask_lo, bmask_hi, stok, stm, w0, w1, w2, w3, w4, w5, arow, kw, amask, srow,
-                                      snm, PF, BN, BM, mma, la)
+                                      snm, arow1, anm1, PF, BN, BM, mma, la)
                     if PF:
                         v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1 = (n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3,
                                                                           h0, h1)
