@@ -552,7 +552,7 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
     # tilings; the 128-row tiles spill with it, so it is timed on the 64-row ones. At 16 rows also
     # 8-row activation tiles (two programs a weight tile, adjacent: L2 serves the second's weight
     # reads; half the accumulator registers)
-    for T, cfgs in ((1, [(64, 8, 4, 1), (32, 8, 2, 1), (16, 8, 1, 1), (32, 8, 2, 0), (128, 8, 4, 0)]),
+    for T, cfgs in ((1, [(64, 8, 4, 1), (64, 8, 4, 0), (16, 8, 1, 1), (32, 8, 2, 0), (128, 8, 4, 0)]),
                     (16, [(64, 16, 4, 1), (64, 16, 4, 0), (256, 16, 8, 0), (128, 8, 4, 0), (64, 8, 4, 0), (256, 8, 8, 0)]),
                     (big, [(64, 16, 4, 1), (64, 16, 4, 0), (256, 16, 8, 0)])):
         for cfg in cfgs:

@@ -83,9 +83,12 @@ SPLIT_ROWS = 16  # as qmatmul_i8.SPLIT_ROWS: one program per chunk up to this ma
 # 6656: 144.7 against 201.7 us at 16 rows, 3,311 against 4,959 at 512; bench/receipts/
 # 20261205T043516Z-kernels-cuda.json), though a value or two lands in local memory outside the
 # block loop. BM 32 spills inside it. The device sweep overrides through `config`, never the bits.
-# PF (the next block's weight words in flight during this block's IMMAs) stays 0 until a device
-# sweep has timed it: the sweep (tools/device_kernels.py) runs PF 1 beside each default.
-CONFIGS: dict[int, tuple[int, int, int, int]] = {8: (64, 8, 4, 0), 16: (128, 16, 4, 0), 64: (128, 16, 4, 0)}
+# One row: (32, 8, 2, 1), the next block's weight words in flight during this block's IMMAs (PF),
+# one m-tile a warp; with the min sums on the tensor cores (78 registers at PF 0) it ran faster
+# than (64, 8, 4, 0) on seven of the eight full-geometry shapes of an H100's sweep (Q4_K 39936 x
+# 6656: 67.6 against 77.1 us; the Q5_K LM head the exception, which the table routes),
+# bench/receipts/20261205T223814Z-kernels-cuda.json.
+CONFIGS: dict[int, tuple[int, int, int, int]] = {8: (32, 8, 2, 1), 16: (128, 16, 4, 0), 64: (128, 16, 4, 0)}
 
 
 def _bucket(t: int) -> int:
