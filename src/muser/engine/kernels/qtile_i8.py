@@ -360,7 +360,7 @@ if HAVE_GLUON:
         return v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1
 
     @gluon.jit
-    def _term(FMT: gl.constexpr, b, v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1, ad, ab, K,
+    def _term(FMT: gl.constexpr, b, v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1, ad, K,
               bptr, bmask, bmask_lo, bmask_hi, stok, stm, w0, w1, w2, w3, w4, w5, arow, kw, amask, srow, snm,
               arow1, anm1, PF: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, mma: gl.constexpr,
               la: gl.constexpr):
@@ -465,7 +465,7 @@ if HAVE_GLUON:
         return term
 
     @gluon.jit
-    def _qtile_kernel(aq, ad, ab, y, part, w0, w1, w2, w3, w4, w5, N, K, T, sy,
+    def _qtile_kernel(aq, ad, y, part, w0, w1, w2, w3, w4, w5, N, K, T, sy,
                      FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr,
                      CB: gl.constexpr, SPLIT: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr):
         """y [T, N] f32 (or, SPLIT over several chunks, part [n_chunks, T, N] f64): program (c, i, j)
@@ -531,7 +531,7 @@ if HAVE_GLUON:
                 if PF:
                     n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3, h0, h1 = _load(
                         FMT, b + 1, b + 1 < b1, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, srow, snm, arow1, anm1)
-                acc = acc + _term(FMT, b, v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1, ad, ab, K, bptr, bmask,
+                acc = acc + _term(FMT, b, v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1, ad, K, bptr, bmask,
                                   bmask_lo, bmask_hi, stok, stm, w0, w1, w2, w3, w4, w5, arow, kw, amask, srow, snm,
                                   arow1, anm1, PF, BN, BM, mma, la)
                 if PF:
@@ -548,7 +548,7 @@ if HAVE_GLUON:
                     if PF:  # runs on across chunk boundaries
                         n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3, h0, h1 = _load(
                             FMT, b + 1, b + 1 < nb, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, srow, snm, arow1, anm1)
-                    acc = acc + _term(FMT, b, v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1, ad, ab, K, bptr, bmask,
+                    acc = acc + _term(FMT, b, v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1, ad, K, bptr, bmask,
                                       bmask_lo, bmask_hi, stok, stm, w0, w1, w2, w3, w4, w5, arow, kw, amask, srow,
                                       snm, arow1, anm1, PF, BN, BM, mma, la)
                     if PF:
@@ -599,7 +599,7 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
     if split and nch > 1:
         part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
     grid = (nch if split else 1, -(-T // bm), -(-N // bn))  # chunks fastest (the kernel's note)
-    _qtile_kernel[grid](act.qs.view(torch.int32), act.d, act.bsum32, out, part, *ptrs, N, w.n_in, T, out.stride(0),
+    _qtile_kernel[grid](act.qs.view(torch.int32), act.d, out, part, *ptrs, N, w.n_in, T, out.stride(0),
                        FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, PF=pf, num_warps=nw,
                        enable_fp_fusion=False, **gdc.kwargs(out))
     if split and nch > 1:
