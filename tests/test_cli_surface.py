@@ -87,6 +87,27 @@ def test_cli_choices_are_the_engines():
     assert g.DEVICES == DEVICES and g.KV_TYPES == KV_TYPES and g.LANES == tuple(x.value for x in Lane)
 
 
+def test_a_lane_not_named_is_the_devices_default(make_gguf, capsys):
+    from muser.cli import build_parser
+    from muser.engine import Engine
+    from muser.engine.lanes import DEFAULT_LANES, default_lane, resolve_lane
+    from muser.errors import LaneError
+
+    assert DEFAULT_LANES == {"cpu": "exact", "cuda": "fast"} and set(DEFAULT_LANES) == set(muser.engine.lanes.DEVICES)
+    assert default_lane("cuda") == "fast" and resolve_lane(None, "cpu") == "exact" and resolve_lane("fast", "cpu") == "fast"
+    with pytest.raises(LaneError, match="'tpu'"):
+        default_lane("tpu")
+    for cmd in (["generate"], ["chat"], ["serve"], ["prefill-node", "--listen", "127.0.0.1:0", "--certs", "x"]):
+        assert build_parser().parse_args(cmd).lane is None, cmd  # the device decides, at load
+    src = make_gguf(SynthSpec(dtype="Q8_0"))
+    assert muser.load(src).lane == "exact" and muser.load(src, lane="fast").lane == "fast"
+    assert Engine.open(src).lane.value == "exact"
+    with pytest.raises(LaneError, match="'bogus'"):
+        muser.load(src, lane="bogus")
+    assert main(["generate", "--model", str(src), "--max-tokens", "2", "--json", "--prompt", "x"]) == 0
+    assert _summary(capsys)["lane"] == "exact"  # the lane that ran, not the flag's None
+
+
 def test_default_prompt_starts_python_code():
     compile(DEFAULT_PROMPT + "    pass\n", "<default prompt>", "exec")
     assert not DEFAULT_PROMPT.lstrip().startswith(('"""', "'''")) and DEFAULT_PROMPT.count('"""') == 0

@@ -40,7 +40,9 @@
 #            when carried, an earlier matvec module whose 4- and 16-row calls are timed beside, 320 s
 #   gate     Gate 2 at full width, 4 layers (tools/device_gate_wide.py), f16 K/V, Q4_K mix: the
 #            receipt the speed stage is gated by; in the background from t = 0 (CPU-bound oracle),
-#            boxed at the deadline - 60 s (the exact lane's takes ~335 s, the integer lane's ~360 s)
+#            boxed at the deadline - 60 s (236-476 s by machine, either lane: the oracle's dots run
+#            on one BLAS thread, oracle/forward.py single_thread_blas); the speed stage waits for it
+#            as long as that box
 #   speed    muser bench decode|prefill|verify --device cuda on the full Q4_K file: decode at
 #            --depths (default 0,8192), prefill and verify at the first depth; llama-bench's figures
 #            on the same file beside them (pp512/pp16/tg128/tg1 at the first depth, tg128 deeper;
@@ -372,7 +374,8 @@ PYEOF
       if [ $GATES_ONLY = 1 ]; then record $st - 0 "--gates-only: the file and the wide Gate 2 only"; continue; fi
       if [ $st = speed ]; then model=$FULL mix=q4_k_xl done_file=$W/full.done
       else model=$NV mix=$NVFP4_MIX done_file=$W/nv.done; fi
-      { [ $st = nvfp4 ] || has gate; } && wait_for "$W/gate-$mix.done" $(( DEADLINE - 100 ))
+      # as long as the gate's own box (DEADLINE - 60, and the 10 s its kill may take)
+      { [ $st = nvfp4 ] || has gate; } && wait_for "$W/gate-$mix.done" $(( DEADLINE - 45 ))
       if ! wait_for "$done_file" $(( DEADLINE - 120 )) || [ ! -s "$model" ]; then
         record $st - 0 "no $model ($(cat "$done_file" 2>/dev/null || echo 'fixture not done'))"; continue; fi
       g=$(gate_receipt "$mix")

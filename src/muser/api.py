@@ -1,8 +1,9 @@
 """The public surface (DESIGN.md "Public surface"):
 
     import muser
-    m = muser.load(path=None, device="cpu" | "cuda", lane="exact" | "fast", kv="f16" | "f32", pin=None,
-                   warm_up=True)             # CUDA: kernels compiled, graphs captured at load
+    m = muser.load(path=None, device="cpu" | "cuda", lane=None | "exact" | "fast", kv="f16" | "f32",
+                   pin=None, warm_up=True)   # lane None: the device's default (exact cpu, fast cuda);
+                                             # CUDA: kernels compiled, graphs captured at load
     m.config, m.identity, m.tokenizer, m.chat(messages, add_generation_prompt=True)
     s = m.session(max_context=...)        # prefill / decode / verify / checkpoint / rollback
     for piece in m.generate(prompt, max_tokens=None, sampling=muser.SamplingParams(...)): ...
@@ -286,17 +287,21 @@ class Model:
         self.engine.model_file.close()
 
 
-def load(path: str | os.PathLike | None = None, device: str = "cpu", lane: str = "exact",
+def load(path: str | os.PathLike | None = None, device: str = "cpu", lane: str | None = None,
          kv: str = "f16", pin: Any = None, warm_up: bool = True) -> Model:
-    """Open, validate and upload a model (fails closed; see module doc). On CUDA, `warm_up`
-    compiles the kernels and captures the step graphs now (Model.warm_up, a progress line on
-    stderr), not inside the first request; on the CPU there is nothing to warm."""
+    """Open, validate and upload a model (fails closed; see module doc). `lane` None: the device's
+    default lane (engine.lanes.DEFAULT_LANES: exact on the CPU, fast on CUDA; `Model.lane` says
+    which). On CUDA, `warm_up` compiles the kernels and captures the step graphs now
+    (Model.warm_up, a progress line on stderr), not inside the first request; on the CPU there is
+    nothing to warm."""
     from .engine import Engine
-    from .engine.lanes import Lane, parse_device, parse_kv
+    from .engine.lanes import Lane, parse_device, parse_kv, resolve_lane
 
-    Lane.parse(lane)  # refuse unknown choices before touching the file
+    if lane is not None:
+        Lane.parse(lane)  # refuse unknown choices before touching the file
     parse_kv(kv)
     parse_device(device)
+    lane = resolve_lane(lane, device)
     if path is None:
         p = default_model_path()
         if pin is None and shipped_model() == p:

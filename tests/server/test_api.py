@@ -31,7 +31,7 @@ def test_models_and_health(micro):
     h = httpx.get(micro.root + "/health", timeout=10).json()
     assert h["status"] == "ok" and h["slots"] == 4
     line = next(x for x in micro.proc.log if "listening on" in x)
-    assert "4 slots, context " in line and "device cpu, threads 1)" in line  # --threads 1 reached the engine
+    assert "4 slots, context " in line and "device cpu, lane exact, threads 1)" in line  # --threads 1 reached the engine
 
 
 def test_chat_non_streaming_and_streaming_agree(micro):

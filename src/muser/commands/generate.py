@@ -39,16 +39,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model/--device/--lane/--kv/--threads, shared by generate and chat."""
     p.add_argument("--model", help="GGUF path (default: the embedded model)")
     p.add_argument("--device", default="cpu", choices=DEVICES, help="default cpu")
-    p.add_argument("--lane", default="exact", choices=LANES,
+    p.add_argument("--lane", default=None, choices=LANES,
                    help="exact: f32 activations against the exact weight values (Gate 2 vs oracle f32); fast: ggml-cpu's "
-                        "integer arithmetic on every call (activations to Q8_K/Q8_0, integer block sums, row-invariant; Gate 2 vs oracle ggml-cpu); w4a4: exact, FP4 activations in verify forwards (W4A4 files only); split (cuda): the exact lane's contract with "
-                        "the K-quant projections through the split-activation integer GEMM, row-invariant at every "
-                        "row count (prefill chunks of any size), slower today (H200 decode 55.94 against 91.96 tok/s); "
-                        "default exact, the faster gated lane at decode on both devices (H200, full geometry: "
-                        "104.78 against the integer lane's 81.86 tok/s; H100: 101.17 against 96.82; the integer lane prefills "
-                        "and verifies faster, H100 pp512 1,469 against 306 tok/s, first token of a 16-token prompt "
-                        "18.7 against 54.6 ms; "
-                        "on the CPU, micro model: decode 0.97x, prefill 1.14x; bench/NOTES.md)")
+                        "integer arithmetic on every call (activations to Q8_K/Q8_0, integer block sums, row-invariant; "
+                        "Gate 2 vs oracle ggml-cpu); w4a4: exact, FP4 activations in verify forwards (W4A4 files only); "
+                        "split (cuda): the exact lane's contract with the K-quant projections through the "
+                        "split-activation integer GEMM, row-invariant at every row count, slower today. "
+                        "Default: fast on cuda, the faster gated lane there; exact on cpu. CUDA, full "
+                        "geometry, one H100: decode a tie (exact 98.47, fast 98.19 tok/s), first token of a 16-token "
+                        "prompt 55.0 against 17.8 ms, 16-row verify 5.74 against 1.87 decodes, pp512 1,629 tok/s "
+                        "in the fast lane; CPU, micro model: no measured difference (the fast lane's decode 0.97x inside "
+                        "the CV; bench/NOTES.md, "
+                        "\"The default lane\")")
     p.add_argument("--kv", default="f16", choices=KV_TYPES, help="KV cache type (default f16)")
     p.add_argument("--threads", type=int, help="CPU threads for the forward (default: torch's, the usable cores)")
 
@@ -239,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
             out.flush()
         st = gen.stats()
         if args.json:
-            summary = {"summary": True, "model": str(path), "device": args.device, "lane": args.lane,
+            summary = {"summary": True, "model": str(path), "device": args.device, "lane": model.lane,
                        "prompt_ids": ids, "ids": gen.tokens, "text": gen.text, **st,
                        "spec": session.stats() if draft is not None else None}
             if args.echo:

@@ -18,9 +18,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="peer name allowed to connect (repeatable; default: every name in peers.json)")
     p.add_argument("--model", default=None, metavar="F", help="GGUF to serve (default: the embedded model)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--lane", default="exact", choices=("exact", "fast"),
+    p.add_argument("--lane", default=None, choices=("exact", "fast"),
                    help="exact: f32 activations against the exact weight decode (Gate 2 vs oracle f32); fast: ggml-cpu's "
-                        "integer arithmetic on every call (activations to Q8_K/Q8_0, integer block sums, row-invariant; Gate 2 vs oracle ggml-cpu); default exact")
+                        "integer arithmetic on every call (activations to Q8_K/Q8_0, integer block sums, row-invariant; "
+                        "Gate 2 vs oracle ggml-cpu); default: the device's, as `muser serve` takes it (fast on cuda, "
+                        "exact on cpu); a request from a decode node of another lane is refused")
     p.add_argument("--kv", default="f16", choices=("f16", "f32"))
     p.add_argument("--stall-timeout", type=float, default=30.0, metavar="S",
                    help="seconds a link may stay silent before it is dropped (default 30)")

@@ -17,7 +17,7 @@ from typing import Iterable
 from ..model.loader import ModelFile, open_model
 from .forward import Forward, ModelWeights
 from ..errors import LaneError
-from .lanes import Lane, parse_device, parse_kv
+from .lanes import Lane, parse_device, parse_kv, resolve_lane
 from .session import MAX_VERIFY, PREFILL_CHUNK, WAITING_CHUNK, Session, SessionCheckpoint
 from .step import StepItem, StepResult, step as _step
 
@@ -25,9 +25,9 @@ from .step import StepItem, StepResult, step as _step
 class Engine:
     """One model on one device, one lane, one KV element type; sessions share its weights."""
 
-    def __init__(self, mf: ModelFile, device: str = "cpu", lane: str = "exact", kv: str = "f16",
+    def __init__(self, mf: ModelFile, device: str = "cpu", lane: str | None = None, kv: str = "f16",
                  progress=None):
-        self.lane = Lane.parse(lane)
+        self.lane = Lane.parse(resolve_lane(lane, device))  # None: the device's default lane
         self.kv = parse_kv(kv)
         self.device = parse_device(device)
         if self.lane is Lane.SPLIT:  # every projection through the split GEMM, or refuse before any upload
@@ -58,10 +58,11 @@ class Engine:
         self._graphs: dict = {}  # step shape -> StepGraph (CUDA)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, device: str = "cpu", lane: str = "exact", kv: str = "f16",
+    def open(cls, path: str | os.PathLike, device: str = "cpu", lane: str | None = None, kv: str = "f16",
              pin=None, progress=None) -> "Engine":
         # Cheap refusals first: unknown lane/device/kv before the file is even read.
-        Lane.parse(lane)
+        if lane is not None:
+            Lane.parse(lane)
         parse_kv(kv)
         parse_device(device)
         return cls(open_model(path, pin=pin), device, lane, kv, progress=progress)

@@ -72,6 +72,26 @@ class Lane(str, Enum):
 DEVICES = ("cpu", "cuda")
 KV_TYPES = ("f16", "f32")
 
+# The lane a caller gets when it names none (bench/NOTES.md, "The default lane"): the exact lane,
+# unless another gated lane serves a request measurably faster on that device. CUDA, full geometry,
+# one H100, both lanes' Gate 2 passing: decode a tie (exact 98.47, integer 98.19 tok/s), the first
+# token of a 16-token prompt 55.0 against 17.8 ms, verify16 5.74 against 1.87 decodes, pp512 1,629
+# tok/s in the integer lane (the exact lane's 306 on another H100). CPU, the shipped micro model:
+# no measured difference (the integer lane's decode 0.97x inside a CV of 0.16, prefill 1.14x).
+DEFAULT_LANES = {"cpu": "exact", "cuda": "fast"}
+
+
+def default_lane(device: str) -> str:
+    """The lane for `device` when none is named (DEFAULT_LANES); an unknown device is refused."""
+    if device not in DEFAULT_LANES:
+        raise LaneError(f"unknown device {device!r} (expected 'cpu' or 'cuda')")
+    return DEFAULT_LANES[device]
+
+
+def resolve_lane(lane: str | None, device: str) -> str:
+    """`lane` as named, or the device's default lane when it is None."""
+    return default_lane(device) if lane is None else lane
+
 
 def parse_device(value: str) -> torch.device:
     if value not in DEVICES:

@@ -92,7 +92,7 @@ class Server:
             return
         self.ready.api = api
         print(f"muser serve: listening on {url}/v1 (model {self.config.model_id}, "
-              f"{len(self.loop.slots)} slots, context {self.loop.context}, device {self.model.device}"
+              f"{len(self.loop.slots)} slots, context {self.loop.context}, device {self.model.device}, lane {self.model.lane}"
               f"{self._threads()})" + self._extras(self.loop),
               file=sys.stderr, flush=True)
 
