@@ -8,7 +8,7 @@ ggml-cpu arithmetic (muser.gates.GATE_ARITHMETIC), same judge and floors.
 
     python3 tools/device_gate_wide.py OUT [--lane exact|fast] [--dtype q4_k_xl|nvfp4|nvfp4-ggml] [--kv f32,f16]
                                           [--gate-tokens 32] [--budget 300] [--device cuda|cpu]
-                                          [--geometry full|tiny]
+                                          [--geometry full|tiny] [--oracle-workers 3]
 
 Writes a receipt (kind engine-gate2-wide-<device>) into OUT whose model field holds the widths
 and dtype mix that `muser bench decode|prefill|verify --gate-receipt` checks against the model it
@@ -35,6 +35,9 @@ def main() -> int:
                     help="exact, split: vs the oracle's f32 arithmetic; fast: the integer lane vs its ggml-cpu arithmetic")
     ap.add_argument("--gate-tokens", type=int, default=32)
     ap.add_argument("--budget", type=float, default=300.0)
+    ap.add_argument("--oracle-workers", type=int, default=3,
+                    help="the noise floor's oracle forwards run this many at once, one BLAS thread each (default 3: "
+                         "the unperturbed run and the two 1-ulp jitters together)")
     ap.add_argument("--workdir", default="/tmp/muser-dev")
     ap.add_argument("--dtype", default="q4_k_xl", help="the fixture's mix (q4_k_xl, nvfp4, nvfp4-ggml)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -77,7 +80,7 @@ def main() -> int:
             # walk K in numpy steps over [rows, n_out], hours at the full widths; without them the
             # floor is lower, so the gate is stricter
             r = gate2(path, eng, orc, kv, n_gen=a.gate_tokens, prompt=default_prompt(eng.cfg), noise="if_needed",
-                      noise_orders=())
+                      noise_orders=(), noise_workers=a.oracle_workers)
         finally:
             orc.close()
         row = {k: r.get(k) for k in ("kv", "status", "max_dlsm", "median_dlsm", "noise_floor", "bound",

@@ -71,13 +71,15 @@ def default_prompt(cfg, n: int = 40) -> list[int]:
 
 
 def gate2(path, engine, oracle, kv: str, n_gen: int = 256, prompt: Sequence[int] | None = None,
-          noise_trials: int = 2, noise: str = "always", noise_orders: Sequence[str] | None = None) -> dict:
+          noise_trials: int = 2, noise: str = "always", noise_orders: Sequence[str] | None = None,
+          noise_workers: int = 1) -> dict:
     """Run Gate 2 for one (fixture, KV type). `engine`: muser.engine.Engine (exact or fast
     lane); `oracle`: muser.oracle model with the same kv and the lane's arithmetic (GATE_ARITHMETIC). noise="always" measures
     the fixture's noise floor (1-ulp jitter and f32 summation orders) for the report;
     "if_needed" only when the verdict depends on it (f32 K/V inside both absolute floors).
     noise_orders: the f32 reduction orders the floor runs (None: the oracle's ORDER_PROBES; an
-    empty list keeps the 1-ulp jitter part only, a lower floor and so a stricter gate)."""
+    empty list keeps the 1-ulp jitter part only, a lower floor and so a stricter gate);
+    noise_workers: the floor's oracle forwards run that many at once (the same bits)."""
     from .errors import LaneError
 
     want = GATE_ARITHMETIC.get(engine.lane.value)
@@ -117,11 +119,11 @@ def gate2(path, engine, oracle, kv: str, n_gen: int = 256, prompt: Sequence[int]
         # the oracle's floor on the rows Gate 2 compares: prompt (last row) + every decoded row
         seq = prompt + o_toks[:-1] if n_gen else prompt
         kw = {} if noise_orders is None else {"orders": tuple(noise_orders)}
-        base, runs = oracle.noise_runs(seq, mode="prefill", trials=noise_trials, **kw)
+        base, runs = oracle.noise_runs(seq, mode="prefill", trials=noise_trials, rows_from=len(prompt) - 1,
+                                       workers=noise_workers, **kw)
         from .oracle import NoiseFloor
 
-        rows = slice(len(prompt) - 1, None)
-        nf = NoiseFloor.measure(base[rows], {k: v[rows] for k, v in runs.items()}, "prefill")
+        nf = NoiseFloor.measure(base, runs, "prefill")
     if kv == "f32":  # f32 K/V: absolute floors, identical greedy tokens
         v = judge(d, top1, nf, top1_need=1.0)
         ok = v["ok"] and all(agree)

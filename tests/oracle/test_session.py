@@ -59,6 +59,33 @@ def test_chunk_invariance_bit_exact(make_gguf, oracle_cache, spec, arith):
     assert np.array_equal(m.logits(t[:W + 2]), ref[:W + 2])  # causal: a prefix gives the same rows
 
 
+@pytest.mark.parametrize("arith", ["f32", "ggml-cpu"])
+def test_noise_runs_from_a_row_are_those_rows_bits(semantic_gguf, oracle_cache, arith):
+    """The gate's floor reads only the rows after the prompt: the chunks before them skip the LM
+    head, and the unperturbed run, the all-up and all-down jitters and another f32 order keep the
+    same bits (a random-sign trial draws its signs in the order computed: another sample)."""
+    m = oracle_cache(semantic_gguf, arith)
+    t = toks(3 * W + 8)
+    orders = ("f32-seq",) if arith == "f32" else ()
+    base, runs = m.noise_runs(t, trials=3, chunk=7, orders=orders)
+    for r0 in (0, 6, 7, 2 * W + 3, len(t) - 1):
+        b, r = m.noise_runs(t, trials=3, chunk=7, orders=orders, rows_from=r0)
+        assert b.shape == (len(t) - r0, m.config.vocab) and np.array_equal(b, base[r0:])
+        assert r.keys() == runs.keys()
+        assert all(np.array_equal(r[k], runs[k][r0:]) for k in r if k != "jitter:rng2"), r0
+        assert np.isfinite(r["jitter:rng2"]).all() and not np.array_equal(r["jitter:rng2"], b)
+    for mode, r0 in (("decode", 3), ("prefill", len(t)), ("prefill", -1)):
+        with pytest.raises(LaneError, match="rows_from"):
+            m.logits(t, mode, rows_from=r0)
+    # the forwards on threads, each its own arithmetic over the shared weights: the same bits, the
+    # random-sign trial included, and the model's own arithmetic untouched
+    b, r = m.noise_runs(t, trials=3, chunk=7, orders=orders, workers=3)
+    assert np.array_equal(b, base) and r.keys() == runs.keys() and all(np.array_equal(r[k], runs[k]) for k in r)
+    assert m.forward.arith.jitter is None and m.forward.arith.reduction == "f64"
+    with pytest.raises(LaneError, match="workers"):
+        m.noise_runs(t, workers=0)
+
+
 def test_hidden_capture_is_layer_input(semantic_gguf, oracle_cache):
     m = oracle_cache(semantic_gguf)
     t = toks(40)

@@ -16,6 +16,7 @@ points for the file's dtypes and the KV type (f16 by default); see muser.oracle.
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence as Seq
@@ -82,21 +83,32 @@ class OracleModel:
                              chunk, capture)
 
     def logits(self, tokens: Seq[int], mode: str | int = "prefill", max_context: int | None = None,
-               chunk: int = DEFAULT_CHUNK, jitter: Any = None) -> np.ndarray:
+               chunk: int = DEFAULT_CHUNK, jitter: Any = None, rows_from: int = 0) -> np.ndarray:
         """All-position logits [T, vocab] of `tokens` in a fresh session: one chunked prefill
         ("prefill"), token-by-token decode ("decode"), or a prefill of P tokens then decode (P).
-        `jitter` ("up" | "down" | a numpy Generator) moves every perturbation site by 1 ulp."""
+        `jitter` ("up" | "down" | a numpy Generator) moves every perturbation site by 1 ulp.
+        `rows_from` (prefill only): the logits of positions rows_from.. [T - rows_from, vocab],
+        the same bits as those rows of the whole prefill's (a random-sign jitter draws its signs
+        in the order the sites are computed, so with rows_from it is another sample)."""
         if jitter is not None:
             arith = self.forward.arith
             arith.jitter = jitter
             try:
-                return self.logits(tokens, mode, max_context, chunk)
+                return self.logits(tokens, mode, max_context, chunk, rows_from=rows_from)
             finally:
                 arith.jitter = None
         toks = [int(t) for t in tokens]
+        if rows_from and (mode != "prefill" or not 0 <= rows_from < len(toks)):
+            raise LaneError(f"rows_from {rows_from} needs mode 'prefill' and 0 <= rows_from < {len(toks)} tokens")
         s = self.session(max_context or max(len(toks), 1), chunk)
         if mode == "prefill":
-            return s.prefill(toks, all_logits=True)
+            # the chunks before the one holding rows_from run without the LM head (its rows are
+            # never read: ~40 % of a 616-token gate prefill's work at the full vocabulary), the
+            # chunk boundaries stay those of the whole prefill, so the rows kept are its bits
+            c = rows_from // s.chunk * s.chunk
+            if c:
+                s.prefill(toks[:c])
+            return s.prefill(toks[c:], all_logits=True)[rows_from - c:]
         if mode == "decode":
             return np.stack([s.decode(t) for t in toks])
         if isinstance(mode, int) and not isinstance(mode, bool) and 0 < mode <= len(toks):
@@ -105,32 +117,53 @@ class OracleModel:
         raise LaneError(f"mode must be 'prefill', 'decode' or a prefill length in [1, {len(toks)}], got {mode!r}")
 
     def noise_runs(self, tokens: Seq[int], mode: str | int = "prefill", trials: int = 2, seed: int = 0,
-                   chunk: int = DEFAULT_CHUNK, orders: Seq[str] = ORDER_PROBES
-                   ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                   chunk: int = DEFAULT_CHUNK, orders: Seq[str] = ORDER_PROBES, rows_from: int = 0,
+                   workers: int = 1) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """The unperturbed log-softmax [T, vocab] of `tokens` and each perturbed one noise_floor()
         compares it with: "jitter:up", "jitter:down", "jitter:rngN" (1-ulp moves), and
-        "order:NAME" (the same forward under another f32 reduction order)."""
+        "order:NAME" (the same forward under another f32 reduction order). `rows_from` (prefill):
+        only positions rows_from.. ([T - rows_from, vocab] each; see `logits`). `workers` > 1 runs
+        that many of the forwards at once on threads (each its own session and arithmetic over the
+        shared weights, one BLAS thread each): the same bits as one at a time."""
         if trials < 1:
             raise LaneError(f"noise floor needs at least one trial, got {trials}")
+        if workers < 1:
+            raise LaneError(f"noise floor workers must be >= 1, got {workers}")
         arith = self.forward.arith
         bad = [o for o in orders if o not in REDUCTIONS or o == arith.reduction]
         if bad:
             raise LaneError(f"noise-floor orders {bad} must be reductions other than the oracle's "
                             f"{arith.reduction!r} (one of {', '.join(REDUCTIONS)})")
-        base = log_softmax(self.logits(tokens, mode, chunk=chunk))
-        runs: dict[str, np.ndarray] = {}
+        plan: list[tuple[str, Any, str]] = [("base", None, arith.reduction)]
         for t in range(trials):
             jitter = ("up", "down")[t] if t < 2 else np.random.default_rng([seed, t])
-            label = ("up", "down")[t] if t < 2 else f"rng{t}"
-            runs[f"jitter:{label}"] = log_softmax(self.logits(tokens, mode, chunk=chunk, jitter=jitter))
-        own = arith.reduction
-        for o in orders:
-            arith.reduction = o
-            try:
-                runs[f"order:{o}"] = log_softmax(self.logits(tokens, mode, chunk=chunk))
-            finally:
-                arith.reduction = own
-        return base, runs
+            plan.append((f"jitter:{('up', 'down')[t] if t < 2 else f'rng{t}'}", jitter, arith.reduction))
+        plan += [(f"order:{o}", None, o) for o in orders]
+
+        def run(job: tuple[str, Any, str]) -> np.ndarray:
+            _, jitter, reduction = job
+            own = copy.copy(arith)  # the model's arithmetic as it is (its rounding points included)
+            own.jitter, own.reduction = jitter, reduction
+            return log_softmax(self._with(own).logits(tokens, mode, chunk=chunk, rows_from=rows_from))
+
+        if workers > 1 and len(plan) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            # one BLAS thread for the whole pool: the runs' own limits nest inside it (each
+            # restores 1 on exit), so no run's exit hands the others a multi-threaded BLAS
+            with single_thread_blas(), ThreadPoolExecutor(min(workers, len(plan))) as pool:
+                outs = list(pool.map(run, plan))
+        else:
+            outs = [run(job) for job in plan]
+        return outs[0], {label: o for (label, _, _), o in zip(plan[1:], outs[1:])}
+
+    def _with(self, arith: Arithmetic) -> "OracleModel":
+        """This model with another arithmetic (jitter, reduction order): the same weights, a
+        forward of its own, so runs on other threads do not share mutable state."""
+        view, fwd = copy.copy(self), copy.copy(self.forward)  # the forward as it is (stateless)
+        fwd.arith = arith
+        view.forward = fwd
+        return view
 
     def noise_floor(self, tokens: Seq[int], mode: str | int = "prefill", trials: int = 2, seed: int = 0,
                     chunk: int = DEFAULT_CHUNK, orders: Seq[str] = ORDER_PROBES) -> "NoiseFloor":
