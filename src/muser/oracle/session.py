@@ -91,12 +91,9 @@ class OracleModel:
         the same bits as those rows of the whole prefill's (a random-sign jitter draws its signs
         in the order the sites are computed, so with rows_from it is another sample)."""
         if jitter is not None:
-            arith = self.forward.arith
-            arith.jitter = jitter
-            try:
-                return self.logits(tokens, mode, max_context, chunk, rows_from=rows_from)
-            finally:
-                arith.jitter = None
+            own = copy.copy(self.forward.arith)
+            own.jitter = jitter
+            return self._with(own).logits(tokens, mode, max_context, chunk, rows_from=rows_from)
         toks = [int(t) for t in tokens]
         if rows_from and (mode != "prefill" or not 0 <= rows_from < len(toks)):
             raise LaneError(f"rows_from {rows_from} needs mode 'prefill' and 0 <= rows_from < {len(toks)} tokens")
