@@ -9,6 +9,9 @@ BIN := $(VENV)/bin
 # Portable CPU build of the pinned comparator: the native build crashes in ggml's AMX path here.
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 PYTEST_ARGS ?=
+# Test processes: most tests keep one core busy, so the suite runs on two (a CI machine's cores);
+# idle workers take queued tests from busy ones (--dist worksteal). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup setup-test comparator llama-bins run lint test clean
 
@@ -59,7 +62,7 @@ lint: setup-test
 	$(BIN)/python -m mypy
 
 test: setup-test comparator lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
