@@ -236,3 +236,23 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
         with pytest.raises(LaneError, match=what):
             qtile_i8.load_tuning(str(path))
     assert qtile_i8.TUNED == loaded  # all or nothing: the refused files took no entry
+
+
+def test_the_decode_kind_has_a_box_for_each_depth(tmp_path):
+    """Decode runs at every depth of --depths (a deep one prefills its context first), so its box is
+    --kind-box once per depth (the dry run's depths are 0 and 40); verify, at the first depth only,
+    keeps one box."""
+    sha = "d" * 40
+    gates = tmp_path / "carry" / "gates"
+    gates.mkdir(parents=True)
+    (gates / "20260101T000002Z-engine-gate2-wide-cpu.json").write_text(json.dumps(
+        {"kind": "engine-gate2-wide-cpu", "git_sha": sha, "model": {"dtype": "q4_k_xl"}, "lane": "exact"}, indent=2))
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PY=sys.executable, MUSER_DEVICE_WORK=str(tmp_path / "work"),
+               MUSER_GIT_SHA=sha)
+    p = subprocess.run(["bash", str(SCRIPT), "--cpu-dry", "--deadline", "200", "--carry", str(tmp_path / "carry"),
+                        "--reuse-gates", "--kind-box", "45", "--kinds", "decode,verify",
+                        "gate", "speed"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {r.split("\t")[0]: r.split("\t") for r in (tmp_path / "out" / "stages.tsv").read_text().splitlines()}
+    assert rows["speed-decode"][3].startswith("box 90 s"), rows
+    assert rows["speed-verify"][3].startswith("box 45 s"), rows
