@@ -52,6 +52,23 @@ def test_operand_registers_hold_the_contracts_codes(fmt):
     assert set(np.unique(got).tolist()) == set(range(lo, hi + 1))
 
 
+def test_both_operands_take_the_same_element_at_each_k():
+    """The operand order the loads set up (kernel: weight and activation words at (k % 16) // 4,
+    halves at k // 16): a permutation of the 32 elements, the same on both sides, so each IMMA is
+    the sub-block's integer dot; four consecutive k are four consecutive bytes of one 32-bit word
+    (one register), and Q6_K's two 16-element sub-blocks are the threads t < 2 and t >= 2 (the
+    activation masks)."""
+    e = qtile_i8.operand_elements()
+    assert sorted(e.tolist()) == list(range(32))
+    k = np.arange(32)
+    assert np.array_equal(e[k - k % 4] + k % 4, e) and np.all(e[k - k % 4] % 4 == 0)
+    assert np.array_equal(e < 16, (k % 16) // 4 < 2)
+    rng = np.random.default_rng(0)
+    w, x = rng.integers(-32, 32, (2, 64, 32))
+    assert np.array_equal((w[:, e] * x[:, e]).sum(1), (w * x).sum(1))
+    assert np.array_equal((w[:, e] * x[:, e] * (e < 16)).sum(1), (w[:, :16] * x[:, :16]).sum(1))
+
+
 def test_config_and_inputs_are_refused_before_any_launch():
     for bad in [(48, 8, 4, 0), (64, 8, 3, 0), (64, 12, 4, 0), (32, 8, 4, 0), (512, 8, 4, 0), (64, 8, 4, 2),
                 (64, 8, 4), "64,8"]:
@@ -109,7 +126,7 @@ def test_tile_prefetch_keeps_the_next_blocks_loads_in_flight_during_the_immas(tm
         ahead[pf] = sum(_first_read(body, i) > last for i, ln in enumerate(body) if "LDG" in ln)
         total[pf] = sum("LDG" in ln for ln in body)
     assert total[0] == total[1], total
-    words = 16 if fmt == "Q4_K" else 24  # a thread's qs (Q6_K: ql and qh) words of one block
+    words = 8 if fmt == "Q4_K" else 12  # a thread's 8-byte qs (Q6_K: ql and qh) loads of one block
     assert ahead[1] >= words and ahead[0] < ahead[1], ahead
 
 
@@ -135,7 +152,7 @@ def _first_read(body: list[str], i: int) -> int:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fmt,rows,imma,limit,ldl,config", [
     ("Q4_K", "1", 16, 0.1, 0, None), ("Q6_K", "1", 16, 0.13, 0, None), ("Q4_K", "16", 64, 0.11, 0, None),
-    ("Q5_K", "16", 64, 0.13, 7, None), ("Q4_K", "512", 64, 0.11, 0, None),
+    ("Q5_K", "16", 64, 0.13, 8, None), ("Q4_K", "512", 64, 0.11, 0, None),
     ("Q4_K", "1", 16, 0.1, 0, "64,8,4,1"), ("Q5_K", "1", 16, 0.14, 0, "64,8,4,1"), ("Q6_K", "1", 16, 0.13, 0, "64,8,4,1"),
     ("Q4_K", "16", 32, 0.14, 0, "64,16,4,1")])
 def test_tile_loop_unpacks_operands_in_registers(tmp_path, fmt, rows, imma, limit, ldl, config):
@@ -187,10 +204,12 @@ for cfg in sys.argv[1:]:
 def test_a_register_of_four_int8_operands_is_one_word(tmp_path):
     """The inline PTX takes four operands at a time (pack=4) and treats them as one 32-bit word of
     ggml's bytes: that holds only if a thread's registers 0-3 of each group are four consecutive k
-    of one weight row (A) or activation row (B). The operand layouts as Triton lays them out
-    (linear layouts, compiled for sm_90) for every shipped and swept tiling: register bases k+1,
-    k+2 first, lanes over k in steps of 4 and 8 (the m16n8k32 fragment), warps over weight rows
-    only (each warp its own rows; activations shared)."""
+    of one weight row (A) or activation row (B). The 8-byte loads (_ld_a, pack=16; _ld_b, pack=8)
+    put a word's low half in the k-low group and its high half in the k-high group of the same row:
+    that holds only if the next register bases are row + 8 then k + 16 (A) and k + 16 (B). The
+    operand layouts as Triton lays them out (linear layouts, compiled for sm_90) for every shipped
+    and swept tiling: register bases k+1, k+2 first, lanes over k in steps of 4 and 8 (the m16n8k32
+    fragment), warps over weight rows only (each warp its own rows; activations shared)."""
     script = tmp_path / "layouts.py"
     script.write_text(_LAYOUT_SCRIPT)
     cfgs = sorted({*(c[:3] for c in qtile_i8.CONFIGS.values()), (16, 8, 1), (32, 8, 2), (128, 8, 8), (128, 16, 8),
@@ -213,8 +232,11 @@ def test_a_register_of_four_int8_operands_is_one_word(tmp_path):
     for i in heads:
         cfg, a, b = lines[i], bases(lines[i + 1]), bases(lines[i + 2])
         ra, la, wa = a["reg_bases"], a["lane_bases"], a["warp_bases"]  # A [BN, k]
-        assert ra[:2] == [[0, 1], [0, 2]] and la[:2] == [[0, 4], [0, 8]], (cfg, ra, la)
-        assert [0, 16] in ra and all(w[1] == 0 for w in wa), (cfg, ra, wa)
+        # a thread's 16 registers of an m-tile: (row g, k low), (g + 8, low), (g, high), (g + 8, high),
+        # each four consecutive k (_ld_a's pack of 16 and _nib's of 4)
+        assert ra[:4] == [[0, 1], [0, 2], [8, 0], [0, 16]] and la[:2] == [[0, 4], [0, 8]], (cfg, ra, la)
+        assert all(w[1] == 0 for w in wa), (cfg, ra, wa)
         rb, lb, wb = b["reg_bases"], b["lane_bases"], b["warp_bases"]  # B [k, BM]
-        assert rb[:2] == [[1, 0], [2, 0]] and lb[:2] == [[4, 0], [8, 0]], (cfg, rb, lb)
-        assert [16, 0] in rb and all(w == [0, 0] for w in wb), (cfg, rb, wb)
+        # (k low, column), (k high, column): _ld_b's pack of 8
+        assert rb[:3] == [[1, 0], [2, 0], [16, 0]] and lb[:2] == [[4, 0], [8, 0]], (cfg, rb, lb)
+        assert all(w == [0, 0] for w in wb), (cfg, rb, wb)

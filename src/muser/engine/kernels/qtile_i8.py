@@ -6,20 +6,23 @@ Why a second kernel beside kernels/qmatmul_i8.py (its reference, same contract, 
 there each 32-element sub-block is a `tl.dot` whose weight operand Triton stages through shared
 memory with a barrier, so the one-row call ran at 1.2-2x the exact lane's matvec (bench/NOTES.md,
 "The integer lane on the H200"). Here the codes are read from the engine's repacked fields
-(ggml's own byte order, weights.FIELDS) one 32-bit word per operand register and unpacked in
-registers straight into the m16n8k32 IMMA fragments: no shared memory, no barrier.
+(ggml's own byte order, weights.FIELDS) one 8-byte word per two operand registers and unpacked
+in registers straight into the m16n8k32 IMMA fragments: no shared memory, no barrier.
 
 Orientation: weights are the mma's M side (BN weight rows a program, 16 a warp per m-tile) and
 activation rows its N side (BM, a multiple of 8), so a decode step wastes 7 of 8 columns of an
 n8 tile instead of 15 of 16 rows.
 
 Why ggml's layout already is the operand layout: an m16n8k32 s8 A fragment gives thread l the
-codes k = 4(l % 4) .. +3 and 16 + 4(l % 4) .. +3 of rows l / 4 and l / 4 + 8, four consecutive
-bytes of a sub-block a register. Q4_K/Q5_K keep sub-block 2c in the low nibbles and 2c + 1 in the
-high nibbles of the same 32 bytes (qs[32c + k]), so one word load gives the thread its register
-for both sub-blocks; Q5_K's fifth bit is bit 2c + h of qh[k], the same word position; Q6_K's
-32-element quarter q of half h reads ql[64h + 32(q % 2) + k] (low or high nibble) and bits 2q of
-qh[32h + k]. Each register is (word >> s) & 0x0F0F0F0F (| the high bits << 4) in PTX; Q6_K's
+operands k = 4t .. +3 and 16 + 4t .. +3 (t = l % 4) of rows l / 4 and l / 4 + 8, and the B fragment
+the same k of column l / 4. An integer dot does not depend on which operand k holds which element
+as long as both sides agree, so operand k = 16h + 4t + i holds element 8t + 4h + i of the
+sub-block: a thread's two registers of a row are the two halves of the sub-block's 8-byte word t,
+one 8-byte load (for the activations too). Q4_K/Q5_K keep sub-block 2c in the low nibbles and
+2c + 1 in the high nibbles of the same 32 bytes (qs[32c + k]), so one load gives the thread its
+registers for both sub-blocks; Q5_K's fifth bit is bit 2c + h of qh[k], the same word position;
+Q6_K's 32-element quarter q of half h reads ql[64h + 32(q % 2) + k] (low or high nibble) and bits
+2q of qh[32h + k], and its 16-element sub-blocks are t < 2 and t >= 2. Each register is (word >> s) & 0x0F0F0F0F (| the high bits << 4) in PTX; Q6_K's
 code - 32 is a SWAR byte subtraction ((v | 0x80..) - 0x20.. ) ^ 0x80.. (every byte v < 64, so no
 borrow crosses a byte).
 
@@ -208,10 +211,18 @@ def _bytes(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w).view(np.int8)
 
 
+def operand_elements() -> np.ndarray:
+    """int64 [32]: the sub-block element operand k of an IMMA holds, on both sides (the kernel's
+    word indices: 8-byte word t = (k % 16) // 4, its half h = k // 16, byte i = k % 4)."""
+    k = np.arange(32)
+    return 8 * ((k % 16) // 4) + 4 * (k // 16) + k % 4
+
+
 def codes_ref(fmt: G, fields: dict[str, np.ndarray], n_in: int) -> np.ndarray:
-    """int8 codes [N, n_in // 16 sub-blocks of 16 (Q6_K) or n_in // 32 of 32, k] as the kernel's
-    registers hold them, built by the register operations the kernel's PTX performs on the words
-    of `fields` (numpy views of the repacked fields): Q4_K/Q5_K codes 0..31, Q6_K code - 32. The
+    """int8 codes [N, n_in // 16 sub-blocks of 16 (Q6_K) or n_in // 32 of 32, element] as the
+    kernel's registers hold them (operand k holds element operand_elements()[k]), built by the
+    register operations the kernel's PTX performs on the 32-bit words of `fields` (numpy views of
+    the repacked fields; a register is one half of an 8-byte load): Q4_K/Q5_K codes 0..31, Q6_K code - 32. The
     tests compare them with dot.codes_from_fields, the contract's codes."""
     fmt = G(fmt)
     nb = n_in // 256
@@ -261,8 +272,32 @@ if HAVE_GLUON:
             "=r,r,r,r,r,r,r,r,r", [words, sh], dtype=gl.int8, is_pure=True, pack=4)
 
     @gluon.jit
+    def _ld_a(ptrs, ok):
+        """A weight operand's words: one 8-byte load a thread and row of its m-tile (the words of
+        operand k = 4t.. and 16 + 4t.. are the 8-byte word t of a 32-byte segment), each 32-bit
+        half repeated over its four k (the register groups _nib reads), 0 where `ok` is 0. pack 16:
+        a thread's registers of one m-tile in the A layout's order (row g, k low), (g + 8, low),
+        (g, high), (g + 8, high): tests/engine/test_qtile_i8.py holds that order."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred p, q; .reg .b32 a, b, c, d; setp.ne.b32 p, $32, 0; setp.ne.b32 q, $36, 0; "
+            "mov.b32 a, 0; mov.b32 b, 0; mov.b32 c, 0; mov.b32 d, 0; "
+            "@p ld.global.v2.b32 {a, c}, [$16]; @q ld.global.v2.b32 {b, d}, [$20]; "
+            "mov.b32 $0, a; mov.b32 $1, a; mov.b32 $2, a; mov.b32 $3, a; mov.b32 $4, b; mov.b32 $5, b; mov.b32 $6, b; mov.b32 $7, b; mov.b32 $8, c; mov.b32 $9, c; mov.b32 $10, c; mov.b32 $11, c; mov.b32 $12, d; mov.b32 $13, d; mov.b32 $14, d; mov.b32 $15, d; }",
+            "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r", [ptrs, ok], dtype=gl.int32, is_pure=True, pack=16)
+
+    @gluon.jit
+    def _ld_b(ptrs, ok):
+        """An activation operand's registers: one 8-byte load a thread and activation row (operand k
+        = 4t.. the low half of the sub-block's 8-byte word t, k = 16 + 4t.. its high half), 0 where
+        `ok` is 0. pack 8: the B layout's registers (k low, column), (k high, column)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $10, 0; mov.b32 $0, 0; mov.b32 $1, 0; "
+            "@p ld.global.v2.b32 {$0, $1}, [$2]; }",
+            "=r,=r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r", [ptrs, ok], dtype=gl.int8, is_pure=True, pack=8)
+
+    @gluon.jit
     def _as_i8(words):
-        """int8 operands: the four bytes of a word (four activation codes a register)."""
+        """int8 operands: the four bytes of a 32-bit word (a row's min in every code slot)."""
         return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [words], dtype=gl.int8, is_pure=True,
                                          pack=4)
 
@@ -282,6 +317,11 @@ if HAVE_GLUON:
             "and.b32 u, u, 0x03030303; shl.b32 u, u, 4; or.b32 t, t, u; or.b32 t, t, 0x80808080; "
             "sub.u32 t, t, 0x20202020; xor.b32 $0, t, 0x80808080; }",
             "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r", [words, sh, hw, hs], dtype=gl.int8, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _words2(v):
+        """The two 32-bit halves (low, high) of 8-byte words [BN]: bytes 0..3 and 4..7."""
+        return v.to(gl.int32), (v >> 32).to(gl.int32)
 
     @gluon.jit
     def _byte_of(w0, w1, w2, w3, i: gl.constexpr, SIGNED: gl.constexpr):
@@ -328,33 +368,30 @@ if HAVE_GLUON:
         nb = K // 256
         am = amask & ok
         sm = snm & ok
+        am = am.to(gl.int32)
         if FMT <= 3:
-            v0 = gl.load(w0 + arow * (nb * 32) + b * 32 + kw, mask=am, other=0)  # [BN, 32]
-            v1 = gl.load(w0 + arow * (nb * 32) + b * 32 + 8 + kw, mask=am, other=0)
-            v2 = gl.load(w0 + arow * (nb * 32) + b * 32 + 16 + kw, mask=am, other=0)
-            v3 = gl.load(w0 + arow * (nb * 32) + b * 32 + 24 + kw, mask=am, other=0)
+            v0 = _ld_a(w0 + arow * (nb * 16) + b * 16 + kw, am)  # [BN, 32] int32 words
+            v1 = _ld_a(w0 + arow * (nb * 16) + b * 16 + 4 + kw, am)
+            v2 = _ld_a(w0 + arow * (nb * 16) + b * 16 + 8 + kw, am)
+            v3 = _ld_a(w0 + arow * (nb * 16) + b * 16 + 12 + kw, am)
             if FMT == 3:
-                v4 = gl.load(w5 + arow * (nb * 8) + b * 8 + kw, mask=am, other=0)
+                v4 = _ld_a(w5 + arow * (nb * 4) + b * 4 + kw, am)
             else:
                 v4 = v0
             v5 = v0
-            e0 = gl.load(w3 + srow * (nb * 2) + b * 2, mask=sm, other=0)  # [BN] sc bytes 0..3
-            e1 = gl.load(w3 + srow * (nb * 2) + b * 2 + 1, mask=sm, other=0)
-            e2 = gl.load(w4 + arow1 * (nb * 2) + b * 2, mask=anm1 & ok, other=0)  # m bytes 0..3
-            e3 = gl.load(w4 + arow1 * (nb * 2) + b * 2 + 1, mask=anm1 & ok, other=0)
+            e0, e1 = _words2(gl.load(w3 + srow * nb + b, mask=sm, other=0))  # [BN] sc bytes 0..3, 4..7
+            e2, e3 = _words2(gl.load(w4 + arow1 * nb + b, mask=anm1 & ok, other=0))  # m bytes 0..3, 4..7
             f0 = gl.load(w1 + srow * nb + b, mask=sm, other=0.0)  # [BN] f16
             f1 = gl.load(w2 + srow * nb + b, mask=sm, other=0.0)
         else:
-            v0 = gl.load(w0 + arow * (nb * 32) + b * 32 + kw, mask=am, other=0)
-            v1 = gl.load(w0 + arow * (nb * 32) + b * 32 + 8 + kw, mask=am, other=0)
-            v2 = gl.load(w0 + arow * (nb * 32) + b * 32 + 16 + kw, mask=am, other=0)
-            v3 = gl.load(w0 + arow * (nb * 32) + b * 32 + 24 + kw, mask=am, other=0)
-            v4 = gl.load(w1 + arow * (nb * 16) + b * 16 + kw, mask=am, other=0)
-            v5 = gl.load(w1 + arow * (nb * 16) + b * 16 + 8 + kw, mask=am, other=0)
-            e0 = gl.load(w2 + srow * (nb * 4) + b * 4, mask=sm, other=0)  # [BN] sc bytes 0..15
-            e1 = gl.load(w2 + srow * (nb * 4) + b * 4 + 1, mask=sm, other=0)
-            e2 = gl.load(w2 + srow * (nb * 4) + b * 4 + 2, mask=sm, other=0)
-            e3 = gl.load(w2 + srow * (nb * 4) + b * 4 + 3, mask=sm, other=0)
+            v0 = _ld_a(w0 + arow * (nb * 16) + b * 16 + kw, am)
+            v1 = _ld_a(w0 + arow * (nb * 16) + b * 16 + 4 + kw, am)
+            v2 = _ld_a(w0 + arow * (nb * 16) + b * 16 + 8 + kw, am)
+            v3 = _ld_a(w0 + arow * (nb * 16) + b * 16 + 12 + kw, am)
+            v4 = _ld_a(w1 + arow * (nb * 8) + b * 8 + kw, am)
+            v5 = _ld_a(w1 + arow * (nb * 8) + b * 8 + 4 + kw, am)
+            e0, e1 = _words2(gl.load(w2 + srow * (nb * 2) + b * 2, mask=sm, other=0))  # [BN] sc bytes 0..15
+            e2, e3 = _words2(gl.load(w2 + srow * (nb * 2) + b * 2 + 1, mask=sm, other=0))
             f0 = gl.load(w3 + srow * nb + b, mask=sm, other=0.0)
             f1 = f0
         return v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1
@@ -370,24 +407,20 @@ if HAVE_GLUON:
         nb = K // 256
         if not PF:
             if FMT <= 3:
-                e0 = gl.load(w3 + srow * (nb * 2) + b * 2, mask=snm, other=0)  # [BN] sc bytes 0..3
-                e1 = gl.load(w3 + srow * (nb * 2) + b * 2 + 1, mask=snm, other=0)
-                e2 = gl.load(w4 + arow1 * (nb * 2) + b * 2, mask=anm1, other=0)  # m bytes 0..3
-                e3 = gl.load(w4 + arow1 * (nb * 2) + b * 2 + 1, mask=anm1, other=0)
+                e0, e1 = _words2(gl.load(w3 + srow * nb + b, mask=snm, other=0))  # [BN] sc bytes 0..3, 4..7
+                e2, e3 = _words2(gl.load(w4 + arow1 * nb + b, mask=anm1, other=0))  # m bytes 0..3, 4..7
                 if FMT == 3:
-                    v4 = gl.load(w5 + arow * (nb * 8) + b * 8 + kw, mask=amask, other=0)  # [BN, 32]
+                    v4 = _ld_a(w5 + arow * (nb * 4) + b * 4 + kw, amask.to(gl.int32))  # [BN, 32]
             else:
-                e0 = gl.load(w2 + srow * (nb * 4) + b * 4, mask=snm, other=0)  # [BN] sc bytes 0..15
-                e1 = gl.load(w2 + srow * (nb * 4) + b * 4 + 1, mask=snm, other=0)
-                e2 = gl.load(w2 + srow * (nb * 4) + b * 4 + 2, mask=snm, other=0)
-                e3 = gl.load(w2 + srow * (nb * 4) + b * 4 + 3, mask=snm, other=0)
+                e0, e1 = _words2(gl.load(w2 + srow * (nb * 2) + b * 2, mask=snm, other=0))  # sc bytes 0..15
+                e2, e3 = _words2(gl.load(w2 + srow * (nb * 2) + b * 2 + 1, mask=snm, other=0))
         zero = gl.zeros([BN, BM], gl.int32, layout=mma)
         sumi = gl.zeros([BN, BM], gl.int32, layout=mma)
         if FMT <= 3:  # Q4_K / Q5_K
             summ = gl.zeros([BN, BM], gl.int32, layout=mma)
             for c in gl.static_range(4):
                 if not PF:
-                    words = gl.load(w0 + arow * (nb * 32) + b * 32 + 8 * c + kw, mask=amask, other=0)  # [BN, 32]
+                    words = _ld_a(w0 + arow * (nb * 16) + b * 16 + 4 * c + kw, amask.to(gl.int32))  # [BN, 32]
                 elif c == 0:
                     words = v0
                 elif c == 1:
@@ -403,7 +436,7 @@ if HAVE_GLUON:
                         codes = _nib5(words, sh, v4, gl.full([BN, 32], j, gl.int32, layout=la))
                     else:
                         codes = _nib(words, sh)
-                    x = _as_i8(gl.load(bptr + b * 64 + 8 * j, mask=bmask, other=0))  # [32, BM] int8
+                    x = _ld_b(bptr + b * 32 + 4 * j, bmask)  # [32, BM] int8
                     isum = mma_v2(codes, x, zero)  # [BN, BM] exact
                     scj = _byte_of(e0, e1, e0, e1, j, False)
                     sumi = sumi + isum * scj[:, None]
@@ -427,14 +460,14 @@ if HAVE_GLUON:
         else:  # Q6_K
             for hh in gl.static_range(2):  # 128-element halves
                 if not PF:
-                    hw = gl.load(w1 + arow * (nb * 16) + b * 16 + 8 * hh + kw, mask=amask, other=0)
+                    hw = _ld_a(w1 + arow * (nb * 8) + b * 8 + 4 * hh + kw, amask.to(gl.int32))
                 elif hh == 0:
                     hw = v4
                 else:
                     hw = v5
                 for g in gl.static_range(2):
                     if not PF:
-                        lw = gl.load(w0 + arow * (nb * 32) + b * 32 + 16 * hh + 8 * g + kw, mask=amask, other=0)
+                        lw = _ld_a(w0 + arow * (nb * 16) + b * 16 + 8 * hh + 4 * g + kw, amask.to(gl.int32))
                     elif 2 * hh + g == 0:
                         lw = v0
                     elif 2 * hh + g == 1:
@@ -447,9 +480,9 @@ if HAVE_GLUON:
                         qq = g + 2 * hi  # quarter: elements 128 hh + 32 qq + k
                         codes = _six(lw, gl.full([BN, 32], 4 * hi, gl.int32, layout=la), hw,
                                      gl.full([BN, 32], 2 * qq, gl.int32, layout=la))
-                        xp = bptr + b * 64 + 32 * hh + 8 * qq
-                        xl = _as_i8(gl.load(xp, mask=bmask_lo, other=0))  # k < 16: sub-block 8 hh + 2 qq
-                        xh = _as_i8(gl.load(xp, mask=bmask_hi, other=0))  # k >= 16: the next
+                        xp = bptr + b * 32 + 16 * hh + 4 * qq
+                        xl = _ld_b(xp, bmask_lo)  # elements < 16 (t < 2): sub-block 8 hh + 2 qq
+                        xh = _ld_b(xp, bmask_hi)  # elements >= 16: the next
                         il = mma_v2(codes, xl, zero)
                         ih = mma_v2(codes, xh, zero)
                         sl = _byte_of(e0, e1, e2, e3, 8 * hh + 2 * qq, True)
@@ -481,22 +514,24 @@ if HAVE_GLUON:
         # 153.7 MB of fields, the exact lane's matvec 153.8 for as many; ncu, tools/device_counters.py)
         m0 = gl.program_id(1) * BM
         n0 = gl.program_id(2) * BN
-        # the weight operand [BN, 32]: row n, code k in word k // 4 of a sub-block's 32 bytes
+        # the weight operand [BN, 32]: row n, operand k = 16h + 4t + i holds element 8t + 4h + i of a
+        # sub-block (byte 4h + i of its 32 bytes' 8-byte word t), and the activation operand the same
+        # element, so each IMMA is still the sub-block's integer dot (one 8-byte load a thread and row)
         an = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, la))
         ak = gl.arange(0, 32, layout=gl.SliceLayout(0, la))
         amask = (an < N)[:, None] & (ak < 32)[None, :]
         arow = an.to(gl.int64)[:, None]
         arow1 = an.to(gl.int64)  # [BN] by the weight operand's rows (the m words: an operand of theirs)
         anm1 = an < N
-        kw = (ak // 4)[None, :]
+        kw = ((ak % 16) // 4)[None, :]  # the 8-byte word t
         # the activation operand [32, BM]: element k of a sub-block, activation row t
         bk = gl.arange(0, 32, layout=gl.SliceLayout(1, lb))
         bt = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, lb))
         bok = (bt < T)[None, :]
-        bmask = (bk < 32)[:, None] & bok
-        bmask_lo = (bk < 16)[:, None] & bok
-        bmask_hi = (bk >= 16)[:, None] & bok
-        bptr = aq + bt.to(gl.int64)[None, :] * (K // 4) + (bk // 4)[:, None]  # activation words (4 codes)
+        bmask = ((bk < 32)[:, None] & bok).to(gl.int32)
+        bmask_lo = (((bk % 16) < 8)[:, None] & bok).to(gl.int32)  # elements 8t + 4h + i < 16: t < 2
+        bmask_hi = (((bk % 16) >= 8)[:, None] & bok).to(gl.int32)
+        bptr = aq + bt.to(gl.int64)[None, :] * (K // 8) + ((bk % 16) // 4)[:, None]  # 8-byte words (8 codes)
         # per weight row / per activation row vectors of the accumulator's layout
         sn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         snm = sn < N
@@ -564,12 +599,12 @@ def _need_gluon() -> None:
 
 
 def _word_fields(w: QWeight) -> list[torch.Tensor]:
-    """The fields in FIELDS order as the kernel reads them: byte fields as int32 words (4 bytes a
-    word, row lengths are multiples of 4), d/dmin as stored (f16)."""
+    """The fields in FIELDS order as the kernel reads them: byte fields as 8-byte words (a K-quant
+    field is 8, 16, 32, 64 or 128 bytes a 256-block), d/dmin as stored (f16)."""
     out = []
     for k in FIELDS[w.fmt]:
         t = w.fields[k]
-        out.append(t if t.dtype == torch.float16 else t.view(torch.int32))
+        out.append(t if t.dtype == torch.float16 else t.view(torch.int64))
     return out
 
 
@@ -599,7 +634,7 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
     if split and nch > 1:
         part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
     grid = (nch if split else 1, -(-T // bm), -(-N // bn))  # chunks fastest (the kernel's note)
-    _qtile_kernel[grid](act.qs.view(torch.int32), act.d, out, part, *ptrs, N, w.n_in, T, out.stride(0),
+    _qtile_kernel[grid](act.qs.view(torch.int64), act.d, out, part, *ptrs, N, w.n_in, T, out.stride(0),
                        FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, PF=pf, num_warps=nw,
                        enable_fp_fusion=False, **gdc.kwargs(out))
     if split and nch > 1:
@@ -618,5 +653,6 @@ def self_check(device: str) -> None:
 
 
 __all__ = ["CONFIGS", "FORMATS", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
+           "operand_elements",
            "load_tuning", "route", "routes_wide",
            "matmul_tile", "self_check", "supports"]
