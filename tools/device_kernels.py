@@ -551,10 +551,12 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
     # PF 1 (the next block's weight words loaded during this block's IMMAs) beside the default
     # tilings; the 128-row tiles spill with it, so it is timed on the 64-row ones. At 16 rows also
     # 8-row activation tiles (two programs a weight tile, adjacent: L2 serves the second's weight
-    # reads; half the accumulator registers)
+    # reads; half the accumulator registers); one m-tile a warp at ~161 registers (12 warps an SM);
+    # for prefill 32-row activation tiles (each weight word read by half as many programs)
     for T, cfgs in ((1, [(64, 8, 4, 1), (64, 8, 4, 0), (16, 8, 1, 1), (32, 8, 2, 0), (128, 8, 4, 0)]),
-                    (16, [(64, 16, 4, 1), (64, 16, 4, 0), (256, 16, 8, 0), (128, 8, 4, 0), (64, 8, 4, 0), (256, 8, 8, 0)]),
-                    (big, [(64, 16, 4, 1), (64, 16, 4, 0), (256, 16, 8, 0)])):
+                    (16, [(64, 16, 4, 1), (64, 16, 4, 0), (256, 16, 8, 0), (128, 8, 4, 0), (64, 8, 4, 0), (256, 8, 8, 0),
+                          (32, 16, 2, 0), (128, 16, 8, 0)]),
+                    (big, [(64, 16, 4, 1), (64, 16, 4, 0), (256, 16, 8, 0), (64, 32, 4, 0), (128, 32, 8, 0)])):
         for cfg in cfgs:
             try:
                 out = torch.empty(T, w.n_out, device=device)
