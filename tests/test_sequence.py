@@ -139,3 +139,27 @@ def test_non_finite_logits_same_error_and_rollback_on_both(models, monkeypatch):
         ref = m.session(max_context=64)
         ref.prefill(PROMPT[:35])
         assert np.array_equal(sessions[name].decode(7), ref.decode(7)), name
+
+
+def test_logits_known_finite_are_not_scanned_again(models, monkeypatch):
+    """A session whose forward reports its logits finite (the engine on CUDA reduces them on the
+    device before the copy: _rows_finite) is not scanned on the host; one that does not know (the
+    oracle, the engine on the CPU) is scanned: every call's logits, every row, once."""
+    import muser.sequence as seq
+
+    scanned = []
+    orig = seq.first_non_finite
+    monkeypatch.setattr(seq, "first_non_finite", lambda lg: scanned.append(lg.shape) or orig(lg))
+    for m in models.values():
+        s = m.session(max_context=64)
+        assert s._rows_finite() is False  # CPU engine and oracle: unknown
+        s.prefill(PROMPT[:5])
+        s.verify([7, 8, 9])
+        assert scanned[-2:] == [(1, s.vocab), (3, s.vocab)]
+    s = models["engine"].session(max_context=64)
+    monkeypatch.setattr(s, "_rows_finite", lambda: True)
+    n = len(scanned)
+    s.prefill(PROMPT[:5])
+    s.verify([7, 8, 9])
+    s.decode(4)
+    assert len(scanned) == n

@@ -13,7 +13,9 @@ A sequence is its KV cache (muser.kv) plus a position. Both session classes deri
 * checkpoint / rollback(keep) / snapshot / restore / begin_install / commit over the cache.
 
 A subclass implements `_forward(ids, rows, capture) -> (logits | None, captured)` for one chunk
-of at most `chunk` rows.
+of at most `chunk` rows, and may implement `_rows_finite()`: True when the logits its last
+`_forward` returned are known to be finite (the engine reduces them on the device before the copy),
+so the host scan of every value is skipped; by default every value is scanned.
 """
 
 from __future__ import annotations
@@ -173,6 +175,11 @@ class Sequence:
         'all' (R = T), None for 'none'; captured layer inputs {layer: [T, hidden]}."""
         raise NotImplementedError
 
+    def _rows_finite(self) -> bool:
+        """Whether the logits the last `_forward` returned are known to be finite (then not
+        scanned on the host); False: unknown, scan them."""
+        return False
+
     # -- state ---------------------------------------------------------------------------------
     @property
     def n_past(self) -> int:
@@ -219,7 +226,7 @@ class Sequence:
         parts: list[dict[int, np.ndarray]] = []
 
         def work() -> np.ndarray:
-            outs = []
+            outs, known = [], []
             for c0 in range(0, len(ids), chunk):
                 c1 = min(len(ids), c0 + chunk)
                 rows = "all" if all_logits else ("last" if c1 == len(ids) else "none")
@@ -227,8 +234,9 @@ class Sequence:
                 parts.append(cap)
                 if lg is not None:
                     outs.append(lg)
+                    known.append(self._rows_finite())
             logits = np.concatenate(outs, 0) if len(outs) > 1 else outs[0]
-            bad = first_non_finite(logits)
+            bad = None if all(known) else first_non_finite(logits)
             if bad is not None:
                 row = bad[0] if all_logits else len(ids) - 1
                 raise non_finite_error(logits, bad, 0, row, n0)
