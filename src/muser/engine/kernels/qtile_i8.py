@@ -85,7 +85,11 @@ SPLIT_ROWS = 16  # as qmatmul_i8.SPLIT_ROWS: one program per chunk up to this ma
 # (64, 16, 4) on every full-geometry shape of the H200's sweeps at 16 and 512 rows (Q4_K 39936 x
 # 6656: 144.7 against 201.7 us at 16 rows, 3,311 against 4,959 at 512; bench/receipts/
 # 20261205T043516Z-kernels-cuda.json), though a value or two lands in local memory outside the
-# block loop. BM 32 spills inside it. The device sweep overrides through `config`, never the bits.
+# block loop. Since the 8-byte loads (64, 16, 4, 0) needs 161 registers and beats it on most shapes
+# at 16 rows (Q4_K 39936 x 6656: 107.0 against 117.2 us on an H100, bench/receipts/
+# 20261206T061639Z-kernels-cuda.json), which the table routes per shape; BM 32 no longer spills in
+# the loop but was slower at 512 rows on every shape. The device sweep overrides through `config`,
+# never the bits.
 # One row: (32, 8, 2, 1), the next block's weight words in flight during this block's IMMAs (PF),
 # one m-tile a warp; with the min sums on the tensor cores (78 registers at PF 0) it ran faster
 # than (64, 8, 4, 0) on seven of the eight full-geometry shapes of an H100's sweep (Q4_K 39936 x
