@@ -159,7 +159,7 @@ def test_tile_loop_unpacks_operands_in_registers(tmp_path, fmt, rows, imma, limi
     """A 256-block of the tile's loop as compiled for sm_90: per m-tile of a warp and n-tile two IMMAs
     per 32 codes (Q4_K/Q5_K: the codes and the row's min, both against the same activations; Q6_K
     one per 16 codes; above one row a warp takes two m-tiles), the operands
-    straight from 32-bit loads (no shared memory, no barrier), within the warp-instruction budget
+    straight from 8-byte loads (no shared memory, no barrier), within the warp-instruction budget
     a weight that keeps a decode under the weight stream (bench/NOTES.md: ~0.1 a weight is ~2.7 ms
     a token of the 28 G). Nothing is stored to local memory inside the loop; the two-m-tile
     tilings at 254-255 registers may keep values there from outside it (Q5_K at 16 rows reloads

@@ -22,9 +22,9 @@ one 8-byte load (for the activations too). Q4_K/Q5_K keep sub-block 2c in the lo
 2c + 1 in the high nibbles of the same 32 bytes (qs[32c + k]), so one load gives the thread its
 registers for both sub-blocks; Q5_K's fifth bit is bit 2c + h of qh[k], the same word position;
 Q6_K's 32-element quarter q of half h reads ql[64h + 32(q % 2) + k] (low or high nibble) and bits
-2q of qh[32h + k], and its 16-element sub-blocks are t < 2 and t >= 2. Each register is (word >> s) & 0x0F0F0F0F (| the high bits << 4) in PTX; Q6_K's
-code - 32 is a SWAR byte subtraction ((v | 0x80..) - 0x20.. ) ^ 0x80.. (every byte v < 64, so no
-borrow crosses a byte).
+2q of qh[32h + k], and its 16-element sub-blocks are t < 2 and t >= 2. Each register is
+(word >> s) & 0x0F0F0F0F (| the high bits << 4) in PTX; Q6_K's code - 32 is a SWAR byte
+subtraction ((v | 0x80..) - 0x20.. ) ^ 0x80.. (every byte v < 64, so no borrow crosses a byte).
 
 Arithmetic (dot.py's, one fixed float order; the integer steps are exact whatever the tiling):
 - Q4_K/Q5_K: isum_j per 32-element sub-block (an IMMA into zeros), sumi = sum_j sc_j isum_j and
@@ -226,8 +226,8 @@ def codes_ref(fmt: G, fields: dict[str, np.ndarray], n_in: int) -> np.ndarray:
     """int8 codes [N, n_in // 16 sub-blocks of 16 (Q6_K) or n_in // 32 of 32, element] as the
     kernel's registers hold them (operand k holds element operand_elements()[k]), built by the
     register operations the kernel's PTX performs on the 32-bit words of `fields` (numpy views of
-    the repacked fields; a register is one half of an 8-byte load): Q4_K/Q5_K codes 0..31, Q6_K code - 32. The
-    tests compare them with dot.codes_from_fields, the contract's codes."""
+    the repacked fields; a register is one half of an 8-byte load): Q4_K/Q5_K codes 0..31, Q6_K
+    code - 32. The tests compare them with dot.codes_from_fields, the contract's codes."""
     fmt = G(fmt)
     nb = n_in // 256
     if fmt in (G.Q4_K, G.Q5_K):
