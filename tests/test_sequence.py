@@ -142,24 +142,27 @@ def test_non_finite_logits_same_error_and_rollback_on_both(models, monkeypatch):
 
 
 def test_logits_known_finite_are_not_scanned_again(models, monkeypatch):
-    """A session whose forward reports its logits finite (the engine on CUDA reduces them on the
-    device before the copy: _rows_finite) is not scanned on the host; one that does not know (the
-    oracle, the engine on the CPU) is scanned: every call's logits, every row, once."""
+    """The engine reduces its logits' finiteness where they lie (step.finite_flags: on CUDA before
+    the copy) and the host does not scan logits known finite; a sequence that does not know (the
+    oracle) is scanned: every call's logits, every row, once. A false flag is scanned, to name the
+    offender."""
     import muser.sequence as seq
 
     scanned = []
     orig = seq.first_non_finite
     monkeypatch.setattr(seq, "first_non_finite", lambda lg: scanned.append(lg.shape) or orig(lg))
-    for m in models.values():
-        s = m.session(max_context=64)
-        assert s._rows_finite() is False  # CPU engine and oracle: unknown
-        s.prefill(PROMPT[:5])
-        s.verify([7, 8, 9])
-        assert scanned[-2:] == [(1, s.vocab), (3, s.vocab)]
+    o = models["oracle"].session(max_context=64)
+    assert o._rows_finite() is False
+    o.prefill(PROMPT[:5])
+    o.verify([7, 8, 9])
+    assert scanned == [(1, o.vocab), (3, o.vocab)]
     s = models["engine"].session(max_context=64)
-    monkeypatch.setattr(s, "_rows_finite", lambda: True)
-    n = len(scanned)
+    assert s._rows_finite() is False  # no forward yet
     s.prefill(PROMPT[:5])
+    assert s._rows_finite() is True
     s.verify([7, 8, 9])
     s.decode(4)
-    assert len(scanned) == n
+    assert len(scanned) == 2
+    monkeypatch.setattr(s, "_rows_finite", lambda: False)
+    s.verify([5, 6])
+    assert scanned[2:] == [(2, s.vocab)]

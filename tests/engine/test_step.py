@@ -167,6 +167,23 @@ def test_non_finite_row_rolls_every_session_back(eng, monkeypatch):
         assert np.array_equal(a.logits, b.logits)  # the same batch shape: bitwise
 
 
+def test_only_items_flagged_non_finite_are_scanned_on_the_host(eng, monkeypatch):
+    """The step reduces each item's logits' finiteness where they lie (finite_flags, before the
+    copy) and scans on the host only an item whose flag is false, to name its row."""
+    import muser.engine.step as st
+
+    scanned = []
+    orig = st.first_non_finite
+    monkeypatch.setattr(st, "first_non_finite", lambda lg: scanned.append(lg.shape) or orig(lg))
+    ss = [_session(eng, i) for i in range(3)]
+    eng.step([StepItem(s, _tokens(i, 3), logits="all") for i, s in enumerate(ss)])
+    assert scanned == []
+    flags = st.finite_flags
+    monkeypatch.setattr(st, "finite_flags", lambda lgs: flags(lgs) & torch.tensor([True, False, True]))
+    eng.step([StepItem(s, _tokens(i, 2), logits="all") for i, s in enumerate(ss)])
+    assert scanned == [(2, eng.cfg.vocab)]
+
+
 def test_graph_metadata_of_every_item_is_16_byte_aligned(tiny_gguf):
     """Each item's plane metadata and first position, which the attention kernels read by pointer,
     start on a 16-byte boundary whatever the items' row counts: Triton compiles one binary per

@@ -101,7 +101,7 @@ class Session(Sequence):
         self._attn_scratch: AttnScratch | None = None
         # (planes tuple, int64 [L, 3] capacity and K/V addresses) for the step graphs (graphs.plane_storage)
         self._graph_storage: tuple | None = None
-        self._finite: torch.Tensor | None = None  # the last forward's logits all finite (CUDA, on the device)
+        self._finite: torch.Tensor | None = None  # [1] bool: the last forward's logits all finite (step.finite_flags)
 
     @property
     def kv_bytes(self) -> int:
@@ -137,19 +137,14 @@ class Session(Sequence):
 
     def _forward(self, ids: np.ndarray, rows: str,
                  capture: tuple[int, ...]) -> tuple[np.ndarray | None, dict[int, np.ndarray]]:
-        from .step import StepWork, host_rows, run_rows
+        from .step import StepWork, finite_flags, host_rows, run_rows
 
         (lg, cap), = run_rows(self.engine, [StepWork(self, ids, rows, capture)])
-        self._finite = None
-        if lg is not None and lg.device.type == "cuda":
-            with torch.inference_mode():
-                # one reduction on the device instead of a host scan of every value (16 verify
-                # rows are 3.2 M logits: ~1 ms of numpy); read once the copy has synchronized
-                self._finite = torch.isfinite(lg).all()
+        self._finite = finite_flags([lg])  # before the copy; read once it has synchronized
         return host_rows(lg), cap
 
     def _rows_finite(self) -> bool:
-        """The device's finiteness flag of the last forward's logits (CUDA); elsewhere unknown."""
+        """The last forward's finiteness flag (step.finite_flags); unknown before any forward."""
         return self._finite is not None and bool(self._finite)
 
     # -- public calls beyond the protocol ------------------------------------------------------
