@@ -181,10 +181,8 @@ def drive(rec: Recorder) -> None:
     for fmt in ti.FORMATS:  # the integer lane's K-quant tile: decode, verify, prefill buckets, split and walked chunks
         for n_in, n_out in ((512, 24), (2560, 136)):
             w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy()))
-            for T, cfg, split in ((1, None, None), (16, None, None), (17, None, None), (1, (64, 8, 4, 1, 0), None),
-                                  (17, (64, 16, 4, 1, 0), None), (1, None, False), (1, (64, 8, 4, 1, 0), False),
-                                  (1, (32, 8, 2, 1, 4), None), (16, (64, 16, 4, 0, 4), None),
-                                  (16, (64, 16, 4, 0, 8), False)):  # and L2 prefetch, split and walked
+            for T, cfg, split in ((1, None, None), (16, None, None), (17, None, None), (1, (64, 8, 4, 1), None),
+                                  (17, (64, 16, 4, 1), None), (1, None, False), (1, (64, 8, 4, 1), False)):
                 ti.matmul_tile(w, i8.Act(G.Q8_K, torch.zeros(T, n_in, dtype=torch.int8), torch.zeros(T, n_in // 256),
                                          torch.zeros(T, n_in // 32, dtype=torch.int32)), torch.empty(T, n_out), cfg,
                                split)

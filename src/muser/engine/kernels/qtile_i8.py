@@ -40,10 +40,6 @@ Arithmetic (dot.py's, one fixed float order; the integer steps are exact whateve
 - The terms are summed in f64 per chunk of dot.CHUNK_ELEMS elements from +0.0 in block order,
   then the chunks from +0.0 in chunk order, rounded to f32 at the store. Calls of <= SPLIT_ROWS
   rows give each chunk its own program and add the chunk sums with qmatmul_i8's reduce launch.
-Loads: a block's words are loaded at the top of its iteration and waited for by its first IMMA;
-PF 1 loads the next block's weight words there instead (registers), and LP > 0 sends block b + LP's
-weight fields toward L2 (prefetch.global.L2: no register, no wait), so a program keeps DRAM busy
-ahead of the loads its warps wait on. Neither changes what is loaded or computed.
 Launched with enable_fp_fusion=False: no multiply and add contract into an FMA. A one-row launch
 takes programmatic dependent launch on sm_90 (gdc.py; `_after_prior` is the kernel's first step).
 
@@ -99,13 +95,7 @@ SPLIT_ROWS = 16  # as qmatmul_i8.SPLIT_ROWS: one program per chunk up to this ma
 # than (64, 8, 4, 0) on seven of the eight full-geometry shapes of an H100's sweep (Q4_K 39936 x
 # 6656: 67.6 against 77.1 us; the Q5_K LM head the exception, which the table routes),
 # bench/receipts/20261205T223814Z-kernels-cuda.json.
-# LP: at block b a program also sends block b + LP's weight fields toward L2 (prefetch.global.L2, no
-# register written, nothing waited for), within its own blocks, so DRAM keeps LP blocks of every
-# program in flight while its warps wait on this block's loads or run its IMMAs; 0 off. The loads
-# and arithmetic are unchanged: the same bits at every LP.
-LP_DISTANCES = (0, 1, 2, 4, 8)
-CONFIGS: dict[int, tuple[int, int, int, int, int]] = {8: (32, 8, 2, 1, 0), 16: (128, 16, 4, 0, 0),
-                                                     64: (128, 16, 4, 0, 0)}
+CONFIGS: dict[int, tuple[int, int, int, int]] = {8: (32, 8, 2, 1), 16: (128, 16, 4, 0), 64: (128, 16, 4, 0)}
 
 
 def _bucket(t: int) -> int:
@@ -124,23 +114,22 @@ def available(device: torch.device | str) -> bool:
             and torch.cuda.get_device_capability(dev)[0] >= 8)
 
 
-def check_config(config) -> tuple[int, int, int, int, int]:
-    """(BN, BM, num_warps, PF, LP) or ValueError naming it: num_warps a power of two to 8, BN a
-    multiple of 16 x num_warps up to 256, BM a power of two from 8 to 64, PF 0 or 1 (the next
-    block's weight words loaded before this block's IMMAs), LP 0, 1, 2, 4 or 8 (block b + LP's
-    weight fields prefetched to L2 at block b, within the program's blocks)."""
+def check_config(config) -> tuple[int, int, int, int]:
+    """(BN, BM, num_warps, PF) or ValueError naming it: num_warps a power of two to 8, BN a multiple
+    of 16 x num_warps up to 256, BM a power of two from 8 to 64, PF 0 or 1 (the next block's
+    weight words loaded before this block's IMMAs)."""
     try:
-        bn, bm, nw, pf, lp = (int(v) for v in config)
+        bn, bm, nw, pf = (int(v) for v in config)
     except (TypeError, ValueError):
-        raise ValueError(f"config {config!r}: expected (BN, BM, num_warps, PF, LP)") from None
+        raise ValueError(f"config {config!r}: expected (BN, BM, num_warps, PF)") from None
     if not (nw in (1, 2, 4, 8) and bm in (8, 16, 32, 64) and 16 * nw <= bn <= 256 and bn % (16 * nw) == 0
-            and bn & (bn - 1) == 0 and pf in (0, 1) and lp in LP_DISTANCES):
+            and bn & (bn - 1) == 0 and pf in (0, 1)):
         raise ValueError(f"config {list(config)!r}: num_warps 1, 2, 4 or 8; BN a power of two, a multiple of "
-                         f"16 x num_warps, <= 256; BM 8, 16, 32 or 64; PF 0 or 1; LP one of {LP_DISTANCES}")
-    return bn, bm, nw, pf, lp
+                         f"16 x num_warps, <= 256; BM 8, 16, 32 or 64; PF 0 or 1")
+    return bn, bm, nw, pf
 
 
-def config_for(rows: int) -> tuple[int, int, int, int, int]:
+def config_for(rows: int) -> tuple[int, int, int, int]:
     return CONFIGS[_bucket(rows)]
 
 
@@ -148,7 +137,7 @@ class Route(NamedTuple):
     """Where the lane sends a call: `path` "tile" (matmul_tile with `config` and `split`; None:
     its defaults) or "wide" (qwide_i8.matmul_wide with `config`)."""
     path: str
-    config: tuple[int, ...] | None = None
+    config: tuple[int, int, int, int] | None = None
     split: bool | None = None
 
 
@@ -334,35 +323,6 @@ if HAVE_GLUON:
             "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r", [words, sh, hw, hs], dtype=gl.int8, is_pure=True, pack=4)
 
     @gluon.jit
-    def _pf_l2(ptrs, ok):
-        """prefetch.global.L2 of each pointer's line where `ok`: the bytes head for L2 with no
-        register written and nothing waited for (the loads that use them later hit L2)."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-            "=r,l,r", [ptrs, ok], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _prefetch(FMT: gl.constexpr, bb, ok, w0, w1, w2, w3, w4, w5, K, prow, pm):
-        """Block bb's weight fields of this program's rows (prow [BN], one thread a row where the
-        program has as many threads) toward L2 where `ok`: its code bytes (a 128-byte line, Q5_K's
-        qh and Q6_K's qh beside) and the lines of its scales, mins and d."""
-        nb = K // 256
-        m = (pm & ok).to(gl.int32)
-        if FMT <= 3:
-            _pf_l2(w0 + prow * (nb * 16) + bb * 16, m)  # qs, 128 B
-            _pf_l2(w3 + prow * nb + bb, m)  # sc
-            _pf_l2(w4 + prow * nb + bb, m)  # m
-            _pf_l2(w1 + prow * nb + bb, m)  # d
-            _pf_l2(w2 + prow * nb + bb, m)  # dmin
-            if FMT == 3:
-                _pf_l2(w5 + prow * (nb * 4) + bb * 4, m)  # qh, 32 B
-        else:
-            _pf_l2(w0 + prow * (nb * 16) + bb * 16, m)  # ql, 128 B
-            _pf_l2(w1 + prow * (nb * 8) + bb * 8, m)  # qh, 64 B
-            _pf_l2(w2 + prow * (nb * 2) + bb * 2, m)  # sc
-            _pf_l2(w3 + prow * nb + bb, m)  # d
-
-    @gluon.jit
     def _words2(v):
         """The two 32-bit halves (low, high) of 8-byte words [BN]: bytes 0..3 and 4..7."""
         return v.to(gl.int32), (v >> 32).to(gl.int32)
@@ -544,8 +504,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _qtile_kernel(aq, ad, y, part, w0, w1, w2, w3, w4, w5, N, K, T, sy,
                      FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr,
-                     CB: gl.constexpr, SPLIT: gl.constexpr, PF: gl.constexpr, LP: gl.constexpr,
-                     PDL: gl.constexpr):
+                     CB: gl.constexpr, SPLIT: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr):
         """y [T, N] f32 (or, SPLIT over several chunks, part [n_chunks, T, N] f64): program (c, i, j)
         takes activation rows i*BM.. and weight rows j*BN.. (and, SPLIT, chunk c; else c is 0)."""
         _after_prior(PDL)  # gdc.py: the previous kernel done before the first read
@@ -586,14 +545,6 @@ if HAVE_GLUON:
         stok = st.to(gl.int64)
         omask = snm[:, None] & stm[None, :]
         nb = K // 256
-        # LP: block b + LP's weight fields sent toward L2 at the top of block b's iteration (and blocks
-        # b0 + 1 .. b0 + LP - 1 before the loop), within this program's blocks: DRAM keeps LP blocks
-        # of the program in flight whatever its warps wait for; the loads are unchanged (same bits)
-        lp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[NW],
-                                            order=[0])
-        pn = n0 + gl.arange(0, BN, layout=lp)
-        prow = pn.to(gl.int64)
-        pm = pn < N
         # PF: the next block's weight words are loaded before this block's IMMAs (kept in registers
         # across the iteration), so a warp has a block's loads in flight while it computes; PF 0
         # loads each word where it is used. Same values, same arithmetic: same bits.
@@ -614,12 +565,8 @@ if HAVE_GLUON:
         if SPLIT:
             c = gl.program_id(0)
             b1 = gl.minimum(nb, c * CB + CB)
-            for i in gl.static_range(1, LP):
-                _prefetch(FMT, b0 + i, b0 + i < b1, w0, w1, w2, w3, w4, w5, K, prow, pm)
             acc = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
             for b in range(b0, b1):
-                if LP:
-                    _prefetch(FMT, b + LP, b + LP < b1, w0, w1, w2, w3, w4, w5, K, prow, pm)
                 if PF:
                     n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3, h0, h1 = _load(
                         FMT, b + 1, b + 1 < b1, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, srow, snm, arow1, anm1)
@@ -634,13 +581,9 @@ if HAVE_GLUON:
                 gl.store(part + (c * T + stok[None, :]) * N + srow[:, None], acc, mask=omask)
         else:
             tot = gl.zeros([BN, BM], gl.float64, layout=mma)
-            for i in gl.static_range(1, LP):
-                _prefetch(FMT, i, i < nb, w0, w1, w2, w3, w4, w5, K, prow, pm)
             for c in range(0, (nb + CB - 1) // CB):
                 acc = gl.zeros([BN, BM], gl.float64, layout=mma)
                 for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
-                    if LP:
-                        _prefetch(FMT, b + LP, b + LP < nb, w0, w1, w2, w3, w4, w5, K, prow, pm)
                     if PF:  # runs on across chunk boundaries
                         n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3, h0, h1 = _load(
                             FMT, b + 1, b + 1 < nb, w0, w1, w2, w3, w4, w5, K, arow, kw, amask, srow, snm, arow1, anm1)
@@ -673,7 +616,7 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
                 split: bool | None = None) -> torch.Tensor:
     """Q8_K activations (qmatmul_i8.Act) [T, K] x K-quant weight [N, K] -> f32 [T, N], bitwise
     matmul_ggml. `out` may be a column slice of a wider output (unit column stride); `config` =
-    (BN, BM, num_warps, PF, LP) overrides the table (speed only). `split`: each 1,024-element chunk
+    (BN, BM, num_warps, PF) overrides the table (speed only). `split`: each 1,024-element chunk
     its own program and the chunk sums added by a second launch (True), or a program walking its
     chunks (False); by default split at most SPLIT_ROWS rows. Speed only: the same additions in
     the same order either way."""
@@ -684,7 +627,7 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
                         f"{', '.join(f.name for f in FORMATS)})")
     out = qmatmul_i8.check_call(w, act, out)
     T, N = act.rows, w.n_out
-    bn, bm, nw, pf, lp = check_config(config) if config is not None else config_for(T)
+    bn, bm, nw, pf = check_config(config) if config is not None else config_for(T)
     _need_gluon()
     ptrs = _word_fields(w)
     ptrs += [ptrs[0]] * (6 - len(ptrs))  # absent slots repeat the first field (never read)
@@ -696,7 +639,7 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
         part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
     grid = (nch if split else 1, -(-T // bm), -(-N // bn))  # chunks fastest (the kernel's note)
     _qtile_kernel[grid](act.qs.view(torch.int64), act.d, out, part, *ptrs, N, w.n_in, T, out.stride(0),
-                       FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, PF=pf, LP=lp, num_warps=nw,
+                       FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, PF=pf, num_warps=nw,
                        enable_fp_fusion=False, **gdc.kwargs(out))
     if split and nch > 1:
         qmatmul_i8.reduce_chunks(part, out)
@@ -713,7 +656,7 @@ def self_check(device: str) -> None:
     qmatmul_i8.check_against_reference("int8 tile", FORMATS, (1, 3, 16, 40), matmul_tile, device)
 
 
-__all__ = ["CONFIGS", "FORMATS", "LP_DISTANCES", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
+__all__ = ["CONFIGS", "FORMATS", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
            "operand_elements",
            "load_tuning", "route", "routes_wide",
            "matmul_tile", "self_check", "supports"]
