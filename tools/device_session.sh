@@ -85,7 +85,8 @@
 # its --smoke form, Gate 2 at the tiny widths. Interpreter: $PY (default python3).
 # Carry DIR (default .device/gpubench, written by tools/pack_device_carry.sh): llama.cpp-src.tgz and
 # whl/ (gguf, starlette, uvicorn, pydantic and their wheels for python 3.12). Files back in $OUT: stages.tsv (stage, rc,
-# seconds, note), receipts.tgz (receipts, PNGs, kernel JSON), logs.tgz, summary.txt.
+# seconds, note), receipts.tgz (receipts, PNGs, kernel JSON), logs.tgz (with gpu-clocks.csv: the card's
+# SM and memory clocks, power, temperature and throttle reasons every 500 ms), summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"
@@ -164,6 +165,15 @@ fi
 # the CPU kernel library (CPU engines refuse without it; the oracle and the micro fallback use it)
 $PY setup.py -q build_ext --inplace >"$L/build_ext.log" 2>&1 || echo "CPU kernel library not built" >&2
 echo -e "stage\trc\tseconds\tnote" >"$W/stages.tsv"
+# the card's clocks, power, temperature and throttle reasons every 500 ms for the whole call
+# (logs/gpu-clocks.csv): a compute-bound figure that moves between machines or repetitions is read
+# against the SM clock it ran at
+CLOCKS_PID=""
+if [ $DRY = 0 ] && command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,nounits -lms 500 >"$L/gpu-clocks.csv" 2>&1 &
+  CLOCKS_PID=$!
+fi
 
 bundle() {  # everything so far into $OUT (at most 4 files back; background jobs bundle too)
   local x=.tmp$BASHPID
@@ -456,6 +466,7 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
               + f"  {res['status']}")
 EOF
 }
+[ -n "$CLOCKS_PID" ] && kill "$CLOCKS_PID" 2>/dev/null
 { echo "session $(el) s, stages: ${STAGES[*]} (dry=$DRY)"; cat "$W/stages.tsv"
   cat "$W"/*.done 2>/dev/null | sed 's/^/background: /'; speed_table; ls -la "$R"; df -h "$W" | tail -1
 } >"$OUT/summary.txt"
