@@ -327,7 +327,9 @@ def i8_tuning_table(speed: list[dict], margin: float = 0.03) -> list[dict]:
                 if head != f"T{T}" or not v.get("bitwise_equal_default"):
                     continue
                 walk = rest.endswith(" walk")
-                e = {"path": "tile", "config": json.loads(rest.removesuffix(" walk"))}
+                rest = rest.removesuffix(" walk")
+                ring = rest.endswith(" ring")
+                e = {"path": "ring" if ring else "tile", "config": json.loads(rest.removesuffix(" ring"))}
                 if walk:
                     e["split"] = False
                 cands.append((e, v["us"]))
@@ -579,6 +581,24 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
             sweep[key] = {"us": sec * 1e6, "bitwise_equal_default": eq}
         except Exception as e:  # noqa: BLE001
             sweep[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    # the ring variant (a program's next S - 1 blocks copied into shared memory ahead of its IMMAs):
+    # split as the tile (one program a chunk) and walking its chunks (the ring runs across them)
+    for T, cfg, split in ((1, (32, 8, 2, 4), None), (1, (64, 8, 4, 4), None), (1, (32, 8, 2, 4), False),
+                          (1, (64, 8, 4, 6), False), (16, (64, 16, 4, 4), None), (16, (32, 16, 2, 4), None),
+                          (16, (64, 16, 4, 4), False), (16, (64, 16, 4, 6), False), (16, (128, 16, 4, 3), False),
+                          (big, (64, 16, 4, 3), False), (big, (128, 16, 4, 3), False)):
+        key = f"T{T} {list(cfg)} ring" + (" walk" if split is False else "")
+        try:
+            out = torch.empty(T, w.n_out, device=device)
+            got_t = qtile_i8.matmul_ring(w, acts[T], out, config=cfg, split=split)
+            eq = bool(torch.equal(bits(got_t), bits(yb[:T])))
+            sec = graph_seconds(lambda: qtile_i8.matmul_ring(w, acts[T], out, config=cfg, split=split),
+                                10 if T <= 16 else 3, 1)[0]
+            sweep[key] = {"us": sec * 1e6, "bitwise_equal_default": eq}
+            if not eq:
+                sweep[key]["where_differ"] = where_differ(bits(got_t), bits(yb[:T]))
+        except Exception as e:  # noqa: BLE001
+            sweep[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
     t["sweep"] = sweep
     from muser.engine.kernels import qwide_i8
 
@@ -612,6 +632,8 @@ def main(argv=None) -> int:
                     help="part 2 only (the kernels' timings and tilings; part 1 ran on this tree before)")
     ap.add_argument("--lane", default="exact", choices=("exact", "fast", "split"),
                     help="fast: the integer lane's engines and its GEMM (kernels/qmatmul_i8.py)")
+    ap.add_argument("--shapes", default=None,
+                    help="FMT:N_OUT:N_IN,...: only these of the full geometry's shapes (part 2)")
     ap.add_argument("--before", default=None,
                     help="an earlier qmatvec_v3 module file: its 4- and 16-row calls timed beside this one's, "
                          "bits compared")
@@ -681,6 +703,12 @@ def main(argv=None) -> int:
         shapes = [s for s in SPLIT_SWEEP_SHAPES if s in shapes] + [s for s in shapes if s not in SPLIT_SWEEP_SHAPES]
     if a.smoke:
         shapes = shapes[:2] + [("Q8_0", 64, 512)]
+    if a.shapes:
+        want = [(f, int(n), int(k)) for f, n, k in (x.split(":") for x in a.shapes.split(","))]
+        missing = [w for w in want if w not in shapes]
+        if missing:
+            ap.error(f"--shapes {missing}: not among this lane's shapes {shapes}")
+        shapes = want
     for fmt, n_out, n_in in shapes:
         if a.lane == "split":
             if time.time() - t0 > a.budget:

@@ -8,6 +8,7 @@
 #                                [--llama-server PATH] [--reuse-gates] [--gates-only]
 #                                [--lane exact|fast|split] [--kinds decode,prefill,verify]
 #                                [--kernels-lane exact|fast|split] [--kernels-timings-only] [--install-tuning]
+#                                [--kernels-shapes FMT:N_OUT:N_IN,...]
 #                                [--profile-lanes exact,fast] [--profile-depths LIST] [--profile-rows 1,16]
 #                                [--profile-modes eager,graph] [--profile-pdl on,off] [--profile-acts tails,separate]
 #                                [--cli-lanes exact,fast] STAGE...
@@ -18,7 +19,7 @@
 # --kind-box is each kind's time box, decode's once for each of --depths (it runs at every depth).
 # --kernels-lane (default --lane) is the lane the kernels stage checks; --kernels-timings-only skips
 # its invariance part (tools/device_kernels.py --no-invariance: a tree whose kernels an earlier call
-# checked; the stage's receipt then says partial). --install-tuning: the kernels stage's sweep
+# checked; the stage's receipt then says partial); --kernels-shapes times only those full-geometry shapes. --install-tuning: the kernels stage's sweep
 # winners (DIR/kernels/v3_tuning.json for the exact lane, i8_tuning.json for the fast lane, checked by
 # the module's load_tuning) replace this copy's kernels/<that file> for the stages after it (the
 # speed receipts name the tables' SHA-256).
@@ -112,7 +113,8 @@ while [ $# -gt 0 ]; do
     --gates-only) GATES_ONLY=1 ;;
     --kernels-lane) KLANE=${2:?--kernels-lane exact|fast}; shift
             [[ "$KLANE" =~ ^(exact|fast|split)$ ]] || { echo "--kernels-lane $KLANE: expected exact, fast or split" >&2; exit 2; } ;;
-    --kernels-timings-only) KARGS=(--no-invariance) ;;
+    --kernels-timings-only) KARGS+=(--no-invariance) ;;
+    --kernels-shapes) KARGS+=(--shapes "${2:?--kernels-shapes LIST}"); shift ;;
     --install-tuning) INSTALL_TUNING=1 ;;
     --lane) LANE=${2:?--lane exact|fast}; shift
             [[ "$LANE" =~ ^(exact|fast|split)$ ]] || { echo "--lane $LANE: expected exact, fast or split" >&2; exit 2; } ;;

@@ -8,6 +8,7 @@ instructions by class, then divide by the weights one thread decodes per iterati
     python3 tools/sass_loop.py split FMT T [--config ...] [--rows-kernel 0|1] [--dump]
     python3 tools/sass_loop.py tile FMT T [--config BN,BM,NUM_WARPS] [--dump]   (the integer lane's int8 tile:
                                                                              its super-block loop)
+    python3 tools/sass_loop.py ring FMT T [--config BN,BM,NUM_WARPS,S] [--walk] [--dump]   (its ring variant)
     python3 tools/sass_loop.py attn full|sliding T [--dump]   (the exact pass at depth 32,768)
 
 Used to predict a kernel's issue-bound ceiling before spending GPU time (bench/NOTES.md).
@@ -143,11 +144,16 @@ def _matmul_launch(a):
         ws, act = mod.pack(w), mod.split_act_ref(x)
         rk = None if a.rows_kernel is None else bool(a.rows_kernel)
         fn, args, kw, grid = capture(lambda: mod.launch_matmul(ws, act, torch.empty(a.T, a.n_out), cfg, rk))
-    elif a.kernel == "tile":
+    elif a.kernel in ("tile", "ring"):
         from muser.engine.kernels import qmatmul_i8, qtile_i8
         act = qmatmul_i8.Act(G.Q8_K, torch.zeros(a.T, a.n_in, dtype=torch.int8), torch.zeros(a.T, a.n_in // 256),
                              torch.zeros(a.T, a.n_in // 32, dtype=torch.int32))
-        fn, args, kw, grid = capture(lambda: qtile_i8.matmul_tile(w, act, torch.empty(a.T, a.n_out), cfg), 0)
+        split = False if a.walk else None
+        if a.kernel == "ring":
+            fn, args, kw, grid = capture(lambda: qtile_i8.matmul_ring(w, act, torch.empty(a.T, a.n_out),
+                                                                       cfg or (64, 16, 4, 4), split), 0)
+        else:
+            fn, args, kw, grid = capture(lambda: qtile_i8.matmul_tile(w, act, torch.empty(a.T, a.n_out), cfg, split), 0)
     else:
         from muser.engine.kernels import qmatvec_v3 as mod
         w3 = mod.pack(w)
@@ -171,7 +177,7 @@ def _attn_call(kind: str, T: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kernel", choices=["v3", "split", "tile", "attn"])
+    ap.add_argument("kernel", choices=["v3", "split", "tile", "ring", "attn"])
     ap.add_argument("fmt")
     ap.add_argument("T", type=int)
     ap.add_argument("--n-out", type=int, default=4096)
@@ -180,6 +186,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows-kernel", type=int, choices=[0, 1], default=None,
                     help="split: force the CUDA-core kernel (1) or the tiles (0)")
     ap.add_argument("--rt", type=int, default=None, help="v3: activation rows a program takes (several-row path)")
+    ap.add_argument("--walk", action="store_true", help="tile / ring: each program walking its chunks (split off)")
     ap.add_argument("--pdl", action="store_true", help="compile the launch as a GPU launch takes it: with PDL "
                     "(engine/kernels/gdc.py)")
     ap.add_argument("--dump", action="store_true")
@@ -201,7 +208,7 @@ def main(argv=None) -> int:
           f"kernel={sum(1 for ln in sass.splitlines() if ';' in ln)} instr, "
           f"local={'STL' in sass}")
     print("  " + ", ".join(f"{o}:{c}" for o, c in ops.most_common()))
-    if a.kernel == "tile":  # one loop iteration: one 256-block of BN weight rows, BN / num_warps a warp
+    if a.kernel in ("tile", "ring"):  # one loop iteration: one 256-block of BN weight rows, BN / num_warps a warp
         per_warp = kw["BN"] // kw["num_warps"] * 256
         print(f"  {len(body) / per_warp:.4f} warp-instructions a weight for {kw['BM']} activation rows "
               f"(IMMA {ops['IMMA']}, shared memory {k.metadata.shared} B)")

@@ -196,7 +196,10 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
                       "T1 [32, 8, 2, 0]": {"us": 5.0, "bitwise_equal_default": False},
                       "T1 [64, 8, 4, 0] walk": {"us": 8.0, "bitwise_equal_default": True},
                       "T16 [64, 16, 4, 1]": {"us": 15.0, "bitwise_equal_default": True},
+                      "T16 [64, 16, 4, 4] ring": {"us": 16.0, "bitwise_equal_default": True},
+                      "T16 [64, 16, 4, 6] ring walk": {"us": 12.0, "bitwise_equal_default": False},
                       "T512 [64, 16, 4, 1]": {"us": 90.0, "bitwise_equal_default": True},
+                      "T1 [32, 8, 2, 4] ring walk": {"us": 7.0, "bitwise_equal_default": True},
                       "T512 [256, 16, 8, 0]": {"error": "OutOfResources"}},
             "wide": {"T512 [64, 64, 8, 1]": {"us": 70.0, "bitwise_equal_reference": True},
                      "T512 [128, 64, 8, 1]": {"us": 40.0, "bitwise_equal_reference": False},
@@ -210,7 +213,7 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
              {"fmt": "Q6_K", "n_out": 32, "n_in": 512, "tile": {**tile, "bitwise_vs_reference": {"T1": False}}}]
     table = device_kernels.i8_tuning_table(speed)
     key = {"fmt": "Q4_K", "n_out": 64, "n_in": 512}
-    assert table[:3] == [{**key, "rows": 8, "path": "tile", "config": [64, 8, 4, 0], "split": False, "us": 8.0,
+    assert table[:3] == [{**key, "rows": 8, "path": "ring", "config": [32, 8, 2, 4], "split": False, "us": 7.0,
                           "default_us": 10.0},
                          {**key, "rows": 16, "path": "tile", "config": [64, 16, 4, 1], "us": 15.0, "default_us": 20.0},
                          {**key, "rows": 64, "path": "wide", "config": [64, 64, 8, 1], "us": 70.0, "default_us": 100.0}]
@@ -223,14 +226,16 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
     assert qtile_i8.load_tuning(str(path)) == 9 and qtile_i8.routes_wide()
     loaded = dict(qtile_i8.TUNED)
     w = repack("t", G.Q4_K, 64, 512, torch.from_numpy(random_bytes(G.Q4_K, 64, 512, 1).copy()))
-    assert qtile_i8.route(w, 1) == ("tile", (64, 8, 4, 0), False)
+    assert qtile_i8.route(w, 1) == ("ring", (32, 8, 2, 4), False)
+    assert qtile_i8.ring_routes() == [((32, 8, 2, 4), False)]
     assert qtile_i8.route(w, 12) == ("tile", (64, 16, 4, 1), None)
     assert qtile_i8.route(w, 17) == ("wide", (64, 64, 8, 1), None)
     other = repack("t", G.Q4_K, 32, 512, torch.from_numpy(random_bytes(G.Q4_K, 32, 512, 1).copy()))
     assert qtile_i8.route(other, 1) == ("tile", None, None)
     for bad, what in [({"path": "wide", "rows": 16}, "64-row bucket"), ({"fmt": "Q6_K", "path": "wide"}, "64-row bucket"),
-                      ({"rows": 64, "split": True}, "split"), ({"config": [48, 8, 4, 0]}, "config"),
-                      ({"fmt": "Q8_0"}, "K-quant"), ({"rows": 32}, "rows 8, 16 or 64"), ({"path": "cublas"}, "path")]:
+                      ({"rows": 64, "split": True}, "split"), ({"config": [48, 8, 4, 0]}, "config"), ({"path": "ring", "config": [64, 16, 4, 5]}, "ring config"),
+                      ({"fmt": "Q8_0"}, "K-quant"), ({"rows": 32}, "rows 8, 16 or 64"), ({"path": "cublas"}, "path"),
+                      ({"path": "ring", "rows": 64, "split": True}, "split")]:
         entry = {**table[0], "rows": 64, "split": None, **bad}
         path.write_text(json.dumps([table[1], {k: v for k, v in entry.items() if v is not None}]))
         with pytest.raises(LaneError, match=what):

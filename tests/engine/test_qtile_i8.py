@@ -96,10 +96,10 @@ def test_config_and_inputs_are_refused_before_any_launch():
     assert not qtile_i8.available("cpu")
 
 
-def _sass(tmp_path, *args: str) -> tuple[str, str, dict[str, int]]:
+def _sass(tmp_path, *args: str, kernel: str = "tile") -> tuple[str, str, dict[str, int]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    p = subprocess.run([sys.executable, str(REPO / "tools" / "sass_loop.py"), "tile", *args], env=env,
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "sass_loop.py"), kernel, *args], env=env,
                        capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     head, ops, budget = p.stdout.strip().splitlines()[:3]
@@ -128,6 +128,41 @@ def test_tile_prefetch_keeps_the_next_blocks_loads_in_flight_during_the_immas(tm
     assert total[0] == total[1], total
     words = 8 if fmt == "Q4_K" else 12  # a thread's 8-byte qs (Q6_K: ql and qh) loads of one block
     assert ahead[1] >= words and ahead[0] < ahead[1], ahead
+
+
+def test_ring_config_is_refused_before_any_launch():
+    for bad in [(48, 16, 4, 4), (64, 16, 8, 4), (64, 12, 4, 4), (256, 16, 4, 4), (64, 16, 4, 5), (64, 64, 4, 4),
+                (128, 32, 4, 6), (64, 16, 4), "64,16"]:
+        with pytest.raises(ValueError, match="ring config"):
+            qtile_i8.check_ring_config(bad)
+    assert qtile_i8.check_ring_config((64, 16, 4, 4)) == (64, 16, 4, 4)
+    assert qtile_i8.ring_bytes(64, 16, 4) == 4 * (64 * 192 + 16 * 256) <= qtile_i8.RING_BYTES
+    w = _weight(G.Q8_0, n_in=768)
+    act = qmatmul_i8.Act(G.Q8_K, torch.zeros(2, 768, dtype=torch.int8), torch.zeros(2, 3),
+                         torch.zeros(2, 24, dtype=torch.int32))
+    from muser.errors import LaneError
+
+    with pytest.raises(LaneError, match="no int8 tile"):
+        qtile_i8.matmul_ring(w, act)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fmt,rows,config,walk,imma", [
+    ("Q4_K", "16", "64,16,4,4", False, 32), ("Q6_K", "16", "64,16,4,4", False, 32),
+    ("Q5_K", "1", "32,8,2,4", True, 16)])
+def test_ring_copies_blocks_ahead_into_shared_memory(tmp_path, fmt, rows, config, walk, imma):
+    """The ring variant's loop as compiled for sm_90: the code bytes and activation codes arrive by
+    cp.async (LDGSTS: 16 bytes a thread and copy, committed as one group a block and waited for
+    S - 2 groups behind), the operands come from shared memory by ldmatrix, one barrier a block;
+    the only global loads left in the loop are the small fields one block ahead; the same IMMAs
+    as the tile; nothing in local memory; the shared memory is the ring's."""
+    bn, bm, nw, s = (int(v) for v in config.split(","))
+    head, ops, counts = _sass(tmp_path, fmt, rows, "--config", config, *(["--walk"] if walk else []), kernel="ring")
+    assert counts.get("IMMA") == imma and counts.get("LDGSTS", 0) >= 3 and counts.get("LDSM", 0) >= 4, ops
+    assert counts.get("DEPBAR") == 1 and counts.get("BAR") and "STL" not in counts and "LDL" not in counts, ops
+    assert counts.get("LDG", 0) <= 14, ops
+    assert f"shared={qtile_i8.ring_bytes(bn, bm, s) - s * bn * (0 if fmt == 'Q6_K' else 32 if fmt == 'Q5_K' else 64)}" \
+        in head, head
 
 
 def _first_read(body: list[str], i: int) -> int:

@@ -228,6 +228,8 @@ class Linear:
             if qtile_i8.available(device):
                 qtile_i8.self_check(str(device))
                 self.tile_formats = qtile_i8.FORMATS
+                for config, split in qtile_i8.ring_routes():  # the table's ring tilings, each checked
+                    qtile_i8.self_check_ring(str(device), config, split)
                 if qtile_i8.routes_wide():  # the tuning table sends some prefill calls to the wide GEMM
                     from .kernels import qwide_i8
 
@@ -301,7 +303,7 @@ class Linear:
     def _i8(self, w: QWeight, act, out: torch.Tensor | None = None) -> torch.Tensor:
         """The fast lane's GEMM on CUDA (the SPEC of dot.matmul_ggml): K-quants where the int8 tile
         serves go where the tuning table routes their shape and row bucket (qtile_i8.route: the tile
-        on a tiling, or the wide GEMM for Q4_K/Q5_K prefill chunks), other integer formats (and
+        or its ring variant on a tiling, or the wide GEMM for Q4_K/Q5_K prefill chunks), other integer formats (and
         devices without the tile) through kernels/qmatmul_i8. Every route has the same bits."""
         if w.fmt in self.tile_formats:
             from .kernels import qtile_i8
@@ -311,6 +313,8 @@ class Linear:
                 from .kernels import qwide_i8
 
                 return qwide_i8.matmul_wide(w, act, out, config=r.config)
+            if r.path == "ring":
+                return qtile_i8.matmul_ring(w, act, out, config=r.config, split=r.split)
             return qtile_i8.matmul_tile(w, act, out, config=r.config, split=r.split)
         from .kernels import qmatmul_i8
 

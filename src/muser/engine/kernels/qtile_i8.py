@@ -69,7 +69,7 @@ from . import gdc
 try:  # the explicit-layout API ships with Triton >= 3.5; optional like Triton itself
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     HAVE_GLUON = True
 except (ImportError, AssertionError):  # pragma: no cover - absent, or Triton already loaded interpreted
@@ -135,7 +135,8 @@ def config_for(rows: int) -> tuple[int, int, int, int]:
 
 class Route(NamedTuple):
     """Where the lane sends a call: `path` "tile" (matmul_tile with `config` and `split`; None:
-    its defaults) or "wide" (qwide_i8.matmul_wide with `config`)."""
+    its defaults), "ring" (matmul_ring with `config` and `split`) or "wide" (qwide_i8.matmul_wide
+    with `config`)."""
     path: str
     config: tuple[int, int, int, int] | None = None
     split: bool | None = None
@@ -162,12 +163,16 @@ def _parse_route(e: dict) -> tuple[tuple[str, int, int, int], Route]:
         if split is not None and (not isinstance(split, bool) or (split and key[1] > SPLIT_ROWS)):
             raise ValueError(f"entry {key}: split {split!r} (true or false, true only up to {SPLIT_ROWS} rows)")
         return key, Route("tile", check_config(e["config"]), split)
+    if path == "ring":
+        if split is not None and (not isinstance(split, bool) or (split and key[1] > SPLIT_ROWS)):
+            raise ValueError(f"entry {key}: split {split!r} (true or false, true only up to {SPLIT_ROWS} rows)")
+        return key, Route("ring", check_ring_config(e["config"]), split)
     if path == "wide":
         if fmt not in qwide_i8.FORMATS or key[1] != 64 or split is not None:
             raise ValueError(f"entry {key}: the wide GEMM serves the 64-row bucket of "
                              f"{', '.join(f.name for f in qwide_i8.FORMATS)}, without split")
         return key, Route("wide", qwide_i8.check_config(e["config"]))
-    raise ValueError(f"entry {key}: path {path!r} (expected 'tile' or 'wide')")
+    raise ValueError(f"entry {key}: path {path!r} (expected 'tile', 'ring' or 'wide')")
 
 
 def load_tuning(path: str) -> int:
@@ -192,6 +197,12 @@ if os.path.isfile(TUNING_FILE):
 def route(w: QWeight, rows: int) -> Route:
     """The table's route for a `rows`-row call on `w`, else the tile on its defaults."""
     return TUNED.get((G(w.fmt).name, _bucket(rows), w.n_out, w.n_in), Route("tile"))
+
+
+def ring_routes() -> list[tuple[tuple[int, ...], bool | None]]:
+    """The table's distinct ring tilings and split choices (the lane checks each at load)."""
+    return sorted({(r.config, r.split) for r in TUNED.values() if r.path == "ring" and r.config is not None},
+                  key=repr)
 
 
 def routes_wide() -> bool:
@@ -489,8 +500,8 @@ if HAVE_GLUON:
                         xh = _ld_b(xp, bmask_hi)  # elements >= 16: the next
                         il = mma_v2(codes, xl, zero)
                         ih = mma_v2(codes, xh, zero)
-                        sl = _byte_of(e0, e1, e2, e3, 8 * hh + 2 * qq, True)
-                        sh_ = _byte_of(e0, e1, e2, e3, 8 * hh + 2 * qq + 1, True)
+                        sl = _byte_of(e0, e1, e2, e3, 8 * hh + 2 * (g + 2 * hi), True)
+                        sh_ = _byte_of(e0, e1, e2, e3, 8 * hh + 2 * (g + 2 * hi) + 1, True)
                         sumi = sumi + il * sl[:, None]
                         sumi = sumi + ih * sh_[:, None]
             a_d = gl.load(ad + stok * nb + b, mask=stm, other=0.0)
@@ -596,6 +607,250 @@ if HAVE_GLUON:
                 tot = tot + acc
             gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
 
+    # --- the ring variant: a program's next blocks copied into shared memory ahead of its IMMAs ---
+
+    @gluon.jit
+    def _nib8(x, SH: gl.constexpr):
+        """int8 codes [BN, 32] (four a register): (byte >> SH) & 0xF."""
+        if SH == 0:
+            return gl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [x], dtype=gl.int8, is_pure=True,
+                                             pack=4)
+        else:
+            return gl.inline_asm_elementwise("{ .reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }", "=r,r",
+                                             [x], dtype=gl.int8, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _hib8(x, h, hs, TWO: gl.constexpr):
+        """Q5_K / Q6_K: the codes x [BN, 32] int8 with bit hs (TWO: bits hs, hs + 1) of each qh byte of h
+        at bit 4 (4, 5); hs an int32 tensor of the shift."""
+        if TWO:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 u; shr.u32 u, $2, $3; and.b32 u, u, 0x03030303; shl.b32 u, u, 4; or.b32 $0, $1, u; }",
+                "=r,r,r,r,r,r,r", [x, h, hs], dtype=gl.int8, is_pure=True, pack=4)
+        else:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 u; shr.u32 u, $2, $3; and.b32 u, u, 0x01010101; shl.b32 u, u, 4; or.b32 $0, $1, u; }",
+                "=r,r,r,r,r,r,r", [x, h, hs], dtype=gl.int8, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _and8(x, m):
+        """Bytewise x & m of two int8 tensors (four a register)."""
+        return gl.inline_asm_elementwise("and.b32 $0, $1, $2;", "=r,r,r", [x, m], dtype=gl.int8, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _minus32(x):
+        """Q6_K: code - 32 in every byte (codes < 64: no borrow crosses a byte)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t; or.b32 t, $1, 0x80808080; sub.u32 t, t, 0x20202020; xor.b32 $0, t, 0x80808080; }",
+            "=r,r", [x], dtype=gl.int8, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _ring_copy(FMT: gl.constexpr, bb, ok, slot, c0, c1, aq, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm, xrow, xk, xm):
+        """Block bb's code bytes (Q4_K/Q5_K qs, Q6_K ql; Q5_K/Q6_K qh) of this program's weight rows and
+        its activation codes into ring slot `slot` (cp.async, 16 bytes a thread and copy), where ok."""
+        nb = K // 256
+        async_copy.async_copy_global_to_shared(wq.index(slot), c0 + qrow * (nb * 128) + bb * 128 + qk, mask=qm & ok)
+        if FMT == 3:
+            async_copy.async_copy_global_to_shared(wh.index(slot), c1 + hrow * (nb * 32) + bb * 32 + hk, mask=hm & ok)
+        if FMT == 4:
+            async_copy.async_copy_global_to_shared(wh.index(slot), c1 + hrow * (nb * 64) + bb * 64 + hk, mask=hm & ok)
+        async_copy.async_copy_global_to_shared(xa.index(slot), aq + xrow * K + bb * 256 + xk, mask=xm & ok)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _ring_small(FMT: gl.constexpr, bb, ok, s0, s1, s2, s3, ad, K, srow, snm, arow1, anm1, stok, stm):
+        """Block bb's scale words (sc, m; Q6_K's two sc words), d (and dmin) and the activations' d."""
+        nb = K // 256
+        if FMT <= 3:
+            e0, e1 = _words2(gl.load(s2 + srow * nb + bb, mask=snm & ok, other=0))  # sc bytes 0..7
+            e2, e3 = _words2(gl.load(s3 + arow1 * nb + bb, mask=anm1 & ok, other=0))  # m bytes 0..7 (an operand's rows)
+            f1 = gl.load(s1 + srow * nb + bb, mask=snm & ok, other=0.0)
+        else:
+            e0, e1 = _words2(gl.load(s2 + srow * (nb * 2) + bb * 2, mask=snm & ok, other=0))  # sc bytes 0..15
+            e2, e3 = _words2(gl.load(s2 + srow * (nb * 2) + bb * 2 + 1, mask=snm & ok, other=0))
+        f0 = gl.load(s0 + srow * nb + bb, mask=snm & ok, other=0.0)
+        if FMT == 4:
+            f1 = f0
+        a_d = gl.load(ad + stok * nb + bb, mask=stm & ok, other=0.0)  # [BM] f32
+        return e0, e1, e2, e3, f0, f1, a_d
+
+    @gluon.jit
+    def _ring_term(FMT: gl.constexpr, slot, wq, wh, xa, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16,
+                   BN: gl.constexpr, BM: gl.constexpr, mma: gl.constexpr, la: gl.constexpr, lb: gl.constexpr):
+        """The float64 term [BN, BM] of the block in ring slot `slot`: _term's arithmetic, operands in
+        ggml's own element order (both sides alike) read from shared memory."""
+        zero = gl.zeros([BN, BM], gl.int32, layout=mma)
+        sumi = gl.zeros([BN, BM], gl.int32, layout=mma)
+        if FMT <= 3:
+            summ = gl.zeros([BN, BM], gl.int32, layout=mma)
+            for c in gl.static_range(4):
+                q = wq.index(slot).slice(32 * c, 32, dim=1).load(la)  # [BN, 32] int8: sub-blocks 2c, 2c + 1
+                if FMT == 3:
+                    h = wh.index(slot).load(la)  # [BN, 32] qh: bit j of byte k is element 32 j + k's fifth bit
+                for s in gl.static_range(2):
+                    j = 2 * c + s
+                    codes = _nib8(q, 4 * s)
+                    if FMT == 3:
+                        codes = _hib8(codes, h, gl.full([BN, 32], j, gl.int32, layout=la), False)
+                    x = xa.index(slot).slice(32 * (2 * c + s), 32, dim=1).permute((1, 0)).load(lb)  # [32, BM] int8
+                    isum = mma_v2(codes, x, zero)
+                    scj = _byte_of(e0, e1, e0, e1, j, False)
+                    sumi = sumi + isum * scj[:, None]
+                    if j < 4:
+                        mw = _rep(e2, j)
+                    else:
+                        mw = _rep(e3, j - 4)
+                    mops = _as_i8(mw[:, None] + gl.zeros([BN, 32], gl.int32, layout=la))
+                    summ = mma_v2(mops, x, summ)
+            wd = f0.to(gl.float32)
+            wm = f1.to(gl.float32)
+            dd = wd[:, None] * a_d[None, :]  # f32: y.d * fp16(x.d)
+            dm = wm[:, None] * (-a_d)[None, :]  # f32: -y.d * fp16(x.dmin)
+            term = dd.to(gl.float64) * sumi.to(gl.float64) + dm.to(gl.float64) * summ.to(gl.float64)
+        else:
+            for hh in gl.static_range(2):  # 128-element halves
+                h = wh.index(slot).slice(32 * hh, 32, dim=1).load(la)  # qh bytes 32 hh + k
+                for g in gl.static_range(2):
+                    lq = wq.index(slot).slice(64 * hh + 32 * g, 32, dim=1).load(la)  # ql bytes 64 hh + 32 g + k
+                    for hi in gl.static_range(2):  # quarter g + 2 hi: elements 128 hh + 32 (g + 2 hi) + k
+                        codes = _minus32(_hib8(_nib8(lq, 4 * hi), h,
+                                               gl.full([BN, 32], 2 * (g + 2 * hi), gl.int32, layout=la), True))
+                        x = xa.index(slot).slice(128 * hh + 32 * (g + 2 * hi), 32, dim=1).permute((1, 0)).load(lb)
+                        il = mma_v2(_and8(codes, lo16), x, zero)  # elements k < 16: sub-block 8 hh + 2 qq
+                        ih = mma_v2(_and8(codes, hi16), x, zero)
+                        sl = _byte_of(e0, e1, e2, e3, 8 * hh + 2 * (g + 2 * hi), True)
+                        sh_ = _byte_of(e0, e1, e2, e3, 8 * hh + 2 * (g + 2 * hi) + 1, True)
+                        sumi = sumi + il * sl[:, None]
+                        sumi = sumi + ih * sh_[:, None]
+            wd = f0.to(gl.float32)
+            dd = wd[:, None] * a_d[None, :]
+            term = dd.to(gl.float64) * sumi.to(gl.float64)
+        return term
+
+    @gluon.jit
+    def _ring_block(FMT: gl.constexpr, b, b0, b1, S: gl.constexpr, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa,
+                    qrow, qk, qm, hrow, hk, hm, xrow, xk, xm, srow, snm, arow1, anm1, stok, stm,
+                    e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN: gl.constexpr, BM: gl.constexpr, mma: gl.constexpr,
+                    la: gl.constexpr, lb: gl.constexpr):
+        """Block b of the program's blocks [b0, b1): wait for its copies (issued S - 1 blocks earlier)
+        on this thread, then on every thread (after the barrier no warp still reads slot (b - 1) % S,
+        which the next copy fills); copy block b + S - 1; load block b + 1's small fields; its term
+        from the ring and this block's small fields (e*, f*, a_d). Returns the term and block b + 1's
+        small fields."""
+        async_copy.wait_group(S - 2)
+        gl.thread_barrier()
+        _ring_copy(FMT, b + S - 1, b + S - 1 < b1, (b - b0 + S - 1) % S, c0, c1, aq, K, wq, wh, xa, qrow, qk, qm,
+                   hrow, hk, hm, xrow, xk, xm)
+        g0, g1, g2, g3, h0, h1, nd = _ring_small(FMT, b + 1, b + 1 < b1, s0, s1, s2, s3, ad, K, srow, snm, arow1,
+                                                 anm1, stok, stm)
+        term = _ring_term(FMT, (b - b0) % S, wq, wh, xa, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN, BM, mma, la, lb)
+        return term, g0, g1, g2, g3, h0, h1, nd
+
+    @gluon.jit
+    def _ring_kernel(aq, ad, y, part, c0, c1, s0, s1, s2, s3, N, K, T, sy,
+                     FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, CB: gl.constexpr,
+                     SPLIT: gl.constexpr, S: gl.constexpr, PDL: gl.constexpr):
+        """_qtile_kernel's output (the same terms, the same f64 additions in the same order) with a
+        ring of S shared-memory slots: a block's code bytes and activation codes are copied
+        (cp.async) S - 1 blocks before its IMMAs, so a warp waits on a copy issued S - 1 iterations
+        earlier, not on its own loads; the small fields (scales, d) are loaded one block ahead."""
+        _after_prior(PDL)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+        # copy layouts: 16 bytes a thread (one cp.async), a warp over 4 weight rows of 128 bytes, 16 of
+        # 32 (Q5_K qh), 8 of 64 (Q6_K qh), 2 activation rows of 256
+        cq: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[NW, 1],
+                                            order=[1, 0])
+        ch32: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[16, 2],
+                                              warps_per_cta=[NW, 1], order=[1, 0])
+        ch64: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4],
+                                              warps_per_cta=[NW, 1], order=[1, 0])
+        cx: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[2, 16], warps_per_cta=[NW, 1],
+                                            order=[1, 0])
+        sw: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
+        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        wq = gl.allocate_shared_memory(gl.int8, [S, BN, 128], sw)
+        if FMT == 3:
+            wh = gl.allocate_shared_memory(gl.int8, [S, BN, 32], flat)
+            hrow = (gl.program_id(2) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ch32)))
+            hk = gl.arange(0, 32, layout=gl.SliceLayout(0, ch32))
+        elif FMT == 4:
+            wh = gl.allocate_shared_memory(gl.int8, [S, BN, 64], flat)
+            hrow = (gl.program_id(2) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ch64)))
+            hk = gl.arange(0, 64, layout=gl.SliceLayout(0, ch64))
+        else:
+            wh = wq  # never read
+            hrow = (gl.program_id(2) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ch32)))
+            hk = gl.arange(0, 32, layout=gl.SliceLayout(0, ch32))
+        xa = gl.allocate_shared_memory(gl.int8, [S, BM, 256], sw)
+        m0 = gl.program_id(1) * BM
+        n0 = gl.program_id(2) * BN
+        nb = K // 256
+        qn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, cq))
+        qk = gl.arange(0, 128, layout=gl.SliceLayout(0, cq))[None, :]
+        qm = (qn < N)[:, None] & (qk < 128)
+        qrow = qn.to(gl.int64)[:, None]
+        hm = (hrow < N)[:, None] & (hk < 64)[None, :]
+        hrow = hrow.to(gl.int64)[:, None]
+        hk = hk[None, :]
+        xt = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, cx))
+        xk = gl.arange(0, 256, layout=gl.SliceLayout(0, cx))[None, :]
+        xm = (xt < T)[:, None] & (xk < 256)
+        xrow = xt.to(gl.int64)[:, None]
+        sn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        snm = sn < N
+        srow = sn.to(gl.int64)
+        st = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+        stm = st < T
+        stok = st.to(gl.int64)
+        omask = snm[:, None] & stm[None, :]
+        ak = gl.arange(0, 32, layout=gl.SliceLayout(0, la))
+        an = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, la))
+        arow1 = an.to(gl.int64)  # [BN] by the weight operand's rows (the m words: an operand of theirs)
+        anm1 = an < N
+        lo16 = gl.where((ak < 16)[None, :], gl.full([BN, 32], -1, gl.int8, layout=la),
+                        gl.full([BN, 32], 0, gl.int8, layout=la))  # Q6_K: a quarter's first sub-block
+        hi16 = gl.where((ak >= 16)[None, :], gl.full([BN, 32], -1, gl.int8, layout=la),
+                        gl.full([BN, 32], 0, gl.int8, layout=la))
+        if SPLIT:
+            b0 = gl.program_id(0) * CB
+            b1 = gl.minimum(nb, b0 + CB)
+        else:
+            b0 = 0
+            b1 = nb
+        for i in gl.static_range(S - 1):  # the ring's first S - 1 blocks
+            _ring_copy(FMT, b0 + i, b0 + i < b1, i, c0, c1, aq, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm, xrow, xk, xm)
+        e0, e1, e2, e3, f0, f1, a_d = _ring_small(FMT, b0, b0 < b1, s0, s1, s2, s3, ad, K, srow, snm, arow1, anm1,
+                                                  stok, stm)
+        if SPLIT:
+            acc = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
+            for b in range(b0, b1):
+                term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
+                    FMT, b, b0, b1, S, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm,
+                    xrow, xk, xm, srow, snm, arow1, anm1, stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN, BM,
+                    mma, la, lb)
+                acc = acc + term
+        else:
+            tot = gl.zeros([BN, BM], gl.float64, layout=mma)
+            for c in range(0, (nb + CB - 1) // CB):
+                acc = gl.zeros([BN, BM], gl.float64, layout=mma)
+                for b in range(c * CB, gl.minimum(nb, c * CB + CB)):  # the ring runs on across chunks
+                    term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
+                        FMT, b, b0, b1, S, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm,
+                        xrow, xk, xm, srow, snm, arow1, anm1, stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN,
+                        BM, mma, la, lb)
+                    acc = acc + term
+                tot = tot + acc
+        async_copy.wait_group(0)
+        if SPLIT:
+            if (nb + CB - 1) // CB == 1:  # +0.0 + acc is acc (acc starts at +0.0, never -0.0)
+                gl.store(y + stok[None, :] * sy + srow[:, None], acc.to(gl.float32), mask=omask)
+            else:
+                gl.store(part + (gl.program_id(0) * T + stok[None, :]) * N + srow[:, None], acc, mask=omask)
+        else:
+            gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
+
 
 def _need_gluon() -> None:
     if not HAVE_GLUON:
@@ -646,6 +901,68 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
     return out
 
 
+def check_ring_config(config) -> tuple[int, int, int, int]:
+    """(BN, BM, num_warps, S) of the ring variant or ValueError naming it: num_warps 1, 2, 4 or 8, BN
+    a power of two, a multiple of 16 x num_warps, <= 128; BM 8, 16 or 32; S (ring slots) 2, 3, 4
+    or 6, at most RING_BYTES of shared memory."""
+    try:
+        bn, bm, nw, s = (int(v) for v in config)
+    except (TypeError, ValueError):
+        raise ValueError(f"ring config {config!r}: expected (BN, BM, num_warps, S)") from None
+    if not (nw in (1, 2, 4, 8) and bm in (8, 16, 32) and 16 * nw <= bn <= 128 and bn % (16 * nw) == 0
+            and bn & (bn - 1) == 0 and s in (2, 3, 4, 6) and ring_bytes(bn, bm, s) <= RING_BYTES):
+        raise ValueError(f"ring config {list(config)!r}: num_warps 1, 2, 4 or 8; BN a power of two, a multiple "
+                         f"of 16 x num_warps, <= 128; BM 8, 16 or 32; S 2, 3, 4 or 6; at most {RING_BYTES} "
+                         f"bytes of ring")
+    return bn, bm, nw, s
+
+
+RING_BYTES = 160 * 1024  # of the H100/H200's 227 KB a block: room for one more program's registers' worth
+
+
+def ring_bytes(bn: int, bm: int, s: int) -> int:
+    """Shared memory of a ring of s slots: each a block's 128 code bytes (+ 64 of Q6_K's qh, the
+    largest) of bn weight rows and 256 activation codes of bm rows."""
+    return s * (bn * (128 + 64) + bm * 256)
+
+
+def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16, 4, 4),
+                split: bool | None = None) -> torch.Tensor:
+    """matmul_tile's product, bit for bit, through the ring variant (_ring_kernel: a program's next
+    S - 1 blocks of code bytes and activation codes in flight as cp.async copies into shared
+    memory). `config` = (BN, BM, num_warps, S); `split` as in matmul_tile. Speed only."""
+    from . import qmatmul_i8
+
+    if w.fmt not in FORMATS:
+        raise LaneError(f"tensor {w.name!r}: {G(w.fmt).name} has no int8 tile (served: "
+                        f"{', '.join(f.name for f in FORMATS)})")
+    out = qmatmul_i8.check_call(w, act, out)
+    T, N = act.rows, w.n_out
+    bn, bm, nw, s = check_ring_config(config)
+    _need_gluon()
+    f = w.fields
+    if w.fmt == G.Q6_K:
+        c0, c1 = f["ql"].view(torch.int8), f["qh"].view(torch.int8)
+        s0, s1, s2, s3 = f["d"], f["d"], f["sc"].view(torch.int64), f["sc"].view(torch.int64)
+    else:
+        c0 = f["qs"].view(torch.int8)
+        c1 = f["qh"].view(torch.int8) if w.fmt == G.Q5_K else c0
+        s0, s1, s2, s3 = f["d"], f["dmin"], f["sc"].view(torch.int64), f["m"].view(torch.int64)
+    cb = CHUNK_ELEMS // 256
+    nch = -(-(w.n_in // 256) // cb)
+    split = T <= SPLIT_ROWS if split is None else bool(split)
+    part = out
+    if split and nch > 1:
+        part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
+    grid = (nch if split else 1, -(-T // bm), -(-N // bn))
+    _ring_kernel[grid](act.qs.view(torch.int8), act.d, out, part, c0, c1, s0, s1, s2, s3, N, w.n_in, T,
+                       out.stride(0), FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, S=s,
+                       num_warps=nw, enable_fp_fusion=False, **gdc.kwargs(out))
+    if split and nch > 1:
+        qmatmul_i8.reduce_chunks(part, out)
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def self_check(device: str) -> None:
     """The tile against its reference (qmatmul_i8.check_against_reference) on this device, once a
@@ -656,7 +973,17 @@ def self_check(device: str) -> None:
     qmatmul_i8.check_against_reference("int8 tile", FORMATS, (1, 3, 16, 40), matmul_tile, device)
 
 
-__all__ = ["CONFIGS", "FORMATS", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
+@functools.lru_cache(maxsize=None)
+def self_check_ring(device: str, config, split) -> None:
+    """The ring variant on one tiling against the tile's reference on this device (as self_check),
+    before the table's routes to it serve: LaneError on any differing bit."""
+    from . import qmatmul_i8
+
+    qmatmul_i8.check_against_reference(f"int8 tile's ring {list(config)}", FORMATS, (1, 3, 16, 40),
+                                       lambda w, act: matmul_ring(w, act, config=config, split=split), device)
+
+
+__all__ = ["CONFIGS", "FORMATS", "RING_BYTES", "check_ring_config", "matmul_ring", "ring_bytes", "ring_routes", "self_check_ring", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
            "operand_elements",
            "load_tuning", "route", "routes_wide",
            "matmul_tile", "self_check", "supports"]
