@@ -129,6 +129,31 @@ def check_config(config) -> tuple[int, int, int, int]:
     return bn, bm, nw, pf
 
 
+def check_ring_config(config) -> tuple[int, int, int, int]:
+    """(BN, BM, num_warps, S) of the ring variant or ValueError naming it: num_warps 1, 2, 4 or 8, BN
+    a power of two, a multiple of 16 x num_warps, <= 128; BM 8, 16 or 32; S (ring slots) 2, 3, 4
+    or 6, at most RING_BYTES of shared memory."""
+    try:
+        bn, bm, nw, s = (int(v) for v in config)
+    except (TypeError, ValueError):
+        raise ValueError(f"ring config {config!r}: expected (BN, BM, num_warps, S)") from None
+    if not (nw in (1, 2, 4, 8) and bm in (8, 16, 32) and 16 * nw <= bn <= 128 and bn % (16 * nw) == 0
+            and bn & (bn - 1) == 0 and s in (2, 3, 4, 6) and ring_bytes(bn, bm, s) <= RING_BYTES):
+        raise ValueError(f"ring config {list(config)!r}: num_warps 1, 2, 4 or 8; BN a power of two, a multiple "
+                         f"of 16 x num_warps, <= 128; BM 8, 16 or 32; S 2, 3, 4 or 6; at most {RING_BYTES} "
+                         f"bytes of ring")
+    return bn, bm, nw, s
+
+
+RING_BYTES = 160 * 1024  # of the H100/H200's 227 KB a block: room for one more program's registers' worth
+
+
+def ring_bytes(bn: int, bm: int, s: int) -> int:
+    """Shared memory of a ring of s slots: each a block's 128 code bytes (+ 64 of Q6_K's qh, the
+    largest) of bn weight rows and 256 activation codes of bm rows."""
+    return s * (bn * (128 + 64) + bm * 256)
+
+
 def config_for(rows: int) -> tuple[int, int, int, int]:
     return CONFIGS[_bucket(rows)]
 
@@ -899,31 +924,6 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
     if split and nch > 1:
         qmatmul_i8.reduce_chunks(part, out)
     return out
-
-
-def check_ring_config(config) -> tuple[int, int, int, int]:
-    """(BN, BM, num_warps, S) of the ring variant or ValueError naming it: num_warps 1, 2, 4 or 8, BN
-    a power of two, a multiple of 16 x num_warps, <= 128; BM 8, 16 or 32; S (ring slots) 2, 3, 4
-    or 6, at most RING_BYTES of shared memory."""
-    try:
-        bn, bm, nw, s = (int(v) for v in config)
-    except (TypeError, ValueError):
-        raise ValueError(f"ring config {config!r}: expected (BN, BM, num_warps, S)") from None
-    if not (nw in (1, 2, 4, 8) and bm in (8, 16, 32) and 16 * nw <= bn <= 128 and bn % (16 * nw) == 0
-            and bn & (bn - 1) == 0 and s in (2, 3, 4, 6) and ring_bytes(bn, bm, s) <= RING_BYTES):
-        raise ValueError(f"ring config {list(config)!r}: num_warps 1, 2, 4 or 8; BN a power of two, a multiple "
-                         f"of 16 x num_warps, <= 128; BM 8, 16 or 32; S 2, 3, 4 or 6; at most {RING_BYTES} "
-                         f"bytes of ring")
-    return bn, bm, nw, s
-
-
-RING_BYTES = 160 * 1024  # of the H100/H200's 227 KB a block: room for one more program's registers' worth
-
-
-def ring_bytes(bn: int, bm: int, s: int) -> int:
-    """Shared memory of a ring of s slots: each a block's 128 code bytes (+ 64 of Q6_K's qh, the
-    largest) of bn weight rows and 256 activation codes of bm rows."""
-    return s * (bn * (128 + 64) + bm * 256)
 
 
 def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16, 4, 4),
