@@ -930,7 +930,8 @@ def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16
                 split: bool | None = None) -> torch.Tensor:
     """matmul_tile's product, bit for bit, through the ring variant (_ring_kernel: a program's next
     S - 1 blocks of code bytes and activation codes in flight as cp.async copies into shared
-    memory). `config` = (BN, BM, num_warps, S); `split` as in matmul_tile. Speed only."""
+    memory). `config` = (BN, BM, num_warps, S); `split` as in matmul_tile. Speed only: a call whose
+    code bytes or activation codes do not start on 16 bytes runs matmul_tile (the same bits)."""
     from . import qmatmul_i8
 
     if w.fmt not in FORMATS:
@@ -948,6 +949,11 @@ def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16
         c0 = f["qs"].view(torch.int8)
         c1 = f["qh"].view(torch.int8) if w.fmt == G.Q5_K else c0
         s0, s1, s2, s3 = f["d"], f["dmin"], f["sc"].view(torch.int64), f["m"].view(torch.int64)
+    aq = act.qs.view(torch.int8)
+    if any(x.data_ptr() % 16 for x in (c0, c1, aq)):
+        # the copies move 16 bytes a thread (cp.async needs the alignment); a call whose code bytes or
+        # activation rows do not start on 16 bytes takes the tile, which computes the same bits
+        return matmul_tile(w, act, out, split=split)
     cb = CHUNK_ELEMS // 256
     nch = -(-(w.n_in // 256) // cb)
     split = T <= SPLIT_ROWS if split is None else bool(split)
@@ -955,7 +961,7 @@ def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16
     if split and nch > 1:
         part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
     grid = (nch if split else 1, -(-T // bm), -(-N // bn))
-    _ring_kernel[grid](act.qs.view(torch.int8), act.d, out, part, c0, c1, s0, s1, s2, s3, N, w.n_in, T,
+    _ring_kernel[grid](aq, act.d, out, part, c0, c1, s0, s1, s2, s3, N, w.n_in, T,
                        out.stride(0), FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, S=s,
                        num_warps=nw, enable_fp_fusion=False, **gdc.kwargs(out))
     if split and nch > 1:
