@@ -227,7 +227,7 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
     loaded = dict(qtile_i8.TUNED)
     w = repack("t", G.Q4_K, 64, 512, torch.from_numpy(random_bytes(G.Q4_K, 64, 512, 1).copy()))
     assert qtile_i8.route(w, 1) == ("ring", (32, 8, 2, 4), False)
-    assert qtile_i8.ring_routes() == [((32, 8, 2, 4), False)]
+    assert qtile_i8.ring_routes() == [("Q4_K", (32, 8, 2, 4), False)]
     assert qtile_i8.route(w, 12) == ("tile", (64, 16, 4, 1), None)
     assert qtile_i8.route(w, 17) == ("wide", (64, 64, 8, 1), None)
     other = repack("t", G.Q4_K, 32, 512, torch.from_numpy(random_bytes(G.Q4_K, 32, 512, 1).copy()))

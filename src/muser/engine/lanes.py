@@ -228,8 +228,8 @@ class Linear:
             if qtile_i8.available(device):
                 qtile_i8.self_check(str(device))
                 self.tile_formats = qtile_i8.FORMATS
-                for config, split in qtile_i8.ring_routes():  # the table's ring tilings, each checked
-                    qtile_i8.self_check_ring(str(device), config, split)
+                for fmt, config, split in qtile_i8.ring_routes():  # the table's ring routes, each checked
+                    qtile_i8.self_check_ring(str(device), fmt, config, split)
                 if qtile_i8.routes_wide():  # the tuning table sends some prefill calls to the wide GEMM
                     from .kernels import qwide_i8
 

@@ -224,9 +224,9 @@ def route(w: QWeight, rows: int) -> Route:
     return TUNED.get((G(w.fmt).name, _bucket(rows), w.n_out, w.n_in), Route("tile"))
 
 
-def ring_routes() -> list[tuple[tuple[int, ...], bool | None]]:
-    """The table's distinct ring tilings and split choices (the lane checks each at load)."""
-    return sorted({(r.config, r.split) for r in TUNED.values() if r.path == "ring" and r.config is not None},
+def ring_routes() -> list[tuple[str, tuple[int, ...], bool | None]]:
+    """The table's distinct (format, ring tiling, split) routes (the lane checks each at load)."""
+    return sorted({(k[0], r.config, r.split) for k, r in TUNED.items() if r.path == "ring" and r.config is not None},
                   key=repr)
 
 
@@ -980,12 +980,12 @@ def self_check(device: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def self_check_ring(device: str, config, split) -> None:
-    """The ring variant on one tiling against the tile's reference on this device (as self_check),
-    before the table's routes to it serve: LaneError on any differing bit."""
+def self_check_ring(device: str, fmt: str, config, split) -> None:
+    """The ring variant on one format and tiling against the tile's reference on this device (as
+    self_check), before the table's routes to it serve: LaneError on any differing bit."""
     from . import qmatmul_i8
 
-    qmatmul_i8.check_against_reference(f"int8 tile's ring {list(config)}", FORMATS, (1, 3, 16, 40),
+    qmatmul_i8.check_against_reference(f"int8 tile's ring {list(config)}", (G[fmt],), (1, 3, 16, 40),
                                        lambda w, act: matmul_ring(w, act, config=config, split=split), device)
 
 
