@@ -359,6 +359,30 @@ if HAVE_GLUON:
             "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r", [words, sh, hw, hs], dtype=gl.int8, is_pure=True, pack=4)
 
     @gluon.jit
+    def _acc_index(n0, m0, N, T, BN: gl.constexpr, BM: gl.constexpr, mma: gl.constexpr):
+        """The accumulator's weight rows n0.. and activation rows m0..: int64 indices and in-range
+        masks of each, and the output mask [BN, BM]."""
+        sn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        st = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+        return sn.to(gl.int64), sn < N, st.to(gl.int64), st < T, (sn < N)[:, None] & (st < T)[None, :]
+
+    @gluon.jit
+    def _sub_block(codes, x, zero, sumi, summ, e0, e1, e2, e3, j: gl.constexpr, BN: gl.constexpr,
+                   la: gl.constexpr):
+        """Q4_K/Q5_K sub-block j of a block: sumi += sc_j * (codes . x) (an IMMA into zeros, exact) and
+        summ += m_j . x: m_j in every code slot of its row against the same activations, one IMMA
+        accumulating over the sub-blocks (sum_k m_j x_k = m_j bsum32_j, the same integer)."""
+        isum = mma_v2(codes, x, zero)  # [BN, BM] exact
+        scj = _byte_of(e0, e1, e0, e1, j, False)
+        sumi = sumi + isum * scj[:, None]
+        if j < 4:
+            mw = _rep(e2, j)
+        else:
+            mw = _rep(e3, j - 4)
+        mops = _as_i8(mw[:, None] + gl.zeros([BN, 32], gl.int32, layout=la))  # [BN, 32] int8
+        return sumi, mma_v2(mops, x, summ)
+
+    @gluon.jit
     def _words2(v):
         """The two 32-bit halves (low, high) of 8-byte words [BN]: bytes 0..3 and 4..7."""
         return v.to(gl.int32), (v >> 32).to(gl.int32)
@@ -477,17 +501,7 @@ if HAVE_GLUON:
                     else:
                         codes = _nib(words, sh)
                     x = _ld_b(bptr + b * 32 + 4 * j, bmask)  # [32, BM] int8
-                    isum = mma_v2(codes, x, zero)  # [BN, BM] exact
-                    scj = _byte_of(e0, e1, e0, e1, j, False)
-                    sumi = sumi + isum * scj[:, None]
-                    # summ: m_j in every code slot of its row against the same activations, one IMMA
-                    # accumulating over the sub-blocks: sum_k m_j x_k = m_j bsum32_j, the same integer
-                    if j < 4:
-                        mw = _rep(e2, j)
-                    else:
-                        mw = _rep(e3, j - 4)
-                    mops = _as_i8(mw[:, None] + gl.zeros([BN, 32], gl.int32, layout=la))  # [BN, 32] int8
-                    summ = mma_v2(mops, x, summ)
+                    sumi, summ = _sub_block(codes, x, zero, sumi, summ, e0, e1, e2, e3, j, BN, la)
             a_d = gl.load(ad + stok * nb + b, mask=stm, other=0.0)  # [BM] f32
             if not PF:
                 f0 = gl.load(w1 + srow * nb + b, mask=snm, other=0.0)
@@ -573,13 +587,7 @@ if HAVE_GLUON:
         bmask_hi = (((bk % 16) >= 8)[:, None] & bok).to(gl.int32)
         bptr = aq + bt.to(gl.int64)[None, :] * (K // 8) + ((bk % 16) // 4)[:, None]  # 8-byte words (8 codes)
         # per weight row / per activation row vectors of the accumulator's layout
-        sn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-        snm = sn < N
-        srow = sn.to(gl.int64)
-        st = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-        stm = st < T
-        stok = st.to(gl.int64)
-        omask = snm[:, None] & stm[None, :]
+        srow, snm, stok, stm, omask = _acc_index(n0, m0, N, T, BN, BM, mma)
         nb = K // 256
         # PF: the next block's weight words are loaded before this block's IMMAs (kept in registers
         # across the iteration), so a warp has a block's loads in flight while it computes; PF 0
@@ -718,15 +726,7 @@ if HAVE_GLUON:
                     if FMT == 3:
                         codes = _hib8(codes, h, gl.full([BN, 32], j, gl.int32, layout=la), False)
                     x = xa.index(slot).slice(32 * (2 * c + s), 32, dim=1).permute((1, 0)).load(lb)  # [32, BM] int8
-                    isum = mma_v2(codes, x, zero)
-                    scj = _byte_of(e0, e1, e0, e1, j, False)
-                    sumi = sumi + isum * scj[:, None]
-                    if j < 4:
-                        mw = _rep(e2, j)
-                    else:
-                        mw = _rep(e3, j - 4)
-                    mops = _as_i8(mw[:, None] + gl.zeros([BN, 32], gl.int32, layout=la))
-                    summ = mma_v2(mops, x, summ)
+                    sumi, summ = _sub_block(codes, x, zero, sumi, summ, e0, e1, e2, e3, j, BN, la)
             wd = f0.to(gl.float32)
             wm = f1.to(gl.float32)
             dd = wd[:, None] * a_d[None, :]  # f32: y.d * fp16(x.d)
@@ -823,13 +823,7 @@ if HAVE_GLUON:
         xk = gl.arange(0, 256, layout=gl.SliceLayout(0, cx))[None, :]
         xm = (xt < T)[:, None] & (xk < 256)
         xrow = xt.to(gl.int64)[:, None]
-        sn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-        snm = sn < N
-        srow = sn.to(gl.int64)
-        st = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-        stm = st < T
-        stok = st.to(gl.int64)
-        omask = snm[:, None] & stm[None, :]
+        srow, snm, stok, stm, omask = _acc_index(n0, m0, N, T, BN, BM, mma)
         ak = gl.arange(0, 32, layout=gl.SliceLayout(0, la))
         an = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, la))
         arow1 = an.to(gl.int64)  # [BN] by the weight operand's rows (the m words: an operand of theirs)
