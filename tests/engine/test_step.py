@@ -182,6 +182,10 @@ def test_only_items_flagged_non_finite_are_scanned_on_the_host(eng, monkeypatch)
     monkeypatch.setattr(st, "finite_flags", lambda lgs: flags(lgs) & torch.tensor([True, False, True]))
     eng.step([StepItem(s, _tokens(i, 2), logits="all") for i, s in enumerate(ss)])
     assert scanned == [(2, eng.cfg.vocab)]
+    # the flags run over the items that return logits: an item without any takes no place
+    monkeypatch.setattr(st, "finite_flags", lambda lgs: flags(lgs) & torch.tensor([True, False]))
+    eng.step([StepItem(s, _tokens(i, 1), logits="none" if i == 1 else "all") for i, s in enumerate(ss)])
+    assert scanned == [(2, eng.cfg.vocab), (1, eng.cfg.vocab)]
 
 
 def test_graph_metadata_of_every_item_is_16_byte_aligned(tiny_gguf):

@@ -140,7 +140,8 @@ class Session(Sequence):
         from .step import StepWork, finite_flags, host_rows, run_rows
 
         (lg, cap), = run_rows(self.engine, [StepWork(self, ids, rows, capture)])
-        self._finite = finite_flags([lg])  # before the copy; read once it has synchronized
+        with torch.inference_mode():
+            self._finite = finite_flags([lg])  # before the copy; read once it has synchronized
         return host_rows(lg), cap
 
     def _rows_finite(self) -> bool:
@@ -167,7 +168,7 @@ class Session(Sequence):
         """ids through chunks of <= chunk rows as one transaction; the last row's logits copied
         on the device with their finiteness flag (read with the row's first readback, which
         rolls this call back when the row is not finite)."""
-        from .step import StepWork, run_rows
+        from .step import StepWork, finite_flags, run_rows
 
         n0 = self.n_past
         lg = None
@@ -182,7 +183,9 @@ class Session(Sequence):
             assert lg is not None
             with torch.inference_mode():
                 row = lg[-1].clone()  # [vocab]; a graph's buffer is overwritten by its next replay
-                finite = torch.isfinite(row).all()
+                flag = finite_flags([row])
+                assert flag is not None
+                finite = flag[0]
         except BaseException:
             self.cache.rollback(cp)
             raise

@@ -145,7 +145,7 @@ def check_ring_config(config) -> tuple[int, int, int, int]:
     return bn, bm, nw, s
 
 
-RING_BYTES = 160 * 1024  # of the H100/H200's 227 KB a block: room for one more program's registers' worth
+RING_BYTES = 160 * 1024  # a program's ring, within the 227 KB of shared memory sm_90 gives a block
 
 
 def ring_bytes(bn: int, bm: int, s: int) -> int:
