@@ -326,12 +326,18 @@ def i8_tuning_table(speed: list[dict], margin: float = 0.03) -> list[dict]:
                 head, _, rest = key.partition(" ")
                 if head != f"T{T}" or not v.get("bitwise_equal_default"):
                     continue
+                group = 1
+                if " g" in rest:
+                    rest, _, g = rest.rpartition(" g")
+                    group = int(g)
                 walk = rest.endswith(" walk")
                 rest = rest.removesuffix(" walk")
                 ring = rest.endswith(" ring")
                 e = {"path": "ring" if ring else "tile", "config": json.loads(rest.removesuffix(" ring"))}
                 if walk:
                     e["split"] = False
+                if group > 1:
+                    e["group"] = group
                 cands.append((e, v["us"]))
             if bucket == 64:  # the bucket starts at 17 rows: a wide tiling must also beat the tile at 64
                 wide = tr.get("wide", {})
@@ -557,8 +563,8 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
     # with the ring's tilings below: one row without PF, 8-row activation tiles at 16 rows, 32-row
     # ones at 512; bench/NOTES.md.)
     for T, cfgs in ((1, [(64, 8, 4, 1), (16, 8, 1, 1)]),
-                    (16, [(64, 16, 4, 1), (64, 16, 4, 0), (256, 16, 8, 0), (32, 16, 2, 0)]),
-                    (big, [(64, 16, 4, 1), (64, 16, 4, 0), (256, 16, 8, 0)])):
+                    (16, [(64, 16, 4, 0), (32, 16, 2, 0)]),
+                    (big, [(64, 16, 4, 1), (64, 16, 4, 0)])):
         for cfg in cfgs:
             try:
                 out = torch.empty(T, w.n_out, device=device)
@@ -570,7 +576,7 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
                 sweep[f"T{T} {list(cfg)}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     # each program walking its chunks: no chunk-sum launch and no f64 partials written and read
     # back, N / BN programs
-    for T, cfg in ((1, qtile_i8.config_for(1)), (16, qtile_i8.config_for(16)), (16, (64, 16, 4, 0))):
+    for T, cfg in ((16, (64, 16, 4, 0)),):
         key = f"T{T} {list(cfg)} walk"
         try:
             out = torch.empty(T, w.n_out, device=device)
@@ -581,17 +587,24 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
         except Exception as e:  # noqa: BLE001
             sweep[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
     # the ring variant (a program's next S - 1 blocks copied into shared memory ahead of its IMMAs):
-    # split as the tile (one program a chunk) and walking its chunks (the ring runs across them)
-    # (six slots and 128-row tiles were slower on the gate/up and Q6_K down shapes: bench/NOTES.md)
-    for T, cfg, split in ((1, (64, 8, 4, 4), None), (1, (32, 8, 2, 4), False), (16, (64, 16, 4, 4), None),
-                          (16, (32, 16, 2, 4), None), (16, (64, 16, 4, 4), False), (16, (64, 16, 4, 3), False),
-                          (big, (64, 16, 4, 3), False), (big, (64, 16, 4, 4), False)):
-        key = f"T{T} {list(cfg)} ring" + (" walk" if split is False else "")
+    # split as the tile (one program a chunk, or a group of g chunks, each its own partial) and
+    # walking its chunks (the ring runs across them) (six slots and 128-row tiles were slower on the
+    # gate/up and Q6_K down shapes at 16 rows; three slots lost to four at 512 on every shape:
+    # bench/NOTES.md)
+    for T, cfg, split, group in ((1, (64, 8, 4, 4), None, 1), (1, (32, 8, 2, 4), False, 1),
+                                 (1, (32, 8, 2, 4), None, 2), (1, (32, 8, 2, 4), None, 4),
+                                 (16, (64, 16, 4, 4), None, 1), (16, (32, 16, 2, 4), None, 1),
+                                 (16, (64, 16, 4, 4), None, 2), (16, (64, 16, 4, 4), None, 4),
+                                 (16, (32, 16, 2, 4), None, 4),
+                                 (16, (64, 16, 4, 4), False, 1), (16, (64, 16, 4, 3), False, 1),
+                                 (big, (64, 16, 4, 4), False, 1), (big, (64, 16, 4, 6), False, 1)):
+        key = (f"T{T} {list(cfg)} ring" + (" walk" if split is False else "")
+               + (f" g{group}" if group > 1 else ""))
         try:
             out = torch.empty(T, w.n_out, device=device)
-            got_t = qtile_i8.matmul_ring(w, acts[T], out, config=cfg, split=split)
+            got_t = qtile_i8.matmul_ring(w, acts[T], out, config=cfg, split=split, group=group)
             eq = bool(torch.equal(bits(got_t), bits(yb[:T])))
-            sec = graph_seconds(lambda: qtile_i8.matmul_ring(w, acts[T], out, config=cfg, split=split),
+            sec = graph_seconds(lambda: qtile_i8.matmul_ring(w, acts[T], out, config=cfg, split=split, group=group),
                                 10 if T <= 16 else 3, 1)[0]
             sweep[key] = {"us": sec * 1e6, "bitwise_equal_default": eq}
             if not eq:

@@ -167,8 +167,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--modes", default="eager,graph", help="eager and/or graph steps (each prefills its own session)")
     ap.add_argument("--gate-receipt", default=None, help="the wide Gate 2 receipt of this tree and lane")
-    ap.add_argument("--pdl", default="on", help="on and/or off: the step's kernels with programmatic dependent "
-                    "launch (engine/kernels/gdc.py) or without; each setting captures its own graphs")
+    ap.add_argument("--pdl", default="on", help="on, off and/or a row count N: the step's kernels with "
+                    "programmatic dependent launch (engine/kernels/gdc.py) at its ROWS, without, or on launches of "
+                    "up to N rows; each setting captures its own graphs")
     ap.add_argument("--acts", default="tails", help="tails and/or separate (lane fast): each projection input "
                     "quantized by the tail kernel that writes it (lanes.Linear.tail_acts) or by a quantize launch "
                     "of its own; each setting captures its own graphs")
@@ -201,13 +202,17 @@ def main() -> int:
         acts = a.acts.split(",") if lane == "fast" else ["tails"]
         cells = [(pdl, act, int(d), int(r)) for pdl in a.pdl.split(",") for act in acts
                  for d in a.depths.split(",") for r in a.rows.split(",")]
+        rows0 = gdc.ROWS
         for pdl, act, depth, rows in cells:
-            if pdl not in ("on", "off") or act not in ("tails", "separate"):
-                print(f"device_profile: --pdl {pdl!r} / --acts {act!r}: expected on or off / tails or separate",
-                      file=sys.stderr)
+            if not (pdl in ("on", "off") or (pdl.isdigit() and int(pdl) >= 1)) or act not in ("tails", "separate"):
+                print(f"device_profile: --pdl {pdl!r} / --acts {act!r}: expected on, off or a row count / tails or "
+                      f"separate", file=sys.stderr)
                 return 2
-            if gdc.ENABLED != (pdl == "on") or eng.forward.linear.tail_acts != (act == "tails"):
-                gdc.ENABLED = pdl == "on"
+            pdl_rows = int(pdl) if pdl.isdigit() else rows0
+            if (gdc.ENABLED != (pdl != "off") or gdc.ROWS != pdl_rows
+                    or eng.forward.linear.tail_acts != (act == "tails")):
+                gdc.ENABLED = pdl != "off"
+                gdc.ROWS = pdl_rows
                 eng.forward.linear.tail_acts = act == "tails"
                 eng._graphs.clear()  # graphs captured under the other setting
             rng = np.random.default_rng(0)
@@ -217,7 +222,8 @@ def main() -> int:
             except Exception as e:  # recorded; the other cells go on
                 cell = {"depth": depth, "rows": rows, "error": repr(e)[:300],
                         "traceback": traceback.format_exc()[-2000:]}
-            cell["pdl"] = pdl == "on"
+            cell["pdl"] = pdl != "off"
+            cell["pdl_rows"] = pdl_rows
             cell["tail_acts"] = act == "tails"
             res["cells"].append(cell)
             print(f"lane {lane} pdl {pdl} acts {act} depth {depth} rows {rows}: graph {cell.get('graph_wall_ms_per_step', 0)} ms/step "
@@ -236,6 +242,7 @@ def main() -> int:
         print(f"device_profile: lane {lane}: receipt {p}", flush=True)
         del eng
         gdc.ENABLED = True
+        gdc.ROWS = rows0
         torch.cuda.empty_cache()
     return 0
 

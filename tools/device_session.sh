@@ -10,7 +10,7 @@
 #                                [--kernels-lane exact|fast|split] [--kernels-timings-only] [--install-tuning]
 #                                [--kernels-shapes FMT:N_OUT:N_IN,...]
 #                                [--profile-lanes exact,fast] [--profile-depths LIST] [--profile-rows 1,16]
-#                                [--profile-modes eager,graph] [--profile-pdl on,off] [--profile-acts tails,separate]
+#                                [--profile-modes eager,graph] [--profile-pdl on,off,N] [--profile-acts tails,separate]
 #                                [--cli-lanes exact,fast] STAGE...
 #
 # --reuse-gates takes a wide Gate 2 receipt of this tree and lane from an earlier call on this
@@ -70,7 +70,8 @@
 #            eager and/or graph steps (--profile-modes) of --profile-rows (1,16) rows at
 #            --profile-depths (the first depth) under the torch profiler (GPU time per kernel,
 #            launches) and the graph steps' host side under cProfile, with --profile-pdl's settings of
-#            programmatic dependent launch (default on; on,off times both) and, in the fast lane,
+#            programmatic dependent launch (default on; on,off times both; a row count N: on for
+#            launches of up to N rows, gdc.ROWS) and, in the fast lane,
 #            --profile-acts's (tails: the tails quantize the projections' inputs, the default;
 #            tails,separate times both), 200 s; it waits for the
 #            fixture only, so named before speed it runs while the wide gate is computed
@@ -122,7 +123,7 @@ while [ $# -gt 0 ]; do
     --profile-depths) PDEPTHS=${2:?--profile-depths LIST}; shift ;;
     --profile-rows) PROWS=${2:?--profile-rows LIST}; shift ;;
     --profile-modes) PMODES=${2:?--profile-modes eager,graph}; shift ;;
-    --profile-pdl) PPDL=${2:?--profile-pdl on,off}; shift ;;
+    --profile-pdl) PPDL=${2:?--profile-pdl on,off,N}; shift ;;
     --profile-acts) PACTS=${2:?--profile-acts tails,separate}; shift ;;
     --cli-lanes) CLI_LANES=${2:?--cli-lanes LIST}; shift
                  [[ "$CLI_LANES" =~ ^(exact|fast)(,(exact|fast))*$ ]] || {

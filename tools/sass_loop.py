@@ -8,7 +8,7 @@ instructions by class, then divide by the weights one thread decodes per iterati
     python3 tools/sass_loop.py split FMT T [--config ...] [--rows-kernel 0|1] [--dump]
     python3 tools/sass_loop.py tile FMT T [--config BN,BM,NUM_WARPS] [--dump]   (the integer lane's int8 tile:
                                                                              its super-block loop)
-    python3 tools/sass_loop.py ring FMT T [--config BN,BM,NUM_WARPS,S] [--walk] [--dump]   (its ring variant)
+    python3 tools/sass_loop.py ring FMT T [--config BN,BM,NUM_WARPS,S] [--walk | --group G] [--dump]   (its ring variant)
     python3 tools/sass_loop.py attn full|sliding T [--dump]   (the exact pass at depth 32,768)
 
 Used to predict a kernel's issue-bound ceiling before spending GPU time (bench/NOTES.md).
@@ -151,7 +151,7 @@ def _matmul_launch(a):
         split = False if a.walk else None
         if a.kernel == "ring":
             fn, args, kw, grid = capture(lambda: qtile_i8.matmul_ring(w, act, torch.empty(a.T, a.n_out),
-                                                                       cfg or (64, 16, 4, 4), split), 0)
+                                                                       cfg or (64, 16, 4, 4), split, a.group), 0)
         else:
             fn, args, kw, grid = capture(lambda: qtile_i8.matmul_tile(w, act, torch.empty(a.T, a.n_out), cfg, split), 0)
     else:
@@ -187,6 +187,7 @@ def main(argv=None) -> int:
                     help="split: force the CUDA-core kernel (1) or the tiles (0)")
     ap.add_argument("--rt", type=int, default=None, help="v3: activation rows a program takes (several-row path)")
     ap.add_argument("--walk", action="store_true", help="tile / ring: each program walking its chunks (split off)")
+    ap.add_argument("--group", type=int, default=1, help="ring: the chunks a split program sums (each its own partial)")
     ap.add_argument("--pdl", action="store_true", help="compile the launch as a GPU launch takes it: with PDL "
                     "(engine/kernels/gdc.py)")
     ap.add_argument("--dump", action="store_true")

@@ -198,11 +198,13 @@ def drive(rec: Recorder) -> None:
                 ti.matmul_tile(w, i8.Act(G.Q8_K, torch.zeros(T, n_in, dtype=torch.int8), torch.zeros(T, n_in // 256),
                                          torch.zeros(T, n_in // 32, dtype=torch.int32)), torch.empty(T, n_out), cfg,
                                split)
-            for T, rcfg, split in ((1, (32, 8, 2, 4), None), (16, (64, 16, 4, 4), None), (16, (64, 16, 4, 6), False),
-                                   (512, (128, 16, 4, 3), False)):  # its ring variant, split and walked
+            for T, rcfg, split, group in ((1, (32, 8, 2, 4), None, 1), (16, (64, 16, 4, 4), None, 1),
+                                          (16, (64, 16, 4, 6), False, 1), (512, (128, 16, 4, 3), False, 1),
+                                          (1, (32, 8, 2, 4), None, 4), (16, (64, 16, 4, 4), None, 2)):
+                # its ring variant, split (a program a chunk or a group of chunks) and walked
                 ti.matmul_ring(w, i8.Act(G.Q8_K, torch.zeros(T, n_in, dtype=torch.int8), torch.zeros(T, n_in // 256),
                                          torch.zeros(T, n_in // 32, dtype=torch.int32)), torch.empty(T, n_out), rcfg,
-                               split)
+                               split, group)
     from muser.engine.kernels import qwide_i8 as wi
 
     for fmt in wi.FORMATS:  # the integer lane's wide GEMM (prefill chunks), default and swept tilings

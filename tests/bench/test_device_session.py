@@ -197,6 +197,8 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
                       "T1 [64, 8, 4, 0] walk": {"us": 8.0, "bitwise_equal_default": True},
                       "T16 [64, 16, 4, 1]": {"us": 15.0, "bitwise_equal_default": True},
                       "T16 [64, 16, 4, 4] ring": {"us": 16.0, "bitwise_equal_default": True},
+                      "T16 [64, 16, 4, 4] ring g4": {"us": 14.0, "bitwise_equal_default": True},
+                      "T16 [32, 16, 2, 4] ring g2": {"us": 11.0, "bitwise_equal_default": False},
                       "T16 [64, 16, 4, 6] ring walk": {"us": 12.0, "bitwise_equal_default": False},
                       "T512 [64, 16, 4, 1]": {"us": 90.0, "bitwise_equal_default": True},
                       "T1 [32, 8, 2, 4] ring walk": {"us": 7.0, "bitwise_equal_default": True},
@@ -215,7 +217,8 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
     key = {"fmt": "Q4_K", "n_out": 64, "n_in": 512}
     assert table[:3] == [{**key, "rows": 8, "path": "ring", "config": [32, 8, 2, 4], "split": False, "us": 7.0,
                           "default_us": 10.0},
-                         {**key, "rows": 16, "path": "tile", "config": [64, 16, 4, 1], "us": 15.0, "default_us": 20.0},
+                         {**key, "rows": 16, "path": "ring", "config": [64, 16, 4, 4], "group": 4, "us": 14.0,
+                          "default_us": 20.0},
                          {**key, "rows": 64, "path": "wide", "config": [64, 64, 8, 1], "us": 70.0, "default_us": 100.0}]
     assert [(e["fmt"], e["n_out"], e["rows"], e["path"], e["config"]) for e in table[3:]] == [
         ("Q6_K", 64, 8, "tile", d1), ("Q6_K", 64, 16, "tile", d16), ("Q6_K", 64, 64, "tile", d64),
@@ -226,16 +229,21 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
     assert qtile_i8.load_tuning(str(path)) == 9 and qtile_i8.routes_wide()
     loaded = dict(qtile_i8.TUNED)
     w = repack("t", G.Q4_K, 64, 512, torch.from_numpy(random_bytes(G.Q4_K, 64, 512, 1).copy()))
-    assert qtile_i8.route(w, 1) == ("ring", (32, 8, 2, 4), False)
-    assert qtile_i8.ring_routes() == [("Q4_K", (32, 8, 2, 4), False)]
-    assert qtile_i8.route(w, 12) == ("tile", (64, 16, 4, 1), None)
-    assert qtile_i8.route(w, 17) == ("wide", (64, 64, 8, 1), None)
+    assert qtile_i8.route(w, 1) == ("ring", (32, 8, 2, 4), False, 1)
+    assert qtile_i8.ring_routes() == [("Q4_K", (32, 8, 2, 4), False, 1), ("Q4_K", (64, 16, 4, 4), None, 4)]
+    assert qtile_i8.route(w, 12) == ("ring", (64, 16, 4, 4), None, 4)
+    assert qtile_i8.route(w, 17) == ("wide", (64, 64, 8, 1), None, 1)
     other = repack("t", G.Q4_K, 32, 512, torch.from_numpy(random_bytes(G.Q4_K, 32, 512, 1).copy()))
-    assert qtile_i8.route(other, 1) == ("tile", None, None)
+    assert qtile_i8.route(other, 1) == ("tile", None, None, 1)
     for bad, what in [({"path": "wide", "rows": 16}, "64-row bucket"), ({"fmt": "Q6_K", "path": "wide"}, "64-row bucket"),
                       ({"rows": 64, "split": True}, "split"), ({"config": [48, 8, 4, 0]}, "config"), ({"path": "ring", "config": [64, 16, 4, 5]}, "ring config"),
                       ({"fmt": "Q8_0"}, "K-quant"), ({"rows": 32}, "rows 8, 16 or 64"), ({"path": "cublas"}, "path"),
-                      ({"path": "ring", "rows": 64, "split": True}, "split")]:
+                      ({"path": "ring", "rows": 64, "split": True}, "split"),
+                      ({"path": "ring", "config": [64, 16, 4, 4], "rows": 16, "split": False, "group": 2}, "group 2"),
+                      ({"path": "ring", "config": [64, 16, 4, 4], "rows": 64, "group": 2}, "group 2"),
+                      ({"path": "ring", "config": [64, 16, 4, 4], "rows": 16, "group": 0}, "group 0"),
+                      ({"path": "ring", "config": [64, 16, 4, 4], "rows": 16, "group": 17}, "group 17"),
+                      ({"path": "ring", "config": [64, 16, 4, 4], "rows": 16, "group": True}, "group True")]:
         entry = {**table[0], "rows": 64, "split": None, **bad}
         path.write_text(json.dumps([table[1], {k: v for k, v in entry.items() if v is not None}]))
         with pytest.raises(LaneError, match=what):

@@ -144,6 +144,16 @@ def test_ring_config_is_refused_before_any_launch():
 
     with pytest.raises(LaneError, match="no int8 tile"):
         qtile_i8.matmul_ring(w, act)
+    # a chunk group is a split call's: a walking program, or a call of more than SPLIT_ROWS rows (it
+    # walks), has none; and it is an int from 1 to MAX_GROUP
+    k = _weight(G.Q4_K, n_in=768)
+    for rows, split, group, what in [(2, False, 2, "group 2"), (17, None, 2, "group 2"), (2, None, 0, "group 0"),
+                                     (2, True, qtile_i8.MAX_GROUP + 1, f"group {qtile_i8.MAX_GROUP + 1}"),
+                                     (2, True, 2.0, "group 2.0")]:
+        act = qmatmul_i8.Act(G.Q8_K, torch.zeros(rows, 768, dtype=torch.int8), torch.zeros(rows, 3),
+                             torch.zeros(rows, 24, dtype=torch.int32))
+        with pytest.raises(ValueError, match=what):
+            qtile_i8.matmul_ring(k, act, split=split, group=group)
 
 
 @pytest.mark.timeout(600)

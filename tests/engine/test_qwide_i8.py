@@ -180,20 +180,21 @@ def test_the_lane_routes_the_tables_ring_shapes_to_it(kw, monkeypatch):
     lin.cuda = True
     lin.tile_formats = qtile_i8.FORMATS
     calls: list[tuple] = []
-    monkeypatch.setattr(qtile_i8, "matmul_ring", lambda w, act, out=None, config=None, split=None: calls.append(
-        ("ring", w.n_out, act.rows, config, split)) or i8.matmul_i8_act(w, act, out))
+    monkeypatch.setattr(qtile_i8, "matmul_ring", lambda w, act, out=None, config=None, split=None, group=1:
+                        calls.append(("ring", w.n_out, act.rows, config, split, group)) or i8.matmul_i8_act(w, act, out))
     monkeypatch.setattr(qtile_i8, "matmul_tile", lambda w, act, out=None, config=None, split=None: calls.append(
         ("tile", w.n_out, act.rows, config, split)) or i8.matmul_i8_act(w, act, out))
     monkeypatch.setattr(qtile_i8, "TUNED", {})
     entry = {"fmt": "Q4_K", "rows": 16, "n_out": 24, "n_in": 512, "path": "ring", "config": [64, 16, 4, 4],
              "split": False}
-    qtile_i8.TUNED.update([qtile_i8._parse_route(entry)])
-    assert qtile_i8.ring_routes() == [("Q4_K", (64, 16, 4, 4), False)]
+    grouped = {**entry, "rows": 8, "config": [32, 8, 2, 4], "split": None, "group": 4}
+    qtile_i8.TUNED.update([qtile_i8._parse_route(entry), qtile_i8._parse_route(grouped)])
+    assert qtile_i8.ring_routes() == [("Q4_K", (32, 8, 2, 4), None, 4), ("Q4_K", (64, 16, 4, 4), False, 1)]
     x = _x(16, 512, 5)
     ring = lin(w, torch.from_numpy(x))
     one = lin(w, torch.from_numpy(x[:1].copy()))
     lin(other, torch.from_numpy(x))
-    assert calls == [("ring", 24, 16, (64, 16, 4, 4), False), ("tile", 24, 1, None, None),
+    assert calls == [("ring", 24, 16, (64, 16, 4, 4), False, 1), ("ring", 24, 1, (32, 8, 2, 4), None, 4),
                      ("tile", 16, 16, None, None)]
     assert np.array_equal(_bits(ring), _bits(matmul_ggml(raw, G.Q4_K, x)))
     assert torch.equal(one, ring[:1])

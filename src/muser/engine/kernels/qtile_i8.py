@@ -145,6 +145,18 @@ def check_ring_config(config) -> tuple[int, int, int, int]:
     return bn, bm, nw, s
 
 
+def check_group(group, split) -> int:
+    """The ring's chunks a program (1 to MAX_GROUP) or ValueError naming it: more than one only where
+    the call splits (`split` as resolved: a walking program already runs over all its chunks)."""
+    if isinstance(group, bool) or not isinstance(group, int) or not 1 <= group <= MAX_GROUP:
+        raise ValueError(f"ring group {group!r}: expected an int from 1 to {MAX_GROUP} (chunks a program)")
+    if group > 1 and not split:
+        raise ValueError(f"ring group {group}: a walking program (split false) sums all its chunks; "
+                         f"a group needs a split call")
+    return group
+
+
+MAX_GROUP = 16
 RING_BYTES = 160 * 1024  # a program's ring, within the 227 KB of shared memory sm_90 gives a block
 
 
@@ -160,11 +172,12 @@ def config_for(rows: int) -> tuple[int, int, int, int]:
 
 class Route(NamedTuple):
     """Where the lane sends a call: `path` "tile" (matmul_tile with `config` and `split`; None:
-    its defaults), "ring" (matmul_ring with `config` and `split`) or "wide" (qwide_i8.matmul_wide
-    with `config`)."""
+    its defaults), "ring" (matmul_ring with `config`, `split` and `group`) or "wide"
+    (qwide_i8.matmul_wide with `config`)."""
     path: str
     config: tuple[int, int, int, int] | None = None
     split: bool | None = None
+    group: int = 1
 
 
 # The device sweep's winners per (format, row bucket 8 / 16 / 64, n_out, n_in) (tools/device_kernels.py
@@ -191,7 +204,9 @@ def _parse_route(e: dict) -> tuple[tuple[str, int, int, int], Route]:
     if path == "ring":
         if split is not None and (not isinstance(split, bool) or (split and key[1] > SPLIT_ROWS)):
             raise ValueError(f"entry {key}: split {split!r} (true or false, true only up to {SPLIT_ROWS} rows)")
-        return key, Route("ring", check_ring_config(e["config"]), split)
+        group = e.get("group", 1)
+        check_group(group, split if split is not None else key[1] <= SPLIT_ROWS)
+        return key, Route("ring", check_ring_config(e["config"]), split, group)
     if path == "wide":
         if fmt not in qwide_i8.FORMATS or key[1] != 64 or split is not None:
             raise ValueError(f"entry {key}: the wide GEMM serves the 64-row bucket of "
@@ -224,10 +239,10 @@ def route(w: QWeight, rows: int) -> Route:
     return TUNED.get((G(w.fmt).name, _bucket(rows), w.n_out, w.n_in), Route("tile"))
 
 
-def ring_routes() -> list[tuple[str, tuple[int, ...], bool | None]]:
-    """The table's distinct (format, ring tiling, split) routes (the lane checks each at load)."""
-    return sorted({(k[0], r.config, r.split) for k, r in TUNED.items() if r.path == "ring" and r.config is not None},
-                  key=repr)
+def ring_routes() -> list[tuple[str, tuple[int, ...], bool | None, int]]:
+    """The table's distinct (format, ring tiling, split, group) routes (the lane checks each at load)."""
+    return sorted({(k[0], r.config, r.split, r.group) for k, r in TUNED.items()
+                   if r.path == "ring" and r.config is not None}, key=repr)
 
 
 def routes_wide() -> bool:
@@ -774,11 +789,13 @@ if HAVE_GLUON:
     @gluon.jit
     def _ring_kernel(aq, ad, y, part, c0, c1, s0, s1, s2, s3, N, K, T, sy,
                      FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, CB: gl.constexpr,
-                     SPLIT: gl.constexpr, S: gl.constexpr, PDL: gl.constexpr):
+                     SPLIT: gl.constexpr, CG: gl.constexpr, S: gl.constexpr, PDL: gl.constexpr):
         """_qtile_kernel's output (the same terms, the same f64 additions in the same order) with a
         ring of S shared-memory slots: a block's code bytes and activation codes are copied
         (cp.async) S - 1 blocks before its IMMAs, so a warp waits on a copy issued S - 1 iterations
-        earlier, not on its own loads; the small fields (scales, d) are loaded one block ahead."""
+        earlier, not on its own loads; the small fields (scales, d) are loaded one block ahead.
+        SPLIT: a program sums CG consecutive chunks, each from +0.0 into its own partial (the ring
+        runs on across them), so a short row still gives the ring blocks to stream."""
         _after_prior(PDL)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
@@ -832,9 +849,11 @@ if HAVE_GLUON:
                         gl.full([BN, 32], 0, gl.int8, layout=la))  # Q6_K: a quarter's first sub-block
         hi16 = gl.where((ak >= 16)[None, :], gl.full([BN, 32], -1, gl.int8, layout=la),
                         gl.full([BN, 32], 0, gl.int8, layout=la))
+        nch = (nb + CB - 1) // CB
         if SPLIT:
-            b0 = gl.program_id(0) * CB
-            b1 = gl.minimum(nb, b0 + CB)
+            g0 = gl.program_id(0) * CG  # this program's first chunk
+            b0 = g0 * CB
+            b1 = gl.minimum(nb, b0 + CG * CB)
         else:
             b0 = 0
             b1 = nb
@@ -842,7 +861,7 @@ if HAVE_GLUON:
             _ring_copy(FMT, b0 + i, b0 + i < b1, i, c0, c1, aq, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm, xrow, xk, xm)
         e0, e1, e2, e3, f0, f1, a_d = _ring_small(FMT, b0, b0 < b1, s0, s1, s2, s3, ad, K, srow, snm, arow1, anm1,
                                                   stok, stm)
-        if SPLIT:
+        if SPLIT and CG == 1:
             acc = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
             for b in range(b0, b1):
                 term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
@@ -850,9 +869,20 @@ if HAVE_GLUON:
                     xrow, xk, xm, srow, snm, arow1, anm1, stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN, BM,
                     mma, la, lb)
                 acc = acc + term
+        elif SPLIT:
+            acc = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
+            for b in range(b0, b1):  # one loop, as CG 1's: the chunk's partial stored at its last block
+                term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
+                    FMT, b, b0, b1, S, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm,
+                    xrow, xk, xm, srow, snm, arow1, anm1, stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN, BM,
+                    mma, la, lb)
+                acc = acc + term
+                if ((b + 1) % CB == 0) | (b + 1 == b1):  # nch > 1 (the launcher): chunk b // CB's partial
+                    gl.store(part + ((b // CB) * T + stok[None, :]) * N + srow[:, None], acc, mask=omask)
+                    acc = gl.zeros([BN, BM], gl.float64, layout=mma)
         else:
             tot = gl.zeros([BN, BM], gl.float64, layout=mma)
-            for c in range(0, (nb + CB - 1) // CB):
+            for c in range(0, nch):
                 acc = gl.zeros([BN, BM], gl.float64, layout=mma)
                 for b in range(c * CB, gl.minimum(nb, c * CB + CB)):  # the ring runs on across chunks
                     term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
@@ -862,12 +892,12 @@ if HAVE_GLUON:
                     acc = acc + term
                 tot = tot + acc
         async_copy.wait_group(0)
-        if SPLIT:
-            if (nb + CB - 1) // CB == 1:  # +0.0 + acc is acc (acc starts at +0.0, never -0.0)
+        if SPLIT and CG == 1:
+            if nch == 1:  # +0.0 + acc is acc (acc starts at +0.0, never -0.0)
                 gl.store(y + stok[None, :] * sy + srow[:, None], acc.to(gl.float32), mask=omask)
             else:
                 gl.store(part + (gl.program_id(0) * T + stok[None, :]) * N + srow[:, None], acc, mask=omask)
-        else:
+        elif not SPLIT:
             gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
 
 
@@ -921,10 +951,11 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
 
 
 def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16, 4, 4),
-                split: bool | None = None) -> torch.Tensor:
+                split: bool | None = None, group: int = 1) -> torch.Tensor:
     """matmul_tile's product, bit for bit, through the ring variant (_ring_kernel: a program's next
     S - 1 blocks of code bytes and activation codes in flight as cp.async copies into shared
-    memory). `config` = (BN, BM, num_warps, S); `split` as in matmul_tile. Speed only: a call whose
+    memory). `config` = (BN, BM, num_warps, S); `split` as in matmul_tile; `group` (split only):
+    the chunks a program sums, each into its own partial (check_group). Speed only: a call whose
     code bytes or activation codes do not start on 16 bytes runs matmul_tile (the same bits)."""
     from . import qmatmul_i8
 
@@ -934,6 +965,8 @@ def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16
     out = qmatmul_i8.check_call(w, act, out)
     T, N = act.rows, w.n_out
     bn, bm, nw, s = check_ring_config(config)
+    split = T <= SPLIT_ROWS if split is None else bool(split)
+    group = check_group(group, split)
     _need_gluon()
     f = w.fields
     if w.fmt == G.Q6_K:
@@ -950,13 +983,14 @@ def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16
         return matmul_tile(w, act, out, split=split)
     cb = CHUNK_ELEMS // 256
     nch = -(-(w.n_in // 256) // cb)
-    split = T <= SPLIT_ROWS if split is None else bool(split)
     part = out
     if split and nch > 1:
         part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
-    grid = (nch if split else 1, -(-T // bm), -(-N // bn))
+    else:
+        group = 1  # one chunk: the program stores it as the output (the grouped kernel writes partials only)
+    grid = (-(-nch // group) if split else 1, -(-T // bm), -(-N // bn))
     _ring_kernel[grid](aq, act.d, out, part, c0, c1, s0, s1, s2, s3, N, w.n_in, T,
-                       out.stride(0), FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, S=s,
+                       out.stride(0), FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, CG=group, S=s,
                        num_warps=nw, enable_fp_fusion=False, **gdc.kwargs(out))
     if split and nch > 1:
         qmatmul_i8.reduce_chunks(part, out)
@@ -974,16 +1008,19 @@ def self_check(device: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def self_check_ring(device: str, fmt: str, config, split) -> None:
-    """The ring variant on one format and tiling against the tile's reference on this device (as
-    self_check), before the table's routes to it serve: LaneError on any differing bit."""
+def self_check_ring(device: str, fmt: str, config, split, group: int = 1) -> None:
+    """The ring variant on one format, tiling and chunk group against the tile's reference on this
+    device (as self_check), before the table's routes to it serve: LaneError on any differing bit.
+    A grouped route is checked at the split row counts (1, 3, 16) only, where it serves."""
     from . import qmatmul_i8
 
-    qmatmul_i8.check_against_reference(f"int8 tile's ring {list(config)}", (G[fmt],), (1, 3, 16, 40),
-                                       lambda w, act: matmul_ring(w, act, config=config, split=split), device)
+    rows = (1, 3, 16, 40) if group == 1 else (1, 3, 16)
+    qmatmul_i8.check_against_reference(f"int8 tile's ring {list(config)} group {group}", (G[fmt],), rows,
+                                       lambda w, act: matmul_ring(w, act, config=config, split=split, group=group),
+                                       device)
 
 
-__all__ = ["CONFIGS", "FORMATS", "RING_BYTES", "check_ring_config", "matmul_ring", "ring_bytes", "ring_routes", "self_check_ring", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
+__all__ = ["CONFIGS", "FORMATS", "MAX_GROUP", "RING_BYTES", "check_group", "check_ring_config", "matmul_ring", "ring_bytes", "ring_routes", "self_check_ring", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
            "operand_elements",
            "load_tuning", "route", "routes_wide",
            "matmul_tile", "self_check", "supports"]
