@@ -562,7 +562,7 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
     # every full-geometry shape of earlier sweeps are no longer timed, so the stage stays in its box
     # with the ring's tilings below: one row without PF, 8-row activation tiles at 16 rows, 32-row
     # ones at 512; bench/NOTES.md.)
-    for T, cfgs in ((1, [(64, 8, 4, 1), (16, 8, 1, 1)]),
+    for T, cfgs in ((1, [(16, 8, 1, 1)]),
                     (16, [(64, 16, 4, 0), (32, 16, 2, 0)]),
                     (big, [(64, 16, 4, 1), (64, 16, 4, 0)])):
         for cfg in cfgs:
@@ -588,16 +588,17 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
             sweep[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
     # the ring variant (a program's next S - 1 blocks copied into shared memory ahead of its IMMAs):
     # split as the tile (one program a chunk, or a group of g chunks, each its own partial) and
-    # walking its chunks (the ring runs across them) (six slots and 128-row tiles were slower on the
-    # gate/up and Q6_K down shapes at 16 rows; three slots lost to four at 512 on every shape:
-    # bench/NOTES.md)
+    # walking its chunks (the ring runs across them); at 16 rows also walking 32-row weight tiles
+    # (twice the programs: fewer idle SM slots in the last wave) and 8-row activation tiles (six
+    # slots and 128-row tiles were slower on the gate/up and Q6_K down shapes at 16 rows; three and
+    # six slots lost to four at 512 on every shape; groups lost at one row: bench/NOTES.md)
     for T, cfg, split, group in ((1, (64, 8, 4, 4), None, 1), (1, (32, 8, 2, 4), False, 1),
-                                 (1, (32, 8, 2, 4), None, 2), (1, (32, 8, 2, 4), None, 4),
                                  (16, (64, 16, 4, 4), None, 1), (16, (32, 16, 2, 4), None, 1),
                                  (16, (64, 16, 4, 4), None, 2), (16, (64, 16, 4, 4), None, 4),
-                                 (16, (32, 16, 2, 4), None, 4),
                                  (16, (64, 16, 4, 4), False, 1), (16, (64, 16, 4, 3), False, 1),
-                                 (big, (64, 16, 4, 4), False, 1), (big, (64, 16, 4, 6), False, 1)):
+                                 (16, (32, 16, 2, 4), False, 1), (16, (32, 16, 2, 3), False, 1),
+                                 (16, (32, 8, 2, 4), False, 1),
+                                 (big, (64, 16, 4, 4), False, 1)):
         key = (f"T{T} {list(cfg)} ring" + (" walk" if split is False else "")
                + (f" g{group}" if group > 1 else ""))
         try:
