@@ -105,13 +105,58 @@ def host_profile(step, steps: int, top: int = 30) -> list[dict]:
     return rows[:top]
 
 
+def profile_prefill_cell(eng, depth: int, rows: int, steps: int, rng) -> dict:
+    """A prefill of `rows` tokens after `depth` (eager: prefill is not a graph step), as `muser
+    bench prefill` times it (the session rolled back to its depth checkpoint each step): `steps`
+    timed, `steps` under the profiler (kernels, launches, busy time and gaps) and `steps` under
+    cProfile (the host's side)."""
+    vocab = eng.cfg.vocab
+    ids = rng.integers(6, min(vocab, 8000), size=depth + rows).astype(np.int64)
+    s = eng.session(max_context=depth + rows)
+    if depth:
+        s.prefill(ids[:depth])
+    cp = s.checkpoint(block=rows)
+
+    def step(_i: int) -> None:
+        s.rollback(cp)
+        s.prefill(ids[depth:])
+
+    cell: dict = {"depth": depth, "rows": rows, "steps": steps, "mode": "prefill"}
+    for i in range(2):  # warm-up
+        step(i)
+    torch.cuda.synchronize()
+    samples = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        step(i)
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    cell["eager_wall_ms_per_step"] = round(float(np.mean(samples)), 4)
+    cell["eager_wall_ms_samples"] = [round(x, 4) for x in samples]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()
+    ev = kernel_events(prof)
+    table, gpu_ms, launches = per_kernel(ev, steps)
+    cell["eager_kernels"] = table
+    cell["eager_kernel_ms_per_step"] = round(gpu_ms, 4)
+    cell["eager_launches_per_step"] = round(launches, 1)
+    cell["eager_timeline"] = timeline(ev, steps)
+    cell["eager_host"] = host_profile(step, steps)
+    del s
+    torch.cuda.empty_cache()
+    return cell
+
+
 def profile_cell(eng, depth: int, rows: int, steps: int, rng, modes: tuple[bool, ...] = (False, True)) -> dict:
     """One (depth, rows) cell, eager and then graph-replayed: `steps` steps timed, then `steps`
-    more under the profiler (kernels, launches, the timeline's busy time and gaps)."""
+    more under the profiler (kernels, launches, the timeline's busy time and gaps). More rows
+    than a verify block: a prefill (profile_prefill_cell)."""
     from muser.engine import MAX_VERIFY
 
     if rows > MAX_VERIFY:
-        raise ValueError(f"rows {rows} > MAX_VERIFY {MAX_VERIFY}: prefill is not a graph step")
+        return profile_prefill_cell(eng, depth, rows, steps, rng)
     vocab = eng.cfg.vocab
     n_steps = 3 + 4 * steps  # warm-up, timed, profiled, host-profiled
     n_ctx = max(depth, 1) + rows * n_steps + 8
@@ -163,7 +208,8 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--lanes", default="exact", help="comma-separated lanes, each its own engine and receipt")
     ap.add_argument("--depths", default="0")
-    ap.add_argument("--rows", default="1,16", help="rows per step: 1 = decode, 2..16 = a verify block")
+    ap.add_argument("--rows", default="1,16", help="rows per step: 1 = decode, 2..16 = a verify block, more = a "
+                    "prefill of that many tokens (eager)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--modes", default="eager,graph", help="eager and/or graph steps (each prefills its own session)")
     ap.add_argument("--gate-receipt", default=None, help="the wide Gate 2 receipt of this tree and lane")
@@ -230,9 +276,11 @@ def main() -> int:
                   f"wall, its kernels {cell.get('graph_kernel_ms_per_step', 0)} ms in "
                   f"{cell.get('graph_launches_per_step', 0)} launches, {cell.get('graph_timeline', {})}; eager "
                   f"wall {cell.get('eager_wall_ms_per_step', 0)} ms", flush=True)
-            for k in cell.get("graph_kernels", [])[:18]:
+            print(f"   eager {cell.get('eager_kernel_ms_per_step', 0)} ms of kernels in "
+                  f"{cell.get('eager_launches_per_step', 0)} launches, {cell.get('eager_timeline', {})}", flush=True)
+            for k in cell.get("graph_kernels", cell.get("eager_kernels", []))[:18]:
                 print(f"   {k['ms_per_step']:8.3f} ms  x{k['launches_per_step']:7.2f}  {k['name']}", flush=True)
-            for h in cell.get("graph_host", [])[:16]:
+            for h in cell.get("graph_host", cell.get("eager_host", []))[:16]:
                 print(f"   host {h['own_ms_per_step']:8.4f} ms own {h['cum_ms_per_step']:8.4f} cum "
                       f"x{h['calls_per_step']:7.2f}  {h['fn']}", flush=True)
             if "error" in cell:
