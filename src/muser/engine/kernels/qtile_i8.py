@@ -216,8 +216,9 @@ def _parse_route(e: dict) -> tuple[tuple[str, int, int, int], Route]:
 
 
 def load_tuning(path: str) -> int:
-    """Merge an i8_tuning.json (a list of {fmt, rows, n_out, n_in, path: "tile" | "wide", config,
-    split (tile, optional)}) into TUNED; returns the number of entries. Every entry is checked
+    """Merge an i8_tuning.json (a list of {fmt, rows, n_out, n_in, path: "tile" | "ring" | "wide",
+    config, split (tile and ring, optional), group (ring, optional: chunks a split program)}) into
+    TUNED; returns the number of entries. Every entry is checked
     before any is taken (LaneError naming the file and the entry)."""
     try:
         entries = json.loads(open(path).read())
