@@ -522,6 +522,36 @@ def where_differ(got, want) -> dict:
             "out_blocks64": sorted(set((c // 64).tolist()))[:16], "rows_mod8": sorted(set((r % 8).tolist()))}
 
 
+def waves_probe(w, act, device: str, config=(64, 16, 4, 4)) -> dict:
+    """Whether a walked 16-row call is paced by its last wave: the ring walking its chunks
+    (`config`) on the weight's first k x SMs x BN rows (k = 1, 2, 3: every program of one wave at k
+    programs an SM) and on all of them; each timed alone (a graph of 10 launches), with the
+    weight bytes a microsecond. A call whose programs all run at once streams at the full-wave
+    rate; one paced by an underfilled last wave takes about as long as the next whole wave.
+    Shapes with fewer than 2 x SMs tiles are not probed."""
+    import torch
+
+    from muser.engine.kernels import qtile_i8
+    from muser.engine.weights import QWeight
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    bn = config[0]
+    if w.n_out < 2 * sms * bn:
+        return {}
+    res: dict = {"config": list(config), "sms": sms}
+    for n in sorted({k * sms * bn for k in (1, 2, 3) if k * sms * bn <= w.n_out} | {w.n_out}):
+        part = QWeight(w.name, w.fmt, n, w.n_in, {k: v[:n] for k, v in w.fields.items()})
+        nbytes = sum(v.numel() * v.element_size() for v in part.fields.values())
+        try:
+            out = torch.empty(act.rows, n, device=device)
+            sec = graph_seconds(lambda: qtile_i8.matmul_ring(part, act, out, config=config, split=False), 10, 3)
+            us = min(sec) * 1e6
+            res[f"N{n}"] = {"tiles": -(-n // bn), "us": us, "GBps": nbytes / us / 1e3}
+        except Exception as e:  # noqa: BLE001
+            res[f"N{n}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return res
+
+
 def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
     """The int8 tile (kernels/qtile_i8.py) on one shape beside its reference (qmatmul_i8, the
     default-tiled `yb` of every row): bitwise against matmul_ggml (`ref` on output rows `rows`) and
@@ -613,6 +643,7 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
         except Exception as e:  # noqa: BLE001
             sweep[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
     t["sweep"] = sweep
+    t["waves"] = waves_probe(w, acts[16], device)
     from muser.engine.kernels import qwide_i8
 
     if qwide_i8.supports(w.fmt):  # the wide GEMM (prefill chunks) beside the tile: bits and times
@@ -769,6 +800,10 @@ def main(argv=None) -> int:
                           f"{tr['bitwise_vs_reference']}", flush=True)
                     print("  tile sweep " + ", ".join(f"{k}: {v.get('us', 0):.1f} us {v.get('bitwise_equal_default', v.get('error'))}"
                                                       for k, v in tr["sweep"].items()), flush=True)
+                    if tr.get("waves"):
+                        print("  waves (ring walk, 16 rows) " + ", ".join(
+                            f"{k} ({v.get('tiles')} tiles): {v.get('us', 0):.1f} us {v.get('GBps', 0):.0f} GB/s"
+                            for k, v in tr["waves"].items() if k.startswith("N")), flush=True)
                     if "wide" in tr:
                         print("  wide GEMM " + ", ".join(
                             f"{k}: {v.get('us', 0):.1f} us {v.get('TOPS', 0):.1f} TOPS x{v.get('over_tile', 0):.2f} of the tile "

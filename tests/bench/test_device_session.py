@@ -269,3 +269,39 @@ def test_the_decode_kind_has_a_box_for_each_depth(tmp_path):
     rows = {r.split("\t")[0]: r.split("\t") for r in (tmp_path / "out" / "stages.tsv").read_text().splitlines()}
     assert rows["speed-decode"][3].startswith("box 90 s"), rows
     assert rows["speed-verify"][3].startswith("box 45 s"), rows
+
+
+def test_the_waves_probe_times_whole_waves_of_the_weights_rows(monkeypatch):
+    """tools/device_kernels.py's waves probe: the walked ring on the weight's first k x SMs x BN
+    rows (k = 1, 2, 3) and on all of them, each a row slice of the same fields (the call's own
+    bytes); a weight of fewer than two waves of tiles is not probed. The kernel and the timer are
+    replaced here (gluon has no interpreter)."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import device_kernels
+    finally:
+        sys.path.pop(0)
+    from muser.engine.kernels import qmatmul_i8, qtile_i8
+    from muser.engine.weights import random_bytes, repack
+    from muser.gguf.types import GgmlType as G
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=2))
+    monkeypatch.setattr(qtile_i8, "matmul_ring", lambda w, act, out, config, split: calls.append(
+        (w.n_out, tuple(w.fields["qs"].shape), w.fields["qs"].data_ptr(), config, split, tuple(out.shape))))
+    monkeypatch.setattr(device_kernels, "graph_seconds", lambda fn, launches, reps: fn() or [2e-6, 1e-6, 3e-6])
+    w = repack("t", G.Q4_K, 400, 512, torch.from_numpy(random_bytes(G.Q4_K, 400, 512, 1).copy()))
+    act = qmatmul_i8.Act(G.Q8_K, torch.zeros(16, 512, dtype=torch.int8), torch.zeros(16, 2),
+                         torch.zeros(16, 16, dtype=torch.int32))
+    res = device_kernels.waves_probe(w, act, "cpu")
+    assert [k for k in res if k.startswith("N")] == ["N128", "N256", "N384", "N400"]
+    assert [res[k]["tiles"] for k in ("N128", "N256", "N384", "N400")] == [2, 4, 6, 7]
+    assert res["N128"]["us"] == 1.0 and res["N128"]["GBps"] == pytest.approx(
+        sum(v[:128].numel() * v.element_size() for v in w.fields.values()) / 1e3)
+    assert [c[0] for c in calls] == [128, 256, 384, 400]
+    assert all(c[1] == (c[0], 256) and c[2] == w.fields["qs"].data_ptr() for c in calls)  # slices, not copies
+    assert all(c[3] == (64, 16, 4, 4) and c[4] is False and c[5] == (16, c[0]) for c in calls)
+    small = repack("t", G.Q4_K, 200, 512, torch.from_numpy(random_bytes(G.Q4_K, 200, 512, 1).copy()))
+    assert device_kernels.waves_probe(small, act, "cpu") == {}
