@@ -1,9 +1,11 @@
 """`muser generate --kvpack DIR` and `muser.load(...).session(kvpack=...)`: the second run restores
-the stored 512-token prefix and produces the same greedy text and logits as a cold run."""
+the stored 512-token prefix and produces the same greedy text and logits as a cold run; the first
+run's entries are stored when the command returns (it waits for the background writer)."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 
@@ -22,7 +24,16 @@ def run(capsys, model, d):
     return json.loads(lines[-1])
 
 
-def test_generate_and_session_kvpack(tiny_gguf, tmp_path, capsys):
+def test_generate_and_session_kvpack(tiny_gguf, tmp_path, capsys, monkeypatch):
+    from muser.kvpack import WarmSession
+
+    persist = WarmSession._persist
+
+    def slow(self, *a):  # the writer still running when the response is done: the command waits for it
+        time.sleep(0.5)
+        persist(self, *a)
+
+    monkeypatch.setattr(WarmSession, "_persist", slow)
     d = tmp_path / "kv"
     first = run(capsys, tiny_gguf, d)
     ids = first["prompt_ids"]

@@ -203,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
     text = read_prompt(args)
     path = args.model if args.model is not None else default_model_path()
     model = load_model(args)
+    session = None
     try:
         from ..api import shipped_drafter
 
@@ -252,6 +253,10 @@ def run(args: argparse.Namespace) -> int:
         out.flush()
         print(stats_line(st), file=sys.stderr)
     finally:
+        from ..kvpack import WarmSession
+
+        if isinstance(session, WarmSession):
+            session.close()  # the new prefix entries are stored when the command returns (reuse.py)
         model.close()
     return 0
 
