@@ -586,12 +586,11 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
                       "GBps": nbytes / mean / 1e9, "TOPS": 2.0 * T * w.n_out * w.n_in / mean / 1e12}
     t["T16_over_T1"] = t["T16"]["us"] / t["T1"]["us"]
     sweep = {}
-    # PF 1 (the next block's weight words loaded during this block's IMMAs) beside the default
-    # tilings: at one row the one- and four-warp tiles; at 16 rows one m-tile a warp (~161 registers,
-    # 12 warps an SM), two and four; for prefill the 16-row activation tiles. (Tilings that lost on
-    # every full-geometry shape of earlier sweeps are no longer timed, so the stage stays in its box
-    # with the ring's tilings below: one row without PF, 8-row activation tiles at 16 rows, 32-row
-    # ones at 512; bench/NOTES.md.)
+    # Tile tilings beside the defaults: at one row the one-warp tile; at 16 rows one m-tile a warp
+    # (~161 registers, 12 warps an SM) over two and four warps; for prefill the 16-row activation
+    # tiles with and without PF 1 (the next block's weight words loaded during this block's IMMAs).
+    # (Tilings that lost on every full-geometry shape of earlier sweeps are no longer timed, so the
+    # stage stays in its box with the ring's tilings below: bench/NOTES.md.)
     for T, cfgs in ((1, [(16, 8, 1, 1)]),
                     (16, [(64, 16, 4, 0), (32, 16, 2, 0)]),
                     (big, [(64, 16, 4, 1), (64, 16, 4, 0)])):
