@@ -106,20 +106,23 @@ def _regs(cubin: bytes) -> str:
 
 
 def loop_body(sass: str) -> list[str]:
-    """Instructions of the innermost loop: from a label to the last backward branch to it
-    (Triton's disassembly names branch targets LBBn)."""
+    """Instructions of the innermost loop with tensor-core instructions (the main loop; else the
+    innermost loop): from a label to the last backward branch to it (Triton's disassembly names
+    branch targets LBBn). A split call's chunk fold after the main loop is a smaller loop of loads
+    and additions, not the one measured."""
     lines = sass.splitlines()
-    best = None
+    loops = []
     for i, ln in enumerate(lines):
         m = re.search(r"BRA\s+(LBB\d+)", ln)
         if not m:
             continue
         for j in range(i):
-            if lines[j].strip().startswith(m.group(1) + ":"):
-                if i - j > 2 and (best is None or (i - j) < (best[1] - best[0])):
-                    best = (j, i)
-    if best is None:
+            if lines[j].strip().startswith(m.group(1) + ":") and i - j > 2:
+                loops.append((j, i))
+    if not loops:
         return []
+    mma = [lp for lp in loops if any(re.search(r"\b(IMMA|HMMA)\b", ln) for ln in lines[lp[0]:lp[1] + 1])]
+    best = min(mma or loops, key=lambda lp: lp[1] - lp[0])
     return [ln for ln in lines[best[0] + 1:best[1] + 1] if ";" in ln]
 
 
@@ -191,6 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pdl", action="store_true", help="compile the launch as a GPU launch takes it: with PDL "
                     "(engine/kernels/gdc.py)")
     ap.add_argument("--dump", action="store_true")
+    ap.add_argument("--grep", default=None, help="also print the whole kernel's instructions matching this regex")
     a = ap.parse_args(argv)
     if a.pdl:
         from muser.engine.kernels import gdc
@@ -215,6 +219,8 @@ def main(argv=None) -> int:
               f"(IMMA {ops['IMMA']}, shared memory {k.metadata.shared} B)")
     if a.dump:
         print("\n".join(body))
+    if a.grep:
+        print("\n".join(ln.split("\t")[-1].strip() for ln in sass.splitlines() if ";" in ln and re.search(a.grep, ln)))
     return 0
 
 
