@@ -588,8 +588,8 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
     # a split call's chunk sums added by the output tile's last program (one launch) against the
     # reduce launch after it: both timed, bits compared, on the split routes the table uses
     fold = {}
-    for T, path, cfg, group in ((1, "tile", (32, 8, 2, 1), 1), (16, "tile", (128, 16, 4, 0), 1),
-                                (16, "ring", (64, 16, 4, 4), 1), (16, "ring", (64, 16, 4, 4), 2)):
+    for T, path, cfg, group in ((1, "tile", (32, 8, 2, 1), 1), (16, "ring", (64, 16, 4, 4), 1),
+                                (16, "ring", (64, 16, 4, 4), 2)):
         key = f"T{T} {path} {list(cfg)}" + (f" g{group}" if group > 1 else "")
 
         def call(out, fold_, T=T, path=path, cfg=cfg, group=group):
@@ -612,14 +612,11 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
             fold[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
     t["fold"] = fold
     sweep = {}
-    # Tile tilings beside the defaults: at one row the one-warp tile; at 16 rows one m-tile a warp
-    # (~161 registers, 12 warps an SM) over two and four warps; for prefill the 16-row activation
-    # tiles with and without PF 1 (the next block's weight words loaded during this block's IMMAs).
-    # (Tilings that lost on every full-geometry shape of earlier sweeps are no longer timed, so the
-    # stage stays in its box with the ring's tilings below: bench/NOTES.md.)
-    for T, cfgs in ((1, [(16, 8, 1, 1)]),
-                    (16, [(64, 16, 4, 0), (32, 16, 2, 0)]),
-                    (big, [(64, 16, 4, 1), (64, 16, 4, 0)])):
+    # Tile tilings beside the defaults: at one row the one-warp tile. (Tilings that lost on every
+    # full-geometry shape of earlier sweeps are no longer timed, so the stage stays in its box: at
+    # 16 rows one m-tile a warp over two and four warps and the walking tile, at 512 rows the
+    # 16-row activation tiles with and without PF; the ring took those buckets: bench/NOTES.md.)
+    for T, cfgs in ((1, [(16, 8, 1, 1)]),):
         for cfg in cfgs:
             try:
                 out = torch.empty(T, w.n_out, device=device)
@@ -629,18 +626,6 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
                 sweep[f"T{T} {list(cfg)}"] = {"us": sec * 1e6, "bitwise_equal_default": eq}
             except Exception as e:  # noqa: BLE001
                 sweep[f"T{T} {list(cfg)}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    # each program walking its chunks: no chunk-sum launch and no f64 partials written and read
-    # back, N / BN programs
-    for T, cfg in ((16, (64, 16, 4, 0)),):
-        key = f"T{T} {list(cfg)} walk"
-        try:
-            out = torch.empty(T, w.n_out, device=device)
-            got_t = qtile_i8.matmul_tile(w, acts[T], out, config=cfg, split=False)
-            eq = bool(torch.equal(bits(got_t), bits(yb[:T])))
-            sec = graph_seconds(lambda: qtile_i8.matmul_tile(w, acts[T], out, config=cfg, split=False), 10, 1)[0]
-            sweep[key] = {"us": sec * 1e6, "bitwise_equal_default": eq}
-        except Exception as e:  # noqa: BLE001
-            sweep[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
     # the ring variant (a program's next S - 1 blocks copied into shared memory ahead of its IMMAs):
     # split as the tile (one program a chunk, or a group of g chunks, each its own partial) and
     # walking its chunks (the ring runs across them); at 16 rows also walking 32-row weight tiles
