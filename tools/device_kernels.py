@@ -585,32 +585,6 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
         t[f"T{T}"] = {"us": mean * 1e6, "cv": float(np.std(samples) / mean), "samples_s": samples,
                       "GBps": nbytes / mean / 1e9, "TOPS": 2.0 * T * w.n_out * w.n_in / mean / 1e12}
     t["T16_over_T1"] = t["T16"]["us"] / t["T1"]["us"]
-    # a split call's chunk sums added by the output tile's last program (one launch) against the
-    # reduce launch after it: both timed, bits compared, on the split routes the table uses
-    fold = {}
-    for T, path, cfg, group in ((1, "tile", (32, 8, 2, 1), 1), (16, "ring", (64, 16, 4, 4), 1),
-                                (16, "ring", (64, 16, 4, 4), 2)):
-        key = f"T{T} {path} {list(cfg)}" + (f" g{group}" if group > 1 else "")
-
-        def call(out, fold_, T=T, path=path, cfg=cfg, group=group):
-            if path == "tile":
-                return qtile_i8.matmul_tile(w, acts[T], out, config=cfg, split=True, fold=fold_)
-            return qtile_i8.matmul_ring(w, acts[T], out, config=cfg, split=True, group=group, fold=fold_)
-
-        try:
-            out = torch.empty(T, w.n_out, device=device)
-            rec: dict = {"bitwise_equal_default": bool(torch.equal(bits(call(out, True)), bits(yb[:T])))}
-            out2 = torch.empty(T, w.n_out, device=device)
-            rec["bitwise_equal_reduce"] = bool(torch.equal(bits(call(out2, False)), bits(out)))
-            # twice in turn, so a drift of the clocks shows as a spread, not as a difference
-            for rep in range(2):
-                for name, f_ in (("fold", True), ("reduce", False)):
-                    sec = graph_seconds(lambda: call(out, f_), 20 if T == 1 else 10, 1)[0]
-                    rec.setdefault(f"{name}_us", []).append(sec * 1e6)
-            fold[key] = rec
-        except Exception as e:  # noqa: BLE001
-            fold[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    t["fold"] = fold
     sweep = {}
     # Tile tilings beside the defaults: at one row the one-warp tile. (Tilings that lost on every
     # full-geometry shape of earlier sweeps are no longer timed, so the stage stays in its box: at
@@ -810,12 +784,6 @@ def main(argv=None) -> int:
                           f"{tr['bitwise_vs_reference']}", flush=True)
                     print("  tile sweep " + ", ".join(f"{k}: {v.get('us', 0):.1f} us {v.get('bitwise_equal_default', v.get('error'))}"
                                                       for k, v in tr["sweep"].items()), flush=True)
-                    if tr.get("fold"):
-                        print("  fold (one launch) vs reduce launch " + ", ".join(
-                            f"{k}: {'/'.join(f'{u:.1f}' for u in v['fold_us'])} vs "
-                            f"{'/'.join(f'{u:.1f}' for u in v['reduce_us'])} us "
-                            f"{v['bitwise_equal_default'] and v['bitwise_equal_reduce']}"
-                            if "fold_us" in v else f"{k}: {v.get('error')}" for k, v in tr["fold"].items()), flush=True)
                     if tr.get("waves"):
                         print("  waves (ring walk, 16 rows) " + ", ".join(
                             f"{k} ({v.get('tiles')} tiles): {v.get('us', 0):.1f} us {v.get('GBps', 0):.0f} GB/s"

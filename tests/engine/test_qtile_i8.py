@@ -216,8 +216,7 @@ def test_tile_loop_unpacks_operands_in_registers(tmp_path, fmt, rows, imma, limi
     assert counts.get("IMMA") == imma, ops
     assert not {"BAR", "LDS", "STS", "STL"} & set(counts), ops
     assert counts.get("LDL", 0) <= ldl, ops
-    # a split call's only shared memory: the 4 bytes its tile-arrival count is handed to every thread in
-    assert f"shared={4 if int(rows) <= qtile_i8.SPLIT_ROWS else 0}" in head, head
+    assert "shared=0" in head, head
     assert float(head.split("  ")[-1].split()[0]) <= limit, head
 
 
@@ -286,82 +285,3 @@ def test_a_register_of_four_int8_operands_is_one_word(tmp_path):
         # (k low, column), (k high, column): _ld_b's pack of 8
         assert rb[:3] == [[1, 0], [2, 0], [16, 0]] and lb[:2] == [[4, 0], [8, 0]], (cfg, rb, lb)
         assert all(w == [0, 0] for w in wb), (cfg, rb, wb)
-
-
-def _launches(monkeypatch, call) -> list[tuple[str, tuple, dict]]:
-    """The kernel launches a host call makes (name, grid, keyword arguments), none of them run: the
-    gluon kernels' and qmatmul_i8's chunk-sum launch (an interpreted kernel in these tests)."""
-    from triton.runtime.jit import JITFunction
-
-    got: list = []
-    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid=None, warmup=False, **kw:
-                        got.append((self.fn.__name__, grid, dict(kw, _args=args))))
-    monkeypatch.setattr(qmatmul_i8, "reduce_chunks", lambda part, out: got.append(("reduce_chunks", None, {})))
-    call()
-    monkeypatch.undo()
-    return got
-
-
-def test_a_split_call_is_one_launch_whose_last_program_adds_the_chunk_sums(monkeypatch):
-    """A split call of the tile or the ring (a 72 x 1,280 weight: chunks of 4 and 1 blocks) is one
-    launch: its programs store their chunk sums and the last of an output tile's programs adds
-    them (FOLD), counted on the device's arrival counters (zero between calls, one per output tile
-    at least); fold=False keeps qmatmul_i8's reduce launch after it (the device sweep times both).
-    A walking call and a one-chunk call store the output themselves."""
-    w = _weight(G.Q4_K, 72, 1280)
-    act = qmatmul_i8.Act(G.Q8_K, torch.zeros(3, 1280, dtype=torch.int8), torch.zeros(3, 5),
-                         torch.zeros(3, 40, dtype=torch.int32))
-    for call, name in ((lambda **k: qtile_i8.matmul_tile(w, act, config=(32, 8, 2, 1), **k), "_qtile_kernel"),
-                       (lambda **k: qtile_i8.matmul_ring(w, act, config=(32, 16, 2, 4), **k), "_ring_kernel"),
-                       (lambda **k: qtile_i8.matmul_ring(w, act, config=(32, 16, 2, 4), group=2, **k), "_ring_kernel")):
-        got = _launches(monkeypatch, call)
-        assert [g[0] for g in got] == [name], got
-        kw = got[0][2]
-        assert kw["SPLIT"] and kw["FOLD"] and kw["NCH"] == 2, kw
-        cnt = kw["_args"][4]  # (aq, ad, y, part, cnt, ...)
-        grid = got[0][1]
-        assert cnt is qtile_i8.arrivals("cpu", 1) and cnt.dtype == torch.int32, cnt
-        assert cnt.numel() >= grid[1] * grid[2] and not cnt.any()
-        assert grid[0] == (1 if kw.get("CG") == 2 else 2), grid
-        assert [g[0] for g in _launches(monkeypatch, lambda: call(fold=False))] == [name, "reduce_chunks"]
-    walk = _launches(monkeypatch, lambda: qtile_i8.matmul_tile(w, act, config=(32, 8, 2, 1), split=False))
-    assert [g[0] for g in walk] == ["_qtile_kernel"] and not walk[0][2]["SPLIT"] and walk[0][2]["NCH"] == 1
-    one = _launches(monkeypatch, lambda: qtile_i8.matmul_tile(_weight(G.Q4_K, 72, 768), qmatmul_i8.Act(
-        G.Q8_K, torch.zeros(3, 768, dtype=torch.int8), torch.zeros(3, 3), torch.zeros(3, 24, dtype=torch.int32))))
-    assert [g[0] for g in one] == ["_qtile_kernel"] and one[0][2]["NCH"] == 1
-
-
-def test_the_arrival_counters_grow_zeroed_and_are_shared_by_calls():
-    c = qtile_i8.arrivals("cpu", 10)
-    assert c.dtype == torch.int32 and c.numel() >= max(10, qtile_i8.ARRIVALS_MIN) and not c.any()
-    assert qtile_i8.arrivals("cpu", 5) is c
-    big = qtile_i8.arrivals("cpu", c.numel() + 1)
-    assert big.numel() == c.numel() + 1 and not big.any() and qtile_i8.arrivals("cpu", 3) is big
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("kernel,args", [("tile", ("Q4_K", "1")), ("tile", ("Q6_K", "16", "--config", "64,16,4,0")),
-                                         ("ring", ("Q6_K", "16", "--config", "64,16,4,4")),
-                                         ("ring", ("Q4_K", "16", "--config", "64,16,4,4", "--group", "2"))])
-def test_a_split_kernel_arrives_with_a_release_and_reads_the_chunk_sums_from_l2(tmp_path, kernel, args):
-    """The fold as compiled for sm_90: after a barrier (every warp's partials stored) one thread's
-    atomic add at GPU scope, a GPU-scope fence before it (the release of the partials), its value
-    handed to every thread through shared memory (a second barrier); the chunk sums read back as
-    GPU-scope loads (from L2, where the other programs' stores are), four chunks at a time at most
-    beside the main loop's registers (the fold may not raise the kernel's register count past the
-    main loop's: bench/NOTES.md), and the counter set back to 0."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    p = subprocess.run([sys.executable, str(REPO / "tools" / "sass_loop.py"), kernel, *args, "--n-out", "6656",
-                        "--n-in", "19968", "--grep", r"ATOM|MEMBAR|BAR\.SYNC|STRONG\.GPU"], env=env,
-                       capture_output=True, text=True, timeout=280)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    lines = p.stdout.strip().splitlines()
-    head, grep = lines[0], [ln for ln in lines[3:]]
-    adds = [i for i, ln in enumerate(grep) if "ATOMG.E.ADD.STRONG.GPU" in ln]
-    assert len(adds) == 1 and grep[adds[0]].startswith("@P"), grep  # one thread's
-    assert any("MEMBAR" in ln and "GPU" in ln for ln in grep[:adds[0]]), grep
-    assert "BAR.SYNC" in grep[adds[0] - 1] or "BAR.SYNC" in " ".join(grep[max(0, adds[0] - 5):adds[0]]), grep
-    loads = [ln for ln in grep[adds[0]:] if "LDG.E.64.STRONG.GPU" in ln]
-    assert loads and any("ATOMG.E.EXCH" in ln for ln in grep[adds[0]:]), grep
-    assert "local=False" in head, head

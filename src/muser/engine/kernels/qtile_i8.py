@@ -39,8 +39,7 @@ Arithmetic (dot.py's, one fixed float order; the integer steps are exact whateve
   f64(f32(ad * wd)) * f64(sumi).
 - The terms are summed in f64 per chunk of dot.CHUNK_ELEMS elements from +0.0 in block order,
   then the chunks from +0.0 in chunk order, rounded to f32 at the store. Calls of <= SPLIT_ROWS
-  rows give each chunk its own program; the last program of an output tile to store its chunk
-  sum adds the tile's chunk sums in that order (an arrival counter a tile: one launch, no wait).
+  rows give each chunk its own program and add the chunk sums with qmatmul_i8's reduce launch.
 Launched with enable_fp_fusion=False: no multiply and add contract into an FMA. A one-row launch
 takes programmatic dependent launch on sm_90 (gdc.py; `_after_prior` is the kernel's first step).
 
@@ -569,46 +568,11 @@ if HAVE_GLUON:
         return term
 
     @gluon.jit
-    def _fold_last(y, part, cnt, sy, N, K, T, stok, srow, omask, CB: gl.constexpr, NCH: gl.constexpr,
-                   BN: gl.constexpr, BM: gl.constexpr, mma: gl.constexpr):
-        """A split program's arrival at its output tile, after its chunk partials are stored: the
-        last of the tile's programs to arrive (an arrival counter a tile, cnt) adds the tile's NCH
-        partials from +0.0 in chunk order, reduce_chunks' sum, stores the f32 output and sets the
-        counter back to 0 for the next call. Whoever arrives last, the order of the additions is
-        the same, so the bits are the reduce launch's; no program waits on another."""
-        gl.thread_barrier()  # every warp's partials stored before the tile's arrival (the release below)
-        tile = gl.program_id(1) * gl.num_programs(2) + gl.program_id(2)
-        seen = gl.atomic_add(cnt + tile, 1, sem="acq_rel", scope="gpu")  # one thread's, its value broadcast
-        if seen == gl.num_programs(0) - 1:
-            acc = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
-            # Registers (sm_90 SASS): the fold must not need more than the main loop. All NCH chunks'
-            # loads unrolled took the grouped ring from 168 to 254, so four are in flight at a time
-            # (a loop over the fours whose count the compiler does not know); the indices are made
-            # anew inside the branch (an opaque copy), since computed before the main loop and kept
-            # live across it they took it to 241.
-            st = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [stok.to(gl.int32)], dtype=gl.int32,
-                                           is_pure=False, pack=1)
-            sn = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [srow.to(gl.int32)], dtype=gl.int32,
-                                           is_pure=False, pack=1)
-            at = part + (st.to(gl.int64)[None, :] * N + sn.to(gl.int64)[:, None])
-            for g in range(0, (K // 256 + CB - 1) // CB // 4):  # NCH // 4
-                for i in gl.static_range(4):
-                    # .cg: from L2, where the other programs' stores are (no stale L1 line)
-                    acc = acc + gl.load(at + (4 * g + i) * T * N, mask=omask, other=0.0, cache_modifier=".cg")
-            for i in gl.static_range(NCH % 4):
-                acc = acc + gl.load(at + (NCH // 4 * 4 + i) * T * N, mask=omask, other=0.0, cache_modifier=".cg")
-            gl.store(y + stok[None, :] * sy + srow[:, None], acc.to(gl.float32), mask=omask)
-            gl.atomic_xchg(cnt + tile, 0, sem="relaxed", scope="gpu")  # every program of this call has arrived
-
-    @gluon.jit
-    def _qtile_kernel(aq, ad, y, part, cnt, w0, w1, w2, w3, w4, w5, N, K, T, sy,
+    def _qtile_kernel(aq, ad, y, part, w0, w1, w2, w3, w4, w5, N, K, T, sy,
                      FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr,
-                     CB: gl.constexpr, SPLIT: gl.constexpr, NCH: gl.constexpr, FOLD: gl.constexpr,
-                     PF: gl.constexpr, PDL: gl.constexpr):
-        """y [T, N] f32: program (c, i, j) takes activation rows i*BM.. and weight rows j*BN.. (and,
-        SPLIT, chunk c of NCH; else c is 0). SPLIT over several chunks, each program stores its chunk
-        sum in part [NCH, T, N] f64, and with FOLD the tile's last program adds them (_fold_last);
-        without, reduce_chunks' launch does."""
+                     CB: gl.constexpr, SPLIT: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr):
+        """y [T, N] f32 (or, SPLIT over several chunks, part [n_chunks, T, N] f64): program (c, i, j)
+        takes activation rows i*BM.. and weight rows j*BN.. (and, SPLIT, chunk c; else c is 0)."""
         _after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
@@ -671,12 +635,10 @@ if HAVE_GLUON:
                                   arow1, anm1, PF, BN, BM, mma, la)
                 if PF:
                     v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1 = n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3, h0, h1
-            if NCH == 1:  # +0.0 + acc is acc (acc starts at +0.0, never -0.0)
+            if (nb + CB - 1) // CB == 1:  # +0.0 + acc is acc (acc starts at +0.0, never -0.0)
                 gl.store(y + stok[None, :] * sy + srow[:, None], acc.to(gl.float32), mask=omask)
             else:
                 gl.store(part + (c * T + stok[None, :]) * N + srow[:, None], acc, mask=omask)
-                if FOLD:
-                    _fold_last(y, part, cnt, sy, N, K, T, stok, srow, omask, CB, NCH, BN, BM, mma)
         else:
             tot = gl.zeros([BN, BM], gl.float64, layout=mma)
             for c in range(0, (nb + CB - 1) // CB):
@@ -826,17 +788,15 @@ if HAVE_GLUON:
         return term, g0, g1, g2, g3, h0, h1, nd
 
     @gluon.jit
-    def _ring_kernel(aq, ad, y, part, cnt, c0, c1, s0, s1, s2, s3, N, K, T, sy,
+    def _ring_kernel(aq, ad, y, part, c0, c1, s0, s1, s2, s3, N, K, T, sy,
                      FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, CB: gl.constexpr,
-                     SPLIT: gl.constexpr, NCH: gl.constexpr, FOLD: gl.constexpr, CG: gl.constexpr, S: gl.constexpr,
-                     PDL: gl.constexpr):
+                     SPLIT: gl.constexpr, CG: gl.constexpr, S: gl.constexpr, PDL: gl.constexpr):
         """_qtile_kernel's output (the same terms, the same f64 additions in the same order) with a
         ring of S shared-memory slots: a block's code bytes and activation codes are copied
         (cp.async) S - 1 blocks before its IMMAs, so a warp waits on a copy issued S - 1 iterations
         earlier, not on its own loads; the small fields (scales, d) are loaded one block ahead.
-        SPLIT: a program sums CG consecutive chunks of the NCH, each from +0.0 into its own partial
-        (the ring runs on across them), so a short row still gives the ring blocks to stream; with
-        FOLD the tile's last program adds the partials (_fold_last)."""
+        SPLIT: a program sums CG consecutive chunks, each from +0.0 into its own partial (the ring
+        runs on across them), so a short row still gives the ring blocks to stream."""
         _after_prior(PDL)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
@@ -934,39 +894,12 @@ if HAVE_GLUON:
                 tot = tot + acc
         async_copy.wait_group(0)
         if SPLIT and CG == 1:
-            if NCH == 1:  # +0.0 + acc is acc (acc starts at +0.0, never -0.0)
+            if nch == 1:  # +0.0 + acc is acc (acc starts at +0.0, never -0.0)
                 gl.store(y + stok[None, :] * sy + srow[:, None], acc.to(gl.float32), mask=omask)
             else:
                 gl.store(part + (gl.program_id(0) * T + stok[None, :]) * N + srow[:, None], acc, mask=omask)
-                if FOLD:
-                    _fold_last(y, part, cnt, sy, N, K, T, stok, srow, omask, CB, NCH, BN, BM, mma)
-        elif SPLIT:  # every chunk's partial stored in the loop (NCH > 1: the launcher)
-            if FOLD:
-                _fold_last(y, part, cnt, sy, N, K, T, stok, srow, omask, CB, NCH, BN, BM, mma)
-        else:
+        elif not SPLIT:
             gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
-
-
-_ARRIVALS: dict[str, torch.Tensor] = {}
-ARRIVALS_MIN = 1 << 16  # counters a device: a full-geometry call has at most 6,314 output tiles (the LM head)
-
-
-def arrivals(device: torch.device | str, n: int) -> torch.Tensor:
-    """The device's arrival counters of split calls' output tiles (int32, at least `n`): zero
-    between calls (the program that folds a tile sets its counter back to 0), so one buffer serves
-    every call and every replay of a captured graph. The calls that share it run in one stream
-    order (the engine's); a CUDA graph captures the buffer of the eager step before it, so a
-    capture never allocates one (LaneError if it would have to)."""
-    dev = torch.device(device)
-    key = str(dev)
-    c = _ARRIVALS.get(key)
-    if c is None or c.numel() < n:
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise LaneError(f"int8 tile: a graph capture needs {n} arrival counters on {key}, more than the "
-                            f"eager steps before it allocated ({0 if c is None else c.numel()})")
-        c = torch.zeros(max(n, ARRIVALS_MIN), dtype=torch.int32, device=dev)
-        _ARRIVALS[key] = c
-    return c
 
 
 def _need_gluon() -> None:
@@ -985,14 +918,13 @@ def _word_fields(w: QWeight) -> list[torch.Tensor]:
 
 
 def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
-                split: bool | None = None, fold: bool = True) -> torch.Tensor:
+                split: bool | None = None) -> torch.Tensor:
     """Q8_K activations (qmatmul_i8.Act) [T, K] x K-quant weight [N, K] -> f32 [T, N], bitwise
     matmul_ggml. `out` may be a column slice of a wider output (unit column stride); `config` =
     (BN, BM, num_warps, PF) overrides the table (speed only). `split`: each 1,024-element chunk
-    its own program, the chunk sums added by the output tile's last program (`fold`, one launch)
-    or by qmatmul_i8's reduce launch (fold False: a second launch, timed beside it by the device
-    sweep), or a program walking its chunks (False); by default split at most SPLIT_ROWS rows.
-    Speed only: the same additions in the same order every way."""
+    its own program and the chunk sums added by a second launch (True), or a program walking its
+    chunks (False); by default split at most SPLIT_ROWS rows. Speed only: the same additions in
+    the same order either way."""
     from . import qmatmul_i8
 
     if w.fmt not in FORMATS:
@@ -1007,24 +939,23 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
     cb = CHUNK_ELEMS // 256
     nch = -(-(w.n_in // 256) // cb)
     split = T <= SPLIT_ROWS if split is None else bool(split)
-    part, cnt = out, act.d  # never read unless split over several chunks
-    grid = (nch if split else 1, -(-T // bm), -(-N // bn))  # chunks fastest (the kernel's note)
+    part = out  # never read unless split over several chunks
     if split and nch > 1:
         part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
-        cnt = arrivals(out.device, grid[1] * grid[2])
-    _qtile_kernel[grid](act.qs.view(torch.int64), act.d, out, part, cnt, *ptrs, N, w.n_in, T, out.stride(0),
-                       FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, NCH=nch if split else 1,
-                       FOLD=bool(fold), PF=pf, num_warps=nw, enable_fp_fusion=False, **gdc.kwargs(out))
-    if split and nch > 1 and not fold:
+    grid = (nch if split else 1, -(-T // bm), -(-N // bn))  # chunks fastest (the kernel's note)
+    _qtile_kernel[grid](act.qs.view(torch.int64), act.d, out, part, *ptrs, N, w.n_in, T, out.stride(0),
+                       FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, PF=pf, num_warps=nw,
+                       enable_fp_fusion=False, **gdc.kwargs(out))
+    if split and nch > 1:
         qmatmul_i8.reduce_chunks(part, out)
     return out
 
 
 def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16, 4, 4),
-                split: bool | None = None, group: int = 1, fold: bool = True) -> torch.Tensor:
+                split: bool | None = None, group: int = 1) -> torch.Tensor:
     """matmul_tile's product, bit for bit, through the ring variant (_ring_kernel: a program's next
     S - 1 blocks of code bytes and activation codes in flight as cp.async copies into shared
-    memory). `config` = (BN, BM, num_warps, S); `split` and `fold` as in matmul_tile; `group` (split only):
+    memory). `config` = (BN, BM, num_warps, S); `split` as in matmul_tile; `group` (split only):
     the chunks a program sums, each into its own partial (check_group). Speed only: a call whose
     code bytes or activation codes do not start on 16 bytes runs matmul_tile (the same bits)."""
     from . import qmatmul_i8
@@ -1050,21 +981,19 @@ def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16
     if any(x.data_ptr() % 16 for x in (c0, c1, aq)):
         # the copies move 16 bytes a thread (cp.async needs the alignment); a call whose code bytes or
         # activation rows do not start on 16 bytes takes the tile, which computes the same bits
-        return matmul_tile(w, act, out, split=split, fold=fold)
+        return matmul_tile(w, act, out, split=split)
     cb = CHUNK_ELEMS // 256
     nch = -(-(w.n_in // 256) // cb)
-    part, cnt = out, act.d  # never read unless split over several chunks
-    if not (split and nch > 1):
-        group = 1  # one chunk: the program stores it as the output (the grouped kernel writes partials only)
-    grid = (-(-nch // group) if split else 1, -(-T // bm), -(-N // bn))
+    part = out
     if split and nch > 1:
         part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
-        cnt = arrivals(out.device, grid[1] * grid[2])
-    _ring_kernel[grid](aq, act.d, out, part, cnt, c0, c1, s0, s1, s2, s3, N, w.n_in, T,
-                       out.stride(0), FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split,
-                       NCH=nch if split else 1, FOLD=bool(fold), CG=group, S=s, num_warps=nw, enable_fp_fusion=False,
-                       **gdc.kwargs(out))
-    if split and nch > 1 and not fold:
+    else:
+        group = 1  # one chunk: the program stores it as the output (the grouped kernel writes partials only)
+    grid = (-(-nch // group) if split else 1, -(-T // bm), -(-N // bn))
+    _ring_kernel[grid](aq, act.d, out, part, c0, c1, s0, s1, s2, s3, N, w.n_in, T,
+                       out.stride(0), FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, CG=group, S=s,
+                       num_warps=nw, enable_fp_fusion=False, **gdc.kwargs(out))
+    if split and nch > 1:
         qmatmul_i8.reduce_chunks(part, out)
     return out
 
@@ -1092,7 +1021,7 @@ def self_check_ring(device: str, fmt: str, config, split, group: int = 1) -> Non
                                        device)
 
 
-__all__ = ["CONFIGS", "FORMATS", "MAX_GROUP", "RING_BYTES", "arrivals", "check_group", "check_ring_config", "matmul_ring", "ring_bytes", "ring_routes", "self_check_ring", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
+__all__ = ["CONFIGS", "FORMATS", "MAX_GROUP", "RING_BYTES", "check_group", "check_ring_config", "matmul_ring", "ring_bytes", "ring_routes", "self_check_ring", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
            "operand_elements",
            "load_tuning", "route", "routes_wide",
            "matmul_tile", "self_check", "supports"]
