@@ -330,6 +330,10 @@ def i8_tuning_table(speed: list[dict], margin: float = 0.03) -> list[dict]:
                 if " g" in rest:
                     rest, _, g = rest.rpartition(" g")
                     group = int(g)
+                stream = 0
+                if " sk" in rest:  # the stream-K walk, programs an SM
+                    rest, _, k = rest.rpartition(" sk")
+                    stream = int(k)
                 walk = rest.endswith(" walk")
                 rest = rest.removesuffix(" walk")
                 ring = rest.endswith(" ring")
@@ -338,6 +342,8 @@ def i8_tuning_table(speed: list[dict], margin: float = 0.03) -> list[dict]:
                     e["split"] = False
                 if group > 1:
                     e["group"] = group
+                if stream:
+                    e["stream"] = stream
                 cands.append((e, v["us"]))
             if bucket == 64:  # the bucket starts at 17 rows: a wide tiling must also beat the tile at 64
                 wide = tr.get("wide", {})
@@ -606,21 +612,25 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
     # (twice the programs: fewer idle SM slots in the last wave) and 8-row activation tiles (six
     # slots and 128-row tiles were slower on the gate/up and Q6_K down shapes at 16 rows; three and
     # six slots lost to four at 512 on every shape; groups lost at one row: bench/NOTES.md)
-    for T, cfg, split, group in ((1, (64, 8, 4, 4), None, 1), (1, (32, 8, 2, 4), False, 1),
-                                 (16, (64, 16, 4, 4), None, 1), (16, (32, 16, 2, 4), None, 1),
-                                 (16, (64, 16, 4, 4), None, 2), (16, (64, 16, 4, 4), None, 4),
-                                 (16, (64, 16, 4, 4), False, 1), (16, (64, 16, 4, 3), False, 1),
-                                 (16, (32, 16, 2, 4), False, 1), (16, (32, 16, 2, 3), False, 1),
-                                 (16, (32, 8, 2, 4), False, 1),
-                                 (big, (64, 16, 4, 4), False, 1)):
-        key = (f"T{T} {list(cfg)} ring" + (" walk" if split is False else "")
+    # and, walking at 16 rows, the stream-K walk (sk k: k programs an SM, each an equal run of the
+    # (tile, chunk) units: no last wave of whole tiles)
+    for T, cfg, split, group, sk in ((1, (64, 8, 4, 4), None, 1, 0), (1, (32, 8, 2, 4), False, 1, 0),
+                                     (16, (64, 16, 4, 4), None, 1, 0), (16, (32, 16, 2, 4), None, 1, 0),
+                                     (16, (64, 16, 4, 4), None, 2, 0), (16, (64, 16, 4, 4), None, 4, 0),
+                                     (16, (64, 16, 4, 4), False, 1, 0), (16, (64, 16, 4, 3), False, 1, 0),
+                                     (16, (32, 16, 2, 4), False, 1, 0), (16, (32, 16, 2, 3), False, 1, 0),
+                                     (16, (32, 8, 2, 4), False, 1, 0),
+                                     (16, (64, 16, 4, 4), False, 1, 3), (16, (64, 16, 4, 4), False, 1, 2),
+                                     (16, (32, 16, 2, 3), False, 1, 6),
+                                     (big, (64, 16, 4, 4), False, 1, 0)):
+        key = (f"T{T} {list(cfg)} ring" + (" walk" if split is False else "") + (f" sk{sk}" if sk else "")
                + (f" g{group}" if group > 1 else ""))
         try:
             out = torch.empty(T, w.n_out, device=device)
-            got_t = qtile_i8.matmul_ring(w, acts[T], out, config=cfg, split=split, group=group)
+            got_t = qtile_i8.matmul_ring(w, acts[T], out, config=cfg, split=split, group=group, stream=sk)
             eq = bool(torch.equal(bits(got_t), bits(yb[:T])))
-            sec = graph_seconds(lambda: qtile_i8.matmul_ring(w, acts[T], out, config=cfg, split=split, group=group),
-                                10 if T <= 16 else 3, 1)[0]
+            sec = graph_seconds(lambda: qtile_i8.matmul_ring(w, acts[T], out, config=cfg, split=split, group=group,
+                                                             stream=sk), 10 if T <= 16 else 3, 1)[0]
             sweep[key] = {"us": sec * 1e6, "bitwise_equal_default": eq}
             if not eq:
                 sweep[key]["where_differ"] = where_differ(bits(got_t), bits(yb[:T]))

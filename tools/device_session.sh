@@ -21,8 +21,8 @@
 # its invariance part (tools/device_kernels.py --no-invariance: a tree whose kernels an earlier call
 # checked; the stage's receipt then says partial); --kernels-shapes times only those full-geometry shapes. --install-tuning: the kernels stage's sweep
 # winners (DIR/kernels/v3_tuning.json for the exact lane, i8_tuning.json for the fast lane, checked by
-# the module's load_tuning) replace this copy's kernels/<that file> for the stages after it (the
-# speed receipts name the tables' SHA-256).
+# the module's load_tuning) replace this copy's kernels/<that file>'s entries of the swept shapes for
+# the stages after it, the other shapes' entries kept (the speed receipts name the tables' SHA-256).
 # --lane (default exact) is the lane the kernels, gate, speed and nvfp4 stages measure: with fast,
 # the kernels stage checks the integer lane (tools/device_kernels.py --lane fast), the wide Gate 2 is
 # the integer lane's (against the oracle's ggml-cpu arithmetic) and the speed kinds run --lane fast.
@@ -338,10 +338,18 @@ for st in "${STAGES[@]}"; do
         fi
         if [ $INSTALL_TUNING = 1 ]; then  # the sweep's winners become this copy's table for the stages after it
           if [ $KLANE = fast ]; then tf=i8_tuning.json tm=qtile_i8; else tf=v3_tuning.json tm=qmatvec_v3; fi
-          if [ -s "$R/kernels/$tf" ] && $PY -c "import sys; sys.path.insert(0, 'src')
-from muser.engine.kernels import $tm as q; q.load_tuning(sys.argv[1])" "$R/kernels/$tf"; then
-            cp "$R/kernels/$tf" "src/muser/engine/kernels/$tf"
-            record tuning 0 0 "installed the sweep's $tf, sha256 $(sha256sum "src/muser/engine/kernels/$tf" | cut -c1-16)"
+          # merged: the swept shapes' entries replace the tree's for those shapes, the others stay
+          # (a sweep of --kernels-shapes leaves the rest of the table as it was)
+          if [ -s "$R/kernels/$tf" ] && $PY -c "import json, sys; sys.path.insert(0, 'src')
+from muser.engine.kernels import $tm as q
+new, old = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+key = lambda e: (e['fmt'], e['rows'], e['n_out'], e['n_in'])
+swept = {(e['fmt'], e['n_out'], e['n_in']) for e in new}
+merged = [e for e in old if (e['fmt'], e['n_out'], e['n_in']) not in swept] + new
+open(sys.argv[3], 'w').write(json.dumps(sorted(merged, key=key), indent=1) + chr(10))
+q.load_tuning(sys.argv[3])" "$R/kernels/$tf" "src/muser/engine/kernels/$tf" "$R/kernels/merged-$tf"; then
+            cp "$R/kernels/merged-$tf" "src/muser/engine/kernels/$tf"
+            record tuning 0 0 "installed the sweep's $tf (merged over the tree's), sha256 $(sha256sum "src/muser/engine/kernels/$tf" | cut -c1-16)"
           else record tuning 1 0 "no valid sweep table ($tf): the tree's own stays"; fi
         fi
       else record kernels - 0 "tools/device_kernels.py is absent"; fi ;;

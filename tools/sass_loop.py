@@ -154,7 +154,8 @@ def _matmul_launch(a):
         split = False if a.walk else None
         if a.kernel == "ring":
             fn, args, kw, grid = capture(lambda: qtile_i8.matmul_ring(w, act, torch.empty(a.T, a.n_out),
-                                                                       cfg or (64, 16, 4, 4), split, a.group), 0)
+                                                                       cfg or (64, 16, 4, 4), split, a.group,
+                                                                       stream=a.stream, programs=a.programs), 0)
         else:
             fn, args, kw, grid = capture(lambda: qtile_i8.matmul_tile(w, act, torch.empty(a.T, a.n_out), cfg, split), 0)
     else:
@@ -191,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rt", type=int, default=None, help="v3: activation rows a program takes (several-row path)")
     ap.add_argument("--walk", action="store_true", help="tile / ring: each program walking its chunks (split off)")
     ap.add_argument("--group", type=int, default=1, help="ring: the chunks a split program sums (each its own partial)")
+    ap.add_argument("--stream", type=int, default=0, help="ring --walk: the stream-K walk, programs an SM")
+    ap.add_argument("--programs", type=int, default=None, help="ring --walk: the stream-K walk on this many programs")
     ap.add_argument("--pdl", action="store_true", help="compile the launch as a GPU launch takes it: with PDL "
                     "(engine/kernels/gdc.py)")
     ap.add_argument("--dump", action="store_true")

@@ -83,7 +83,7 @@ def pdl_order(ptx: str, name: str, arg_names: list[str], scalars: frozenset[str]
 
 # kernels whose launchers guarantee 16-byte-aligned pointers (they copy 16 bytes a thread with
 # cp.async): compiled as the JIT specializes them then (pointers 16-aligned, ints divisible by 16)
-ALIGNED = {"_ring_kernel"}
+ALIGNED = {"_ring_kernel", "_ring_sk_kernel"}
 
 
 class Recorder:
@@ -205,6 +205,11 @@ def drive(rec: Recorder) -> None:
                 ti.matmul_ring(w, i8.Act(G.Q8_K, torch.zeros(T, n_in, dtype=torch.int8), torch.zeros(T, n_in // 256),
                                          torch.zeros(T, n_in // 32, dtype=torch.int32)), torch.empty(T, n_out), rcfg,
                                split, group)
+            for T, rcfg, stream in ((16, (64, 16, 4, 4), 3), (16, (64, 16, 4, 4), 2), (16, (32, 16, 2, 3), 6)):
+                # its stream-K walk (programs an SM: the register cap each gives)
+                ti.matmul_ring(w, i8.Act(G.Q8_K, torch.zeros(T, n_in, dtype=torch.int8), torch.zeros(T, n_in // 256),
+                                         torch.zeros(T, n_in // 32, dtype=torch.int32)), torch.empty(T, n_out), rcfg,
+                               False, stream=stream, programs=2)
     from muser.engine.kernels import qwide_i8 as wi
 
     for fmt in wi.FORMATS:  # the integer lane's wide GEMM (prefill chunks), default and swept tilings

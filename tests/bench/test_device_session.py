@@ -200,6 +200,7 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
                       "T16 [64, 16, 4, 4] ring g4": {"us": 14.0, "bitwise_equal_default": True},
                       "T16 [32, 16, 2, 4] ring g2": {"us": 11.0, "bitwise_equal_default": False},
                       "T16 [64, 16, 4, 6] ring walk": {"us": 12.0, "bitwise_equal_default": False},
+                      "T16 [32, 16, 2, 3] ring walk sk6": {"us": 13.0, "bitwise_equal_default": False},
                       "T512 [64, 16, 4, 1]": {"us": 90.0, "bitwise_equal_default": True},
                       "T1 [32, 8, 2, 4] ring walk": {"us": 7.0, "bitwise_equal_default": True},
                       "T512 [256, 16, 8, 0]": {"error": "OutOfResources"}},
@@ -229,12 +230,12 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
     assert qtile_i8.load_tuning(str(path)) == 9 and qtile_i8.routes_wide()
     loaded = dict(qtile_i8.TUNED)
     w = repack("t", G.Q4_K, 64, 512, torch.from_numpy(random_bytes(G.Q4_K, 64, 512, 1).copy()))
-    assert qtile_i8.route(w, 1) == ("ring", (32, 8, 2, 4), False, 1)
-    assert qtile_i8.ring_routes() == [("Q4_K", (32, 8, 2, 4), False, 1), ("Q4_K", (64, 16, 4, 4), None, 4)]
-    assert qtile_i8.route(w, 12) == ("ring", (64, 16, 4, 4), None, 4)
-    assert qtile_i8.route(w, 17) == ("wide", (64, 64, 8, 1), None, 1)
+    assert qtile_i8.route(w, 1) == ("ring", (32, 8, 2, 4), False, 1, 0)
+    assert qtile_i8.ring_routes() == [("Q4_K", (32, 8, 2, 4), False, 1, 0), ("Q4_K", (64, 16, 4, 4), None, 4, 0)]
+    assert qtile_i8.route(w, 12) == ("ring", (64, 16, 4, 4), None, 4, 0)
+    assert qtile_i8.route(w, 17) == ("wide", (64, 64, 8, 1), None, 1, 0)
     other = repack("t", G.Q4_K, 32, 512, torch.from_numpy(random_bytes(G.Q4_K, 32, 512, 1).copy()))
-    assert qtile_i8.route(other, 1) == ("tile", None, None, 1)
+    assert qtile_i8.route(other, 1) == ("tile", None, None, 1, 0)
     for bad, what in [({"path": "wide", "rows": 16}, "64-row bucket"), ({"fmt": "Q6_K", "path": "wide"}, "64-row bucket"),
                       ({"rows": 64, "split": True}, "split"), ({"config": [48, 8, 4, 0]}, "config"), ({"path": "ring", "config": [64, 16, 4, 5]}, "ring config"),
                       ({"fmt": "Q8_0"}, "K-quant"), ({"rows": 32}, "rows 8, 16 or 64"), ({"path": "cublas"}, "path"),
@@ -243,7 +244,12 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
                       ({"path": "ring", "config": [64, 16, 4, 4], "rows": 64, "group": 2}, "group 2"),
                       ({"path": "ring", "config": [64, 16, 4, 4], "rows": 16, "group": 0}, "group 0"),
                       ({"path": "ring", "config": [64, 16, 4, 4], "rows": 16, "group": 17}, "group 17"),
-                      ({"path": "ring", "config": [64, 16, 4, 4], "rows": 16, "group": True}, "group True")]:
+                      ({"path": "ring", "config": [64, 16, 4, 4], "rows": 16, "group": True}, "group True"),
+                      ({"path": "ring", "config": [64, 16, 4, 4], "rows": 16, "stream": 3}, "stream 3"),
+                      ({"path": "ring", "config": [64, 8, 4, 4], "rows": 16, "split": False, "stream": 3}, "stream 3"),
+                      ({"path": "ring", "config": [64, 16, 4, 4], "rows": 16, "split": False, "stream": 9}, "stream 9"),
+                      ({"path": "ring", "config": [64, 16, 4, 4], "rows": 16, "split": False, "stream": True},
+                       "stream True")]:
         entry = {**table[0], "rows": 64, "split": None, **bad}
         path.write_text(json.dumps([table[1], {k: v for k, v in entry.items() if v is not None}]))
         with pytest.raises(LaneError, match=what):

@@ -285,3 +285,71 @@ def test_a_register_of_four_int8_operands_is_one_word(tmp_path):
         # (k low, column), (k high, column): _ld_b's pack of 8
         assert rb[:3] == [[1, 0], [2, 0], [16, 0]] and lb[:2] == [[4, 0], [8, 0]], (cfg, rb, lb)
         assert all(w == [0, 0] for w in wb), (cfg, rb, wb)
+
+
+def test_the_stream_k_walk_is_refused_off_a_walking_call_of_one_activation_tile():
+    """The stream-K walk (`stream`, programs an SM) serves a walking call (split false) of at most
+    BM rows; anything else, or a count out of range, is refused before any launch."""
+    k = _weight(G.Q4_K, 72, 1280)
+    for rows, split, stream, cfg, what in [(2, None, 3, (64, 16, 4, 4), "stream 3"),
+                                           (17, False, 3, (64, 16, 4, 4), "stream 3"),
+                                           (9, False, 2, (64, 8, 4, 4), "stream 2"),
+                                           (2, False, qtile_i8.MAX_STREAM + 1, (64, 16, 4, 4), "stream 9"),
+                                           (2, False, 1.0, (64, 16, 4, 4), "stream 1.0")]:
+        act = qmatmul_i8.Act(G.Q8_K, torch.zeros(rows, 1280, dtype=torch.int8), torch.zeros(rows, 5),
+                             torch.zeros(rows, 40, dtype=torch.int32))
+        with pytest.raises(ValueError, match=what):
+            qtile_i8.matmul_ring(k, act, config=cfg, split=split, stream=stream)
+    act = qmatmul_i8.Act(G.Q8_K, torch.zeros(2, 1280, dtype=torch.int8), torch.zeros(2, 5),
+                         torch.zeros(2, 40, dtype=torch.int32))
+    with pytest.raises(ValueError, match="programs 0"):
+        qtile_i8.matmul_ring(k, act, split=False, programs=0)
+
+
+def test_the_stream_k_walk_is_one_launch_of_equal_runs_of_tile_chunks(monkeypatch):
+    """A stream-K call: one launch of min(tiles, stream x SMs or `programs`) programs over U = tiles
+    x chunks units, a [T, N] f64 buffer for the tiles' prefixes and the device's flags (zero, one a
+    tile at least), its registers capped so `stream` programs fit an SM (65,536 / (stream x
+    threads)); and the self-check's weight (4 x BN + 24 rows, 2,304 columns) on four programs
+    shares tiles between programs at both ends of their runs."""
+    from triton.runtime.jit import JITFunction
+
+    got: list = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid=None, warmup=False, **kw:
+                        got.append((self.fn.__name__, grid, kw, args)))
+    w = _weight(G.Q4_K, 4 * 64 + 24, 2304)
+    act = qmatmul_i8.Act(G.Q8_K, torch.zeros(16, 2304, dtype=torch.int8), torch.zeros(16, 9),
+                         torch.zeros(16, 72, dtype=torch.int32))
+    qtile_i8.matmul_ring(w, act, config=(64, 16, 4, 4), split=False, stream=3, programs=4)
+    qtile_i8.matmul_ring(w, act, config=(64, 16, 4, 4), split=False, stream=2)  # one SM off CUDA: 2 programs
+    (name, grid, kw, args), (_, grid2, kw2, _) = got
+    assert name == "_ring_sk_kernel" and grid == (4,) and grid2 == (2,), got
+    assert kw["NCH"] == 3 and kw["maxnreg"] == 168 and kw2["maxnreg"] == 255, kw
+    part, flags, U = args[3], args[4], args[15]
+    assert part.shape == (16, 280) and part.dtype == torch.float64 and U == 5 * 3
+    assert flags is qtile_i8.sk_flags("cpu", 1) and flags.dtype == torch.int32 and not flags.any()
+    # the runs [p U / P, (p + 1) U / P): tiles split between programs, a program with both ends split
+    runs = [(p * U // 4, (p + 1) * U // 4) for p in range(4)]
+    assert runs == [(0, 3), (3, 7), (7, 11), (11, 15)]
+    assert all(b - a >= 3 for a, b in runs) and any(a % 3 and b % 3 for a, b in runs)
+
+
+@pytest.mark.timeout(600)
+def test_the_stream_k_walk_keeps_the_rings_loop(tmp_path):
+    """The stream-K walk as compiled for sm_90 at three programs an SM: 168 registers (three fit),
+    the ring's loop (cp.async copies, ldmatrix operands, the same IMMAs) with nothing in local
+    memory inside it; the prefix handed on through one release and one acquire at GPU scope."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "sass_loop.py"), "ring", "Q4_K", "16", "--walk",
+                        "--stream", "3", "--programs", "396", "--n-out", "39936", "--n-in", "6656", "--grep",
+                        r"ATOM|MEMBAR"], env=env, capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = p.stdout.strip().splitlines()
+    head, ops = lines[0], lines[1]
+    counts = {o.split(":")[0]: int(o.split(":")[1]) for o in ops.strip().split(", ")}
+    assert "regs=168" in head and counts.get("IMMA") == 32 and counts.get("LDGSTS", 0) >= 3, head + ops
+    assert "STL" not in counts and "LDL" not in counts, ops
+    grep = lines[3:]
+    assert any("ATOMG.E.EXCH" in ln and "GPU" in ln for ln in grep), grep  # the release of a prefix
+    assert any("ATOMG.E.CAS" in ln and "GPU" in ln for ln in grep), grep  # the acquire of one

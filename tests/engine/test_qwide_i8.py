@@ -167,8 +167,8 @@ def test_the_load_check_passes_the_wide_gemm_and_refuses_a_wrong_bit(kw):
 
 def test_the_lane_routes_the_tables_ring_shapes_to_it(kw, monkeypatch):
     """A tuning-table entry routing a Q4_K shape's 16-row bucket to the tile's ring variant: the
-    integer lane's CUDA path sends that shape's 9-16-row calls there with the entry's tiling and
-    split, its other buckets and other shapes to the tile (both replaced by the reference here:
+    integer lane's CUDA path sends that shape's 9-16-row calls there with the entry's tiling, split
+    and stream-K walk, its other buckets and other shapes to the tile (both replaced by the reference here:
     gluon has no interpreter), with the same bits."""
     from muser.engine.kernels import qtile_i8
     from muser.engine.lanes import Lane, Linear
@@ -180,21 +180,22 @@ def test_the_lane_routes_the_tables_ring_shapes_to_it(kw, monkeypatch):
     lin.cuda = True
     lin.tile_formats = qtile_i8.FORMATS
     calls: list[tuple] = []
-    monkeypatch.setattr(qtile_i8, "matmul_ring", lambda w, act, out=None, config=None, split=None, group=1:
-                        calls.append(("ring", w.n_out, act.rows, config, split, group)) or i8.matmul_i8_act(w, act, out))
+    monkeypatch.setattr(qtile_i8, "matmul_ring", lambda w, act, out=None, config=None, split=None, group=1, stream=0:
+                        calls.append(("ring", w.n_out, act.rows, config, split, group, stream))
+                        or i8.matmul_i8_act(w, act, out))
     monkeypatch.setattr(qtile_i8, "matmul_tile", lambda w, act, out=None, config=None, split=None: calls.append(
         ("tile", w.n_out, act.rows, config, split)) or i8.matmul_i8_act(w, act, out))
     monkeypatch.setattr(qtile_i8, "TUNED", {})
     entry = {"fmt": "Q4_K", "rows": 16, "n_out": 24, "n_in": 512, "path": "ring", "config": [64, 16, 4, 4],
-             "split": False}
-    grouped = {**entry, "rows": 8, "config": [32, 8, 2, 4], "split": None, "group": 4}
+             "split": False, "stream": 3}
+    grouped = {**entry, "rows": 8, "config": [32, 8, 2, 4], "split": None, "group": 4, "stream": 0}
     qtile_i8.TUNED.update([qtile_i8._parse_route(entry), qtile_i8._parse_route(grouped)])
-    assert qtile_i8.ring_routes() == [("Q4_K", (32, 8, 2, 4), None, 4), ("Q4_K", (64, 16, 4, 4), False, 1)]
+    assert qtile_i8.ring_routes() == [("Q4_K", (32, 8, 2, 4), None, 4, 0), ("Q4_K", (64, 16, 4, 4), False, 1, 3)]
     x = _x(16, 512, 5)
     ring = lin(w, torch.from_numpy(x))
     one = lin(w, torch.from_numpy(x[:1].copy()))
     lin(other, torch.from_numpy(x))
-    assert calls == [("ring", 24, 16, (64, 16, 4, 4), False, 1), ("ring", 24, 1, (32, 8, 2, 4), None, 4),
+    assert calls == [("ring", 24, 16, (64, 16, 4, 4), False, 1, 3), ("ring", 24, 1, (32, 8, 2, 4), None, 4, 0),
                      ("tile", 16, 16, None, None)]
     assert np.array_equal(_bits(ring), _bits(matmul_ggml(raw, G.Q4_K, x)))
     assert torch.equal(one, ring[:1])

@@ -228,8 +228,8 @@ class Linear:
             if qtile_i8.available(device):
                 qtile_i8.self_check(str(device))
                 self.tile_formats = qtile_i8.FORMATS
-                for fmt, config, split, group in qtile_i8.ring_routes():  # the table's ring routes, each checked
-                    qtile_i8.self_check_ring(str(device), fmt, config, split, group)
+                for fmt, config, split, group, stream in qtile_i8.ring_routes():  # the table's ring routes, each checked
+                    qtile_i8.self_check_ring(str(device), fmt, config, split, group, stream)
                 if qtile_i8.routes_wide():  # the tuning table sends some prefill calls to the wide GEMM
                     from .kernels import qwide_i8
 
@@ -314,7 +314,7 @@ class Linear:
 
                 return qwide_i8.matmul_wide(w, act, out, config=r.config)
             if r.path == "ring":
-                return qtile_i8.matmul_ring(w, act, out, config=r.config, split=r.split, group=r.group)
+                return qtile_i8.matmul_ring(w, act, out, config=r.config, split=r.split, group=r.group, stream=r.stream)
             return qtile_i8.matmul_tile(w, act, out, config=r.config, split=r.split)
         from .kernels import qmatmul_i8
 

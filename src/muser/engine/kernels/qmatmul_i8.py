@@ -537,17 +537,17 @@ def reduce_chunks(part: torch.Tensor, out: torch.Tensor) -> None:
                                                      enable_fp_fusion=False, **gdc.kwargs(out))
 
 
-def check_against_reference(what: str, formats, rows, kernel, device: str) -> None:
+def check_against_reference(what: str, formats, rows, kernel, device: str, shape: tuple[int, int] = (72, 1280)) -> None:
     """A Q8_K kernel of the integer lane (`kernel(w, act)`, e.g. the int8 tile) against this
     module's kernel, the same contract, on `device`, before the lane routes calls to it: every
-    format of `formats` at each row count of `rows`, on a 72 x 1,280 weight (5 blocks: chunks of 4
-    and 1; partial tiles). LaneError naming the kernel, format, rows and first differing output if
-    a bit differs (the lane refuses rather than compute with a kernel this device or compiler gets
-    wrong)."""
+    format of `formats` at each row count of `rows`, on a weight of `shape` (by default 72 x 1,280:
+    5 blocks, chunks of 4 and 1; partial tiles). LaneError naming the kernel, format, rows and
+    first differing output if a bit differs (the lane refuses rather than compute with a kernel
+    this device or compiler gets wrong)."""
     from ..weights import random_bytes, repack
 
     g = torch.Generator(device="cpu").manual_seed(7)
-    n_out, n_in = 72, 1280
+    n_out, n_in = shape
     for fmt in formats:
         raw = torch.from_numpy(random_bytes(fmt, n_out, n_in, 11).copy()).to(device)
         w = repack("selfcheck", fmt, n_out, n_in, raw)

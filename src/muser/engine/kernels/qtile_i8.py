@@ -157,6 +157,18 @@ def check_group(group, split) -> int:
 
 
 MAX_GROUP = 16
+MAX_STREAM = 8
+
+
+def check_stream(stream, split, rows: int, bm: int) -> int:
+    """The ring's stream-K walk, programs an SM (0: off; 1 to MAX_STREAM) or ValueError naming it:
+    only for a walking call (split false) whose rows fit one activation tile (rows <= BM)."""
+    if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream <= MAX_STREAM:
+        raise ValueError(f"ring stream {stream!r}: expected an int from 0 to {MAX_STREAM} (programs an SM; 0 off)")
+    if stream and (split is not False or rows > bm):
+        raise ValueError(f"ring stream {stream}: the stream-K walk is a walking call's (split false) of at most "
+                         f"BM = {bm} rows (got split {split!r}, rows {rows})")
+    return stream
 RING_BYTES = 160 * 1024  # a program's ring, within the 227 KB of shared memory sm_90 gives a block
 
 
@@ -172,12 +184,13 @@ def config_for(rows: int) -> tuple[int, int, int, int]:
 
 class Route(NamedTuple):
     """Where the lane sends a call: `path` "tile" (matmul_tile with `config` and `split`; None:
-    its defaults), "ring" (matmul_ring with `config`, `split` and `group`) or "wide"
+    its defaults), "ring" (matmul_ring with `config`, `split`, `group` and `stream`) or "wide"
     (qwide_i8.matmul_wide with `config`)."""
     path: str
     config: tuple[int, int, int, int] | None = None
     split: bool | None = None
     group: int = 1
+    stream: int = 0
 
 
 # The device sweep's winners per (format, row bucket 8 / 16 / 64, n_out, n_in) (tools/device_kernels.py
@@ -206,7 +219,9 @@ def _parse_route(e: dict) -> tuple[tuple[str, int, int, int], Route]:
             raise ValueError(f"entry {key}: split {split!r} (true or false, true only up to {SPLIT_ROWS} rows)")
         group = e.get("group", 1)
         check_group(group, split if split is not None else key[1] <= SPLIT_ROWS)
-        return key, Route("ring", check_ring_config(e["config"]), split, group)
+        config = check_ring_config(e["config"])
+        stream = check_stream(e.get("stream", 0), split, key[1], config[1])
+        return key, Route("ring", config, split, group, stream)
     if path == "wide":
         if fmt not in qwide_i8.FORMATS or key[1] != 64 or split is not None:
             raise ValueError(f"entry {key}: the wide GEMM serves the 64-row bucket of "
@@ -240,9 +255,10 @@ def route(w: QWeight, rows: int) -> Route:
     return TUNED.get((G(w.fmt).name, _bucket(rows), w.n_out, w.n_in), Route("tile"))
 
 
-def ring_routes() -> list[tuple[str, tuple[int, ...], bool | None, int]]:
-    """The table's distinct (format, ring tiling, split, group) routes (the lane checks each at load)."""
-    return sorted({(k[0], r.config, r.split, r.group) for k, r in TUNED.items()
+def ring_routes() -> list[tuple[str, tuple[int, ...], bool | None, int, int]]:
+    """The table's distinct (format, ring tiling, split, group, stream) routes (the lane checks each
+    at load)."""
+    return sorted({(k[0], r.config, r.split, r.group, r.stream) for k, r in TUNED.items()
                    if r.path == "ring" and r.config is not None}, key=repr)
 
 
@@ -902,6 +918,151 @@ if HAVE_GLUON:
             gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
 
 
+    @gluon.jit
+    def _sk_wait(flag):
+        """Until the program before has published its prefix of this tile (flag 1), then set the flag
+        back to 0 for the next call (one thread's compare-and-swap, acquire at GPU scope)."""
+        while gl.atomic_cas(flag, 1, 0, sem="acquire", scope="gpu") != 1:
+            pass
+
+    @gluon.jit
+    def _ring_sk_kernel(aq, ad, y, part, flags, c0, c1, s0, s1, s2, s3, N, K, T, sy, U,
+                        FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, CB: gl.constexpr,
+                        NCH: gl.constexpr, S: gl.constexpr):
+        """The walked ring's output (the same terms, chunk sums and additions in the same order) with
+        the work shared out stream-K: the U = tiles x NCH (weight tile, chunk) units in tile order,
+        program p taking units [p U / P, (p + 1) U / P) across tile boundaries (P programs, each
+        taking at least NCH units, so a tile is shared by at most two programs), so every slot of
+        the GPU streams to the end instead of a last wave of whole tiles leaving slots idle (the
+        waves probe, bench/NOTES.md). A program takes its last tile's first chunks (its prefix)
+        first: it folds them from +0.0 in chunk order, stores the running sum (f64, part [T, N]) and
+        raises the tile's flag; whole tiles next, stored as the walk stores them; its first tile's
+        last chunks (a suffix) last, starting from the prefix of the program before once its flag
+        is up (by then long published: that program took the prefix first). The fold order is the
+        walk's whoever computes which chunk, so the bits are. One activation tile (T <= BM)."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+        cq: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[NW, 1],
+                                            order=[1, 0])
+        ch32: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[16, 2],
+                                              warps_per_cta=[NW, 1], order=[1, 0])
+        ch64: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4],
+                                              warps_per_cta=[NW, 1], order=[1, 0])
+        cx: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[2, 16], warps_per_cta=[NW, 1],
+                                            order=[1, 0])
+        sw: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
+        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        wq = gl.allocate_shared_memory(gl.int8, [S, BN, 128], sw)
+        if FMT == 3:
+            wh = gl.allocate_shared_memory(gl.int8, [S, BN, 32], flat)
+            hl = gl.arange(0, BN, layout=gl.SliceLayout(1, ch32))
+            hk = gl.arange(0, 32, layout=gl.SliceLayout(0, ch32))
+        elif FMT == 4:
+            wh = gl.allocate_shared_memory(gl.int8, [S, BN, 64], flat)
+            hl = gl.arange(0, BN, layout=gl.SliceLayout(1, ch64))
+            hk = gl.arange(0, 64, layout=gl.SliceLayout(0, ch64))
+        else:
+            wh = wq  # never read
+            hl = gl.arange(0, BN, layout=gl.SliceLayout(1, ch32))
+            hk = gl.arange(0, 32, layout=gl.SliceLayout(0, ch32))
+        xa = gl.allocate_shared_memory(gl.int8, [S, BM, 256], sw)
+        nb = K // 256
+        P = gl.num_programs(0)
+        u0 = gl.program_id(0) * U // P
+        u1 = (gl.program_id(0) + 1) * U // P
+        # the activation side (one tile of BM rows) is every segment's
+        xt = gl.arange(0, BM, layout=gl.SliceLayout(1, cx))
+        xk = gl.arange(0, 256, layout=gl.SliceLayout(0, cx))[None, :]
+        xm = (xt < T)[:, None] & (xk < 256)
+        xrow = xt.to(gl.int64)[:, None]
+        ak = gl.arange(0, 32, layout=gl.SliceLayout(0, la))
+        lo16 = gl.where((ak < 16)[None, :], gl.full([BN, 32], -1, gl.int8, layout=la),
+                        gl.full([BN, 32], 0, gl.int8, layout=la))  # Q6_K: a quarter's first sub-block
+        hi16 = gl.where((ak >= 16)[None, :], gl.full([BN, 32], -1, gl.int8, layout=la),
+                        gl.full([BN, 32], 0, gl.int8, layout=la))
+        qk = gl.arange(0, 128, layout=gl.SliceLayout(0, cq))[None, :]
+        hk2 = hk[None, :]
+        t_first = u0 // NCH
+        t_last = (u1 - 1) // NCH
+        for j in range(0, t_last - t_first + 1):  # the last tile (a prefix) first, the first tile last
+            t = t_last - j
+            c_lo = gl.maximum(u0 - t * NCH, 0)
+            c_hi = gl.minimum(u1 - t * NCH, NCH)
+            n0 = t * BN
+            qn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, cq))
+            qm = (qn < N)[:, None] & (qk < 128)
+            qrow = qn.to(gl.int64)[:, None]
+            hn = n0 + hl
+            hm = (hn < N)[:, None] & (hk2 < 64)
+            hrow = hn.to(gl.int64)[:, None]
+            srow, snm, stok, stm, omask = _acc_index(n0, 0, N, T, BN, BM, mma)
+            an = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, la))
+            arow1 = an.to(gl.int64)
+            anm1 = an < N
+            b0 = c_lo * CB
+            b1 = gl.minimum(nb, c_hi * CB)
+            gl.thread_barrier()  # no warp still reads the ring of the segment before
+            for i in gl.static_range(S - 1):  # the ring's first S - 1 blocks
+                _ring_copy(FMT, b0 + i, b0 + i < b1, i, c0, c1, aq, K, wq, wh, xa, qrow, qk, qm, hrow, hk2, hm, xrow,
+                           xk, xm)
+            e0, e1, e2, e3, f0, f1, a_d = _ring_small(FMT, b0, b0 < b1, s0, s1, s2, s3, ad, K, srow, snm, arow1, anm1,
+                                                      stok, stm)
+            tot = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
+            if c_lo > 0:  # a suffix: the fold goes on from the prefix the program before stored
+                _sk_wait(flags + t)
+                gl.thread_barrier()
+                tot = gl.load(part + stok[None, :] * N + srow[:, None], mask=omask, other=0.0, cache_modifier=".cg")
+            for c in range(c_lo, c_hi):  # the walk's loops: a chunk's sum from +0.0, then onto the fold
+                acc = gl.zeros([BN, BM], gl.float64, layout=mma)
+                for b in range(c * CB, gl.minimum(nb, c * CB + CB)):  # the ring runs on across chunks
+                    term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
+                        FMT, b, b0, b1, S, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk2, hm,
+                        xrow, xk, xm, srow, snm, arow1, anm1, stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN,
+                        BM, mma, la, lb)
+                    acc = acc + term
+                tot = tot + acc
+            async_copy.wait_group(0)
+            if c_hi < NCH:  # a prefix: stored for the program after, then its flag raised (release)
+                gl.store(part + stok[None, :] * N + srow[:, None], tot, mask=omask)
+                gl.thread_barrier()
+                gl.atomic_xchg(flags + t, 1, sem="release", scope="gpu")
+            else:
+                gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
+
+
+_FLAGS: dict[str, torch.Tensor] = {}
+FLAGS_MIN = 1 << 16  # flags a device: a full-geometry call has at most 6,314 weight tiles (the LM head)
+
+
+def sk_flags(device: torch.device | str, n: int) -> torch.Tensor:
+    """The device's prefix flags of the stream-K walk, one a weight tile (int32, at least `n`): zero
+    between calls (the program that reads a prefix sets its flag back to 0), so one buffer serves
+    every call and every replay of a captured graph. The calls that share it run in one stream
+    order (the engine's); a graph captures the buffer of the eager step before it, so a capture
+    never allocates one (LaneError if it would have to)."""
+    dev = torch.device(device)
+    key = str(dev)
+    c = _FLAGS.get(key)
+    if c is None or c.numel() < n:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise LaneError(f"int8 ring: a graph capture needs {n} stream-K flags on {key}, more than the eager "
+                            f"steps before it allocated ({0 if c is None else c.numel()})")
+        c = torch.zeros(max(n, FLAGS_MIN), dtype=torch.int32, device=dev)
+        _FLAGS[key] = c
+    return c
+
+
+@functools.lru_cache(maxsize=None)
+def _sms_of(key: str) -> int:
+    return torch.cuda.get_device_properties(torch.device(key)).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    """The device's multiprocessors (132 on an H100 and an H200); 1 off CUDA (the compile checks)."""
+    return _sms_of(str(device)) if device.type == "cuda" else 1
+
+
 def _need_gluon() -> None:
     if not HAVE_GLUON:
         raise RuntimeError("triton.experimental.gluon is not installed")
@@ -952,12 +1113,16 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
 
 
 def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16, 4, 4),
-                split: bool | None = None, group: int = 1) -> torch.Tensor:
+                split: bool | None = None, group: int = 1, stream: int = 0,
+                programs: int | None = None) -> torch.Tensor:
     """matmul_tile's product, bit for bit, through the ring variant (_ring_kernel: a program's next
     S - 1 blocks of code bytes and activation codes in flight as cp.async copies into shared
     memory). `config` = (BN, BM, num_warps, S); `split` as in matmul_tile; `group` (split only):
-    the chunks a program sums, each into its own partial (check_group). Speed only: a call whose
-    code bytes or activation codes do not start on 16 bytes runs matmul_tile (the same bits)."""
+    the chunks a program sums, each into its own partial (check_group). `stream` (walking calls of
+    at most BM rows): the stream-K walk (_ring_sk_kernel) on stream x SMs programs, or on
+    `programs` where given (the self-check's count; `stream` still sets the registers), at most one
+    a weight tile. Speed only: a call
+    whose code bytes or activation codes do not start on 16 bytes runs matmul_tile (the same bits)."""
     from . import qmatmul_i8
 
     if w.fmt not in FORMATS:
@@ -968,6 +1133,9 @@ def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16
     bn, bm, nw, s = check_ring_config(config)
     split = T <= SPLIT_ROWS if split is None else bool(split)
     group = check_group(group, split)
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"ring programs {programs!r}: expected a positive int")
+    stream = check_stream(stream or (1 if programs else 0), split, T, bm)
     _need_gluon()
     f = w.fields
     if w.fmt == G.Q6_K:
@@ -984,6 +1152,18 @@ def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16
         return matmul_tile(w, act, out, split=split)
     cb = CHUNK_ELEMS // 256
     nch = -(-(w.n_in // 256) // cb)
+    if stream:
+        tiles = -(-N // bn)
+        # `stream` programs an SM are co-resident: the registers are capped at an SM's 65,536 over
+        # their threads (left alone the segment loop's indices took the kernel to 253 registers,
+        # two programs an SM; capped at 168 a few values outside the ring's loop go to local memory)
+        n_prog = min(tiles, programs if programs is not None else stream * _sms(out.device))
+        part = torch.empty((T, N), dtype=torch.float64, device=out.device)  # the tiles' prefixes
+        _ring_sk_kernel[(n_prog,)](aq, act.d, out, part, sk_flags(out.device, tiles), c0, c1, s0, s1, s2, s3, N,
+                                   w.n_in, T, out.stride(0), tiles * nch, FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb,
+                                   NCH=nch, S=s, num_warps=nw, enable_fp_fusion=False,
+                                   maxnreg=min(255, 65536 // (stream * nw * 32) // 8 * 8))
+        return out
     part = out
     if split and nch > 1:
         part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
@@ -1009,19 +1189,29 @@ def self_check(device: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def self_check_ring(device: str, fmt: str, config, split, group: int = 1) -> None:
-    """The ring variant on one format, tiling and chunk group against the tile's reference on this
-    device (as self_check), before the table's routes to it serve: LaneError on any differing bit.
-    A grouped route is checked at the split row counts (1, 3, 16) only, where it serves."""
+def self_check_ring(device: str, fmt: str, config, split, group: int = 1, stream: int = 0) -> None:
+    """The ring variant on one format, tiling, chunk group and stream-K walk against the tile's
+    reference on this device (as self_check), before the table's routes to it serve: LaneError on
+    any differing bit. A grouped route is checked at the split row counts (1, 3, 16) only, where it
+    serves; a stream-K route at 1, 3 and BM rows on four programs over a weight of five tiles of
+    three chunks (4 x BN + 24 rows, 2,304 columns: tiles shared between programs at both ends, a
+    prefix of one chunk and of two, a program with a suffix and a prefix, a partial last tile)."""
     from . import qmatmul_i8
 
+    if stream:
+        bn, bm = config[0], config[1]
+        qmatmul_i8.check_against_reference(
+            f"int8 tile's ring {list(config)} stream-K walk", (G[fmt],), (1, 3, bm),
+            lambda w, act: matmul_ring(w, act, config=config, split=False, stream=stream, programs=4), device,
+            (4 * bn + 24, 2304))
+        return
     rows = (1, 3, 16, 40) if group == 1 else (1, 3, 16)
     qmatmul_i8.check_against_reference(f"int8 tile's ring {list(config)} group {group}", (G[fmt],), rows,
                                        lambda w, act: matmul_ring(w, act, config=config, split=split, group=group),
                                        device)
 
 
-__all__ = ["CONFIGS", "FORMATS", "MAX_GROUP", "RING_BYTES", "check_group", "check_ring_config", "matmul_ring", "ring_bytes", "ring_routes", "self_check_ring", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
+__all__ = ["CONFIGS", "FORMATS", "MAX_GROUP", "MAX_STREAM", "RING_BYTES", "check_group", "check_stream", "sk_flags", "check_ring_config", "matmul_ring", "ring_bytes", "ring_routes", "self_check_ring", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
            "operand_elements",
            "load_tuning", "route", "routes_wide",
            "matmul_tile", "self_check", "supports"]
