@@ -804,19 +804,11 @@ if HAVE_GLUON:
         return term, g0, g1, g2, g3, h0, h1, nd
 
     @gluon.jit
-    def _ring_kernel(aq, ad, y, part, c0, c1, s0, s1, s2, s3, N, K, T, sy,
-                     FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, CB: gl.constexpr,
-                     SPLIT: gl.constexpr, CG: gl.constexpr, S: gl.constexpr, PDL: gl.constexpr):
-        """_qtile_kernel's output (the same terms, the same f64 additions in the same order) with a
-        ring of S shared-memory slots: a block's code bytes and activation codes are copied
-        (cp.async) S - 1 blocks before its IMMAs, so a warp waits on a copy issued S - 1 iterations
-        earlier, not on its own loads; the small fields (scales, d) are loaded one block ahead.
-        SPLIT: a program sums CG consecutive chunks, each from +0.0 into its own partial (the ring
-        runs on across them), so a short row still gives the ring blocks to stream."""
-        _after_prior(PDL)
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+    def _ring_buffers(FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, S: gl.constexpr):
+        """The ring's shared memory, S slots each of a block's code bytes of BN weight rows (wq),
+        their Q5_K/Q6_K high bits (wh; Q4_K: wq again, never read) and BM rows of activation codes
+        (xa), and the copy layouts' index vectors: the code copy's rows [BN] and bytes [128], the
+        high bits' rows [BN] and bytes [32 or 64], the activation copy's rows [BM] and codes [256]."""
         # copy layouts: 16 bytes a thread (one cp.async), a warp over 4 weight rows of 128 bytes, 16 of
         # 32 (Q5_K qh), 8 of 64 (Q6_K qh), 2 activation rows of 256
         cq: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[NW, 1],
@@ -832,40 +824,97 @@ if HAVE_GLUON:
         wq = gl.allocate_shared_memory(gl.int8, [S, BN, 128], sw)
         if FMT == 3:
             wh = gl.allocate_shared_memory(gl.int8, [S, BN, 32], flat)
-            hrow = (gl.program_id(2) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ch32)))
+            hl = gl.arange(0, BN, layout=gl.SliceLayout(1, ch32))
             hk = gl.arange(0, 32, layout=gl.SliceLayout(0, ch32))
         elif FMT == 4:
             wh = gl.allocate_shared_memory(gl.int8, [S, BN, 64], flat)
-            hrow = (gl.program_id(2) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ch64)))
+            hl = gl.arange(0, BN, layout=gl.SliceLayout(1, ch64))
             hk = gl.arange(0, 64, layout=gl.SliceLayout(0, ch64))
         else:
             wh = wq  # never read
-            hrow = (gl.program_id(2) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ch32)))
+            hl = gl.arange(0, BN, layout=gl.SliceLayout(1, ch32))
             hk = gl.arange(0, 32, layout=gl.SliceLayout(0, ch32))
         xa = gl.allocate_shared_memory(gl.int8, [S, BM, 256], sw)
-        m0 = gl.program_id(1) * BM
-        n0 = gl.program_id(2) * BN
-        nb = K // 256
-        qn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, cq))
-        qk = gl.arange(0, 128, layout=gl.SliceLayout(0, cq))[None, :]
-        qm = (qn < N)[:, None] & (qk < 128)
+        ql = gl.arange(0, BN, layout=gl.SliceLayout(1, cq))
+        qk = gl.arange(0, 128, layout=gl.SliceLayout(0, cq))
+        xl = gl.arange(0, BM, layout=gl.SliceLayout(1, cx))
+        xk = gl.arange(0, 256, layout=gl.SliceLayout(0, cx))
+        return wq, wh, xa, ql, qk, hl, hk, xl, xk
+
+    @gluon.jit
+    def _ring_index(n0, m0, N, T, ql, qk, hl, hk, xl, xk, BN: gl.constexpr, BM: gl.constexpr, mma: gl.constexpr,
+                    la: gl.constexpr):
+        """The copies' and the accumulator's indices and masks of weight rows n0.. and activation rows
+        m0..: code bytes (qrow, qk, qm), high bits (hrow, hk, hm), activation codes (xrow, xk, xm),
+        the accumulator's (srow, snm, stok, stm, omask) and the m words' rows (arow1, anm1)."""
+        qn = n0 + ql
+        qk2 = qk[None, :]
+        qm = (qn < N)[:, None] & (qk2 < 128)
         qrow = qn.to(gl.int64)[:, None]
-        hm = (hrow < N)[:, None] & (hk < 64)[None, :]
-        hrow = hrow.to(gl.int64)[:, None]
-        hk = hk[None, :]
-        xt = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, cx))
-        xk = gl.arange(0, 256, layout=gl.SliceLayout(0, cx))[None, :]
-        xm = (xt < T)[:, None] & (xk < 256)
+        hn = n0 + hl
+        hm = (hn < N)[:, None] & (hk < 64)[None, :]
+        hrow = hn.to(gl.int64)[:, None]
+        hk2 = hk[None, :]
+        xt = m0 + xl
+        xk2 = xk[None, :]
+        xm = (xt < T)[:, None] & (xk2 < 256)
         xrow = xt.to(gl.int64)[:, None]
         srow, snm, stok, stm, omask = _acc_index(n0, m0, N, T, BN, BM, mma)
-        ak = gl.arange(0, 32, layout=gl.SliceLayout(0, la))
         an = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, la))
         arow1 = an.to(gl.int64)  # [BN] by the weight operand's rows (the m words: an operand of theirs)
         anm1 = an < N
+        return qrow, qk2, qm, hrow, hk2, hm, xrow, xk2, xm, srow, snm, stok, stm, omask, arow1, anm1
+
+    @gluon.jit
+    def _q6_halves(BN: gl.constexpr, la: gl.constexpr):
+        """Q6_K's byte masks [BN, 32] of a quarter's first (k < 16) and second sub-block."""
+        ak = gl.arange(0, 32, layout=gl.SliceLayout(0, la))
         lo16 = gl.where((ak < 16)[None, :], gl.full([BN, 32], -1, gl.int8, layout=la),
-                        gl.full([BN, 32], 0, gl.int8, layout=la))  # Q6_K: a quarter's first sub-block
+                        gl.full([BN, 32], 0, gl.int8, layout=la))
         hi16 = gl.where((ak >= 16)[None, :], gl.full([BN, 32], -1, gl.int8, layout=la),
                         gl.full([BN, 32], 0, gl.int8, layout=la))
+        return lo16, hi16
+
+    @gluon.jit
+    def _ring_chunks(FMT: gl.constexpr, tot, c_lo, c_hi, nb, b0, b1, S: gl.constexpr, CB: gl.constexpr, c0, c1, s0, s1,
+                     s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm, xrow, xk, xm, srow, snm, arow1, anm1,
+                     stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN: gl.constexpr, BM: gl.constexpr,
+                     mma: gl.constexpr, la: gl.constexpr, lb: gl.constexpr):
+        """Chunks c_lo .. c_hi - 1 of the program's blocks [b0, b1) walked through the ring (it runs on
+        across chunks): each chunk's sum from +0.0 in block order, added onto `tot` in chunk order
+        (dot._chunk_sum's two levels). Returns the fold and the next block's small fields."""
+        for c in range(c_lo, c_hi):
+            acc = gl.zeros([BN, BM], gl.float64, layout=mma)
+            for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
+                term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
+                    FMT, b, b0, b1, S, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm,
+                    xrow, xk, xm, srow, snm, arow1, anm1, stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN, BM,
+                    mma, la, lb)
+                acc = acc + term
+            tot = tot + acc
+        return tot, e0, e1, e2, e3, f0, f1, a_d
+
+    @gluon.jit
+    def _ring_kernel(aq, ad, y, part, c0, c1, s0, s1, s2, s3, N, K, T, sy,
+                     FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, CB: gl.constexpr,
+                     SPLIT: gl.constexpr, CG: gl.constexpr, S: gl.constexpr, PDL: gl.constexpr):
+        """_qtile_kernel's output (the same terms, the same f64 additions in the same order) with a
+        ring of S shared-memory slots: a block's code bytes and activation codes are copied
+        (cp.async) S - 1 blocks before its IMMAs, so a warp waits on a copy issued S - 1 iterations
+        earlier, not on its own loads; the small fields (scales, d) are loaded one block ahead.
+        SPLIT: a program sums CG consecutive chunks, each from +0.0 into its own partial (the ring
+        runs on across them), so a short row still gives the ring blocks to stream."""
+        _after_prior(PDL)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+        wq, wh, xa, ql, qk, hl, hk, xl, xk = _ring_buffers(FMT, BN, BM, NW, S)
+        m0 = gl.program_id(1) * BM
+        n0 = gl.program_id(2) * BN
+        nb = K // 256
+        qrow, qk, qm, hrow, hk, hm, xrow, xk, xm, srow, snm, stok, stm, omask, arow1, anm1 = _ring_index(
+            n0, m0, N, T, ql, qk, hl, hk, xl, xk, BN, BM, mma, la)
+        lo16, hi16 = _q6_halves(BN, la)
         nch = (nb + CB - 1) // CB
         if SPLIT:
             g0 = gl.program_id(0) * CG  # this program's first chunk
@@ -898,16 +947,10 @@ if HAVE_GLUON:
                     gl.store(part + ((b // CB) * T + stok[None, :]) * N + srow[:, None], acc, mask=omask)
                     acc = gl.zeros([BN, BM], gl.float64, layout=mma)
         else:
-            tot = gl.zeros([BN, BM], gl.float64, layout=mma)
-            for c in range(0, nch):
-                acc = gl.zeros([BN, BM], gl.float64, layout=mma)
-                for b in range(c * CB, gl.minimum(nb, c * CB + CB)):  # the ring runs on across chunks
-                    term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
-                        FMT, b, b0, b1, S, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm,
-                        xrow, xk, xm, srow, snm, arow1, anm1, stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN,
-                        BM, mma, la, lb)
-                    acc = acc + term
-                tot = tot + acc
+            tot, e0, e1, e2, e3, f0, f1, a_d = _ring_chunks(
+                FMT, gl.zeros([BN, BM], gl.float64, layout=mma), 0, nch, nb, b0, b1, S, CB, c0, c1, s0, s1, s2, s3,
+                aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm, xrow, xk, xm, srow, snm, arow1, anm1, stok, stm, e0,
+                e1, e2, e3, f0, f1, a_d, lo16, hi16, BN, BM, mma, la, lb)
         async_copy.wait_group(0)
         if SPLIT and CG == 1:
             if nch == 1:  # +0.0 + acc is acc (acc starts at +0.0, never -0.0)
@@ -943,69 +986,26 @@ if HAVE_GLUON:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
         lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-        cq: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[NW, 1],
-                                            order=[1, 0])
-        ch32: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[16, 2],
-                                              warps_per_cta=[NW, 1], order=[1, 0])
-        ch64: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4],
-                                              warps_per_cta=[NW, 1], order=[1, 0])
-        cx: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[2, 16], warps_per_cta=[NW, 1],
-                                            order=[1, 0])
-        sw: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
-        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        wq = gl.allocate_shared_memory(gl.int8, [S, BN, 128], sw)
-        if FMT == 3:
-            wh = gl.allocate_shared_memory(gl.int8, [S, BN, 32], flat)
-            hl = gl.arange(0, BN, layout=gl.SliceLayout(1, ch32))
-            hk = gl.arange(0, 32, layout=gl.SliceLayout(0, ch32))
-        elif FMT == 4:
-            wh = gl.allocate_shared_memory(gl.int8, [S, BN, 64], flat)
-            hl = gl.arange(0, BN, layout=gl.SliceLayout(1, ch64))
-            hk = gl.arange(0, 64, layout=gl.SliceLayout(0, ch64))
-        else:
-            wh = wq  # never read
-            hl = gl.arange(0, BN, layout=gl.SliceLayout(1, ch32))
-            hk = gl.arange(0, 32, layout=gl.SliceLayout(0, ch32))
-        xa = gl.allocate_shared_memory(gl.int8, [S, BM, 256], sw)
+        wq, wh, xa, ql, qk, hl, hk, xl, xk = _ring_buffers(FMT, BN, BM, NW, S)
         nb = K // 256
         P = gl.num_programs(0)
         u0 = gl.program_id(0) * U // P
         u1 = (gl.program_id(0) + 1) * U // P
-        # the activation side (one tile of BM rows) is every segment's
-        xt = gl.arange(0, BM, layout=gl.SliceLayout(1, cx))
-        xk = gl.arange(0, 256, layout=gl.SliceLayout(0, cx))[None, :]
-        xm = (xt < T)[:, None] & (xk < 256)
-        xrow = xt.to(gl.int64)[:, None]
-        ak = gl.arange(0, 32, layout=gl.SliceLayout(0, la))
-        lo16 = gl.where((ak < 16)[None, :], gl.full([BN, 32], -1, gl.int8, layout=la),
-                        gl.full([BN, 32], 0, gl.int8, layout=la))  # Q6_K: a quarter's first sub-block
-        hi16 = gl.where((ak >= 16)[None, :], gl.full([BN, 32], -1, gl.int8, layout=la),
-                        gl.full([BN, 32], 0, gl.int8, layout=la))
-        qk = gl.arange(0, 128, layout=gl.SliceLayout(0, cq))[None, :]
-        hk2 = hk[None, :]
+        lo16, hi16 = _q6_halves(BN, la)
         t_first = u0 // NCH
         t_last = (u1 - 1) // NCH
         for j in range(0, t_last - t_first + 1):  # the last tile (a prefix) first, the first tile last
             t = t_last - j
             c_lo = gl.maximum(u0 - t * NCH, 0)
             c_hi = gl.minimum(u1 - t * NCH, NCH)
-            n0 = t * BN
-            qn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, cq))
-            qm = (qn < N)[:, None] & (qk < 128)
-            qrow = qn.to(gl.int64)[:, None]
-            hn = n0 + hl
-            hm = (hn < N)[:, None] & (hk2 < 64)
-            hrow = hn.to(gl.int64)[:, None]
-            srow, snm, stok, stm, omask = _acc_index(n0, 0, N, T, BN, BM, mma)
-            an = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, la))
-            arow1 = an.to(gl.int64)
-            anm1 = an < N
+            qrow, qk2, qm, hrow, hk2, hm, xrow, xk2, xm, srow, snm, stok, stm, omask, arow1, anm1 = _ring_index(
+                t * BN, 0, N, T, ql, qk, hl, hk, xl, xk, BN, BM, mma, la)
             b0 = c_lo * CB
             b1 = gl.minimum(nb, c_hi * CB)
             gl.thread_barrier()  # no warp still reads the ring of the segment before
             for i in gl.static_range(S - 1):  # the ring's first S - 1 blocks
-                _ring_copy(FMT, b0 + i, b0 + i < b1, i, c0, c1, aq, K, wq, wh, xa, qrow, qk, qm, hrow, hk2, hm, xrow,
-                           xk, xm)
+                _ring_copy(FMT, b0 + i, b0 + i < b1, i, c0, c1, aq, K, wq, wh, xa, qrow, qk2, qm, hrow, hk2, hm, xrow,
+                           xk2, xm)
             e0, e1, e2, e3, f0, f1, a_d = _ring_small(FMT, b0, b0 < b1, s0, s1, s2, s3, ad, K, srow, snm, arow1, anm1,
                                                       stok, stm)
             tot = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
@@ -1013,15 +1013,10 @@ if HAVE_GLUON:
                 _sk_wait(flags + t)
                 gl.thread_barrier()
                 tot = gl.load(part + stok[None, :] * N + srow[:, None], mask=omask, other=0.0, cache_modifier=".cg")
-            for c in range(c_lo, c_hi):  # the walk's loops: a chunk's sum from +0.0, then onto the fold
-                acc = gl.zeros([BN, BM], gl.float64, layout=mma)
-                for b in range(c * CB, gl.minimum(nb, c * CB + CB)):  # the ring runs on across chunks
-                    term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
-                        FMT, b, b0, b1, S, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk2, hm,
-                        xrow, xk, xm, srow, snm, arow1, anm1, stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN,
-                        BM, mma, la, lb)
-                    acc = acc + term
-                tot = tot + acc
+            tot, e0, e1, e2, e3, f0, f1, a_d = _ring_chunks(  # the walk's loops and fold order
+                FMT, tot, c_lo, c_hi, nb, b0, b1, S, CB, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk2, qm,
+                hrow, hk2, hm, xrow, xk2, xm, srow, snm, arow1, anm1, stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16,
+                hi16, BN, BM, mma, la, lb)
             async_copy.wait_group(0)
             if c_hi < NCH:  # a prefix: stored for the program after, then its flag raised (release)
                 gl.store(part + stok[None, :] * N + srow[:, None], tot, mask=omask)
