@@ -305,7 +305,8 @@ def tuning_table(speed: list[dict]) -> list[dict]:
 def i8_tuning_table(speed: list[dict], margin: float = 0.03) -> list[dict]:
     """The integer lane's sweep -> i8_tuning.json entries (qtile_i8.load_tuning's form): per shape
     and row bucket (8: the one-row times, 16, 64: the widest call's) the fastest of the tile's
-    default, its swept tilings (one-row: split or walking its chunks) and, for 64, the wide GEMM
+    default, its swept tilings (one-row: split or walking its chunks; the ring's chunk groups "gN"
+    and stream-K walks "skN" as the entry's group and stream) and, for 64, the wide GEMM
     (a tiling faster than the tile at 64 rows too), among those whose outputs were bitwise the
     default's (the wide GEMM: the reference's). A
     candidate replaces the default only if `margin` faster (the sweep's times are one sample)."""

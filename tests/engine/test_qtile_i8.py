@@ -338,7 +338,8 @@ def test_the_stream_k_walk_is_one_launch_of_equal_runs_of_tile_chunks(monkeypatc
 def test_the_stream_k_walk_keeps_the_rings_loop(tmp_path):
     """The stream-K walk as compiled for sm_90 at three programs an SM: 168 registers (three fit),
     the ring's loop (cp.async copies, ldmatrix operands, the same IMMAs) with nothing in local
-    memory inside it; the prefix handed on through one release and one acquire at GPU scope."""
+    memory inside it; the prefix handed on through one release and one acquire at GPU scope, the
+    programs' order drawn as tickets (an atomic add), not taken from their block index."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     p = subprocess.run([sys.executable, str(REPO / "tools" / "sass_loop.py"), "ring", "Q4_K", "16", "--walk",
@@ -353,3 +354,4 @@ def test_the_stream_k_walk_keeps_the_rings_loop(tmp_path):
     grep = lines[3:]
     assert any("ATOMG.E.EXCH" in ln and "GPU" in ln for ln in grep), grep  # the release of a prefix
     assert any("ATOMG.E.CAS" in ln and "GPU" in ln for ln in grep), grep  # the acquire of one
+    assert any("ATOMG.E.ADD" in ln and "GPU" in ln for ln in grep), grep  # the program's ticket

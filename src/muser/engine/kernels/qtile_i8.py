@@ -145,6 +145,10 @@ def check_ring_config(config) -> tuple[int, int, int, int]:
     return bn, bm, nw, s
 
 
+MAX_GROUP = 16
+MAX_STREAM = 8
+
+
 def check_group(group, split) -> int:
     """The ring's chunks a program (1 to MAX_GROUP) or ValueError naming it: more than one only where
     the call splits (`split` as resolved: a walking program already runs over all its chunks)."""
@@ -156,10 +160,6 @@ def check_group(group, split) -> int:
     return group
 
 
-MAX_GROUP = 16
-MAX_STREAM = 8
-
-
 def check_stream(stream, split, rows: int, bm: int) -> int:
     """The ring's stream-K walk, programs an SM (0: off; 1 to MAX_STREAM) or ValueError naming it:
     only for a walking call (split false) whose rows fit one activation tile (rows <= BM)."""
@@ -169,6 +169,8 @@ def check_stream(stream, split, rows: int, bm: int) -> int:
         raise ValueError(f"ring stream {stream}: the stream-K walk is a walking call's (split false) of at most "
                          f"BM = {bm} rows (got split {split!r}, rows {rows})")
     return stream
+
+
 RING_BYTES = 160 * 1024  # a program's ring, within the 227 KB of shared memory sm_90 gives a block
 
 
@@ -232,8 +234,9 @@ def _parse_route(e: dict) -> tuple[tuple[str, int, int, int], Route]:
 
 def load_tuning(path: str) -> int:
     """Merge an i8_tuning.json (a list of {fmt, rows, n_out, n_in, path: "tile" | "ring" | "wide",
-    config, split (tile and ring, optional), group (ring, optional: chunks a split program)}) into
-    TUNED; returns the number of entries. Every entry is checked
+    config, split (tile and ring, optional), group (ring, optional: chunks a split program),
+    stream (ring, optional: the stream-K walk's programs an SM)}) into TUNED; returns the number of
+    entries. Every entry is checked
     before any is taken (LaneError naming the file and the entry)."""
     try:
         entries = json.loads(open(path).read())
@@ -977,7 +980,8 @@ if HAVE_GLUON:
         program p taking units [p U / P, (p + 1) U / P) across tile boundaries (P programs, each
         taking at least NCH units, so a tile is shared by at most two programs), so every slot of
         the GPU streams to the end instead of a last wave of whole tiles leaving slots idle (the
-        waves probe, bench/NOTES.md). A program takes its last tile's first chunks (its prefix)
+        waves probe, bench/NOTES.md); p is the program's ticket (flags[0]), its tiles' flags
+        flags[1 + t]. A program takes its last tile's first chunks (its prefix)
         first: it folds them from +0.0 in chunk order, stores the running sum (f64, part [T, N]) and
         raises the tile's flag; whole tiles next, stored as the walk stores them; its first tile's
         last chunks (a suffix) last, starting from the prefix of the program before once its flag
@@ -989,8 +993,14 @@ if HAVE_GLUON:
         wq, wh, xa, ql, qk, hl, hk, xl, xk = _ring_buffers(FMT, BN, BM, NW, S)
         nb = K // 256
         P = gl.num_programs(0)
-        u0 = gl.program_id(0) * U // P
-        u1 = (gl.program_id(0) + 1) * U // P
+        # a program's place in the order is the ticket it draws (flags[0]), not its block index: the
+        # program before it has then started, so the prefix it waits for is coming (the hardware
+        # does not promise to start blocks in index order); the last to draw one sets it back to 0
+        p = gl.atomic_add(flags, 1, sem="relaxed", scope="gpu")
+        if p == P - 1:
+            gl.atomic_xchg(flags, 0, sem="relaxed", scope="gpu")
+        u0 = p * U // P
+        u1 = (p + 1) * U // P
         lo16, hi16 = _q6_halves(BN, la)
         t_first = u0 // NCH
         t_last = (u1 - 1) // NCH
@@ -1010,7 +1020,7 @@ if HAVE_GLUON:
                                                       stok, stm)
             tot = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
             if c_lo > 0:  # a suffix: the fold goes on from the prefix the program before stored
-                _sk_wait(flags + t)
+                _sk_wait(flags + 1 + t)
                 gl.thread_barrier()
                 tot = gl.load(part + stok[None, :] * N + srow[:, None], mask=omask, other=0.0, cache_modifier=".cg")
             tot, e0, e1, e2, e3, f0, f1, a_d = _ring_chunks(  # the walk's loops and fold order
@@ -1021,7 +1031,7 @@ if HAVE_GLUON:
             if c_hi < NCH:  # a prefix: stored for the program after, then its flag raised (release)
                 gl.store(part + stok[None, :] * N + srow[:, None], tot, mask=omask)
                 gl.thread_barrier()
-                gl.atomic_xchg(flags + t, 1, sem="release", scope="gpu")
+                gl.atomic_xchg(flags + 1 + t, 1, sem="release", scope="gpu")
             else:
                 gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
 
@@ -1031,8 +1041,9 @@ FLAGS_MIN = 1 << 16  # flags a device: a full-geometry call has at most 6,314 we
 
 
 def sk_flags(device: torch.device | str, n: int) -> torch.Tensor:
-    """The device's prefix flags of the stream-K walk, one a weight tile (int32, at least `n`): zero
-    between calls (the program that reads a prefix sets its flag back to 0), so one buffer serves
+    """The device's stream-K counters (int32, at least `n`): the programs' ticket, then a prefix flag
+    a weight tile; zero between calls (the last program to draw a ticket and each program that reads
+    a prefix set theirs back to 0), so one buffer serves
     every call and every replay of a captured graph. The calls that share it run in one stream
     order (the engine's); a graph captures the buffer of the eager step before it, so a capture
     never allocates one (LaneError if it would have to)."""
@@ -1154,7 +1165,7 @@ def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16
         # two programs an SM; capped at 168 a few values outside the ring's loop go to local memory)
         n_prog = min(tiles, programs if programs is not None else stream * _sms(out.device))
         part = torch.empty((T, N), dtype=torch.float64, device=out.device)  # the tiles' prefixes
-        _ring_sk_kernel[(n_prog,)](aq, act.d, out, part, sk_flags(out.device, tiles), c0, c1, s0, s1, s2, s3, N,
+        _ring_sk_kernel[(n_prog,)](aq, act.d, out, part, sk_flags(out.device, tiles + 1), c0, c1, s0, s1, s2, s3, N,
                                    w.n_in, T, out.stride(0), tiles * nch, FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb,
                                    NCH=nch, S=s, num_warps=nw, enable_fp_fusion=False,
                                    maxnreg=min(255, 65536 // (stream * nw * 32) // 8 * 8))
