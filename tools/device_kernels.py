@@ -623,6 +623,7 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
                                      (16, (32, 8, 2, 4), False, 1, 0),
                                      (16, (64, 16, 4, 4), False, 1, 3), (16, (64, 16, 4, 4), False, 1, 2),
                                      (16, (32, 16, 2, 3), False, 1, 6),
+                                     (1, (64, 16, 4, 4), False, 1, 3), (1, (32, 8, 2, 4), False, 1, 6),
                                      (big, (64, 16, 4, 4), False, 1, 0)):
         key = (f"T{T} {list(cfg)} ring" + (" walk" if split is False else "") + (f" sk{sk}" if sk else "")
                + (f" g{group}" if group > 1 else ""))

@@ -307,11 +307,12 @@ def test_the_stream_k_walk_is_refused_off_a_walking_call_of_one_activation_tile(
 
 
 def test_the_stream_k_walk_is_one_launch_of_equal_runs_of_tile_chunks(monkeypatch):
-    """A stream-K call: one launch of min(tiles, stream x SMs or `programs`) programs over U = tiles
-    x chunks units, a [T, N] f64 buffer for the tiles' prefixes and the device's flags (zero, one a
-    tile at least), its registers capped so `stream` programs fit an SM (65,536 / (stream x
-    threads)); and the self-check's weight (4 x BN + 24 rows, 2,304 columns) on four programs
-    shares tiles between programs at both ends of their runs."""
+    """A stream-K call: one launch of min(U, stream x SMs or `programs`) programs over U = tiles x
+    chunks units, a [chunks, T, N] f64 buffer for shared tiles' chunk sums and the device's arrival
+    counters (zero, one a tile at least), its registers capped so `stream` programs fit an SM
+    (65,536 / (stream x threads)); and the self-check's weight (4 x BN + 24 rows, 2,304 columns)
+    on 4 programs shares tiles between two programs at both ends of a run, on 12 a tile between
+    three (a program with neither its first nor its last chunk)."""
     from triton.runtime.jit import JITFunction
 
     got: list = []
@@ -322,24 +323,40 @@ def test_the_stream_k_walk_is_one_launch_of_equal_runs_of_tile_chunks(monkeypatc
                          torch.zeros(16, 72, dtype=torch.int32))
     qtile_i8.matmul_ring(w, act, config=(64, 16, 4, 4), split=False, stream=3, programs=4)
     qtile_i8.matmul_ring(w, act, config=(64, 16, 4, 4), split=False, stream=2)  # one SM off CUDA: 2 programs
-    (name, grid, kw, args), (_, grid2, kw2, _) = got
-    assert name == "_ring_sk_kernel" and grid == (4,) and grid2 == (2,), got
+    qtile_i8.matmul_ring(w, act, config=(64, 16, 4, 4), split=False, stream=3, programs=40)  # at most U
+    (name, grid, kw, args), (_, grid2, kw2, _), (_, grid3, _, _) = got
+    assert name == "_ring_sk_kernel" and grid == (4,) and grid2 == (2,) and grid3 == (15,), got
     assert kw["NCH"] == 3 and kw["maxnreg"] == 168 and kw2["maxnreg"] == 255, kw
-    part, flags, U = args[3], args[4], args[15]
-    assert part.shape == (16, 280) and part.dtype == torch.float64 and U == 5 * 3
-    assert flags is qtile_i8.sk_flags("cpu", 1) and flags.dtype == torch.int32 and not flags.any()
-    # the runs [p U / P, (p + 1) U / P): tiles split between programs, a program with both ends split
-    runs = [(p * U // 4, (p + 1) * U // 4) for p in range(4)]
-    assert runs == [(0, 3), (3, 7), (7, 11), (11, 15)]
-    assert all(b - a >= 3 for a, b in runs) and any(a % 3 and b % 3 for a, b in runs)
+    part, cnt, U = args[3], args[4], args[15]
+    assert part.shape == (3, 16, 280) and part.dtype == torch.float64 and U == 5 * 3
+    assert cnt is qtile_i8.sk_counters("cpu", 1) and cnt.dtype == torch.int32 and not cnt.any()
+
+    def runs(P):  # program p's units [p U / P, (p + 1) U / P), by tile: the chunk ranges it takes
+        return [{u // 3: (min(v for v in range(p * U // P, (p + 1) * U // P) if v // 3 == u // 3) % 3,
+                          max(v for v in range(p * U // P, (p + 1) * U // P) if v // 3 == u // 3) % 3 + 1)
+                 for u in range(p * U // P, (p + 1) * U // P)} for p in range(P)]
+
+    def sharers(P, t):  # the kernel's count of a tile's programs, and the first one's chunks
+        q0, q1 = ((t * 3 + 1) * P - 1) // U, ((t * 3 + 3) * P - 1) // U
+        return q1 - q0 + 1, (q0 + 1) * U // P - t * 3
+
+    for P in (4, 12):
+        r = runs(P)
+        for t in range(5):
+            takers = [p for p in range(P) if t in r[p]]
+            n, h = sharers(P, t)
+            assert n == len(takers) and (n == 1 or h == r[takers[0]][t][1]), (P, t, takers, n, h)
+    r4, r12 = runs(4), runs(12)
+    assert r4 == [{0: (0, 3)}, {1: (0, 3), 2: (0, 1)}, {2: (1, 3), 3: (0, 2)}, {3: (2, 3), 4: (0, 3)}]
+    assert any(c == (1, 2) for d in r12 for c in d.values())  # a middle chunk: a tile shared by three
 
 
 @pytest.mark.timeout(600)
 def test_the_stream_k_walk_keeps_the_rings_loop(tmp_path):
     """The stream-K walk as compiled for sm_90 at three programs an SM: 168 registers (three fit),
     the ring's loop (cp.async copies, ldmatrix operands, the same IMMAs) with nothing in local
-    memory inside it; the prefix handed on through one release and one acquire at GPU scope, the
-    programs' order drawn as tickets (an atomic add), not taken from their block index."""
+    memory inside it; a shared tile's arrival one add at GPU scope behind a fence (the release of
+    the sums stored before it), its counter set back to 0 by an exchange, and no wait."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     p = subprocess.run([sys.executable, str(REPO / "tools" / "sass_loop.py"), "ring", "Q4_K", "16", "--walk",
@@ -352,6 +369,7 @@ def test_the_stream_k_walk_keeps_the_rings_loop(tmp_path):
     assert "regs=168" in head and counts.get("IMMA") == 32 and counts.get("LDGSTS", 0) >= 3, head + ops
     assert "STL" not in counts and "LDL" not in counts, ops
     grep = lines[3:]
-    assert any("ATOMG.E.EXCH" in ln and "GPU" in ln for ln in grep), grep  # the release of a prefix
-    assert any("ATOMG.E.CAS" in ln and "GPU" in ln for ln in grep), grep  # the acquire of one
-    assert any("ATOMG.E.ADD" in ln and "GPU" in ln for ln in grep), grep  # the program's ticket
+    assert any("MEMBAR" in ln and "GPU" in ln for ln in grep), grep  # the release of the sums stored
+    assert any("ATOMG.E.ADD" in ln and "GPU" in ln for ln in grep), grep  # the tile's arrival
+    assert any("ATOMG.E.EXCH" in ln and "GPU" in ln for ln in grep), grep  # its counter back to 0
+    assert not any("CAS" in ln for ln in grep), grep  # no program waits on another

@@ -882,10 +882,13 @@ if HAVE_GLUON:
     def _ring_chunks(FMT: gl.constexpr, tot, c_lo, c_hi, nb, b0, b1, S: gl.constexpr, CB: gl.constexpr, c0, c1, s0, s1,
                      s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm, xrow, xk, xm, srow, snm, arow1, anm1,
                      stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN: gl.constexpr, BM: gl.constexpr,
-                     mma: gl.constexpr, la: gl.constexpr, lb: gl.constexpr):
+                     mma: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, PARTS: gl.constexpr, keep, part, N, T,
+                     omask):
         """Chunks c_lo .. c_hi - 1 of the program's blocks [b0, b1) walked through the ring (it runs on
         across chunks): each chunk's sum from +0.0 in block order, added onto `tot` in chunk order
-        (dot._chunk_sum's two levels). Returns the fold and the next block's small fields."""
+        (dot._chunk_sum's two levels). PARTS (the stream-K walk) and not `keep`: each chunk's sum is
+        stored in part [chunks, T, N] instead, `tot` left as it came. Returns the fold and the next
+        block's small fields."""
         for c in range(c_lo, c_hi):
             acc = gl.zeros([BN, BM], gl.float64, layout=mma)
             for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
@@ -894,7 +897,13 @@ if HAVE_GLUON:
                     xrow, xk, xm, srow, snm, arow1, anm1, stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN, BM,
                     mma, la, lb)
                 acc = acc + term
-            tot = tot + acc
+            if PARTS:
+                if keep:
+                    tot = tot + acc
+                else:
+                    gl.store(part + (c * T + stok[None, :]) * N + srow[:, None], acc, mask=omask)
+            else:
+                tot = tot + acc
         return tot, e0, e1, e2, e3, f0, f1, a_d
 
     @gluon.jit
@@ -953,7 +962,7 @@ if HAVE_GLUON:
             tot, e0, e1, e2, e3, f0, f1, a_d = _ring_chunks(
                 FMT, gl.zeros([BN, BM], gl.float64, layout=mma), 0, nch, nb, b0, b1, S, CB, c0, c1, s0, s1, s2, s3,
                 aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm, xrow, xk, xm, srow, snm, arow1, anm1, stok, stm, e0,
-                e1, e2, e3, f0, f1, a_d, lo16, hi16, BN, BM, mma, la, lb)
+                e1, e2, e3, f0, f1, a_d, lo16, hi16, BN, BM, mma, la, lb, False, True, part, N, T, omask)
         async_copy.wait_group(0)
         if SPLIT and CG == 1:
             if nch == 1:  # +0.0 + acc is acc (acc starts at +0.0, never -0.0)
@@ -965,47 +974,44 @@ if HAVE_GLUON:
 
 
     @gluon.jit
-    def _sk_wait(flag):
-        """Until the program before has published its prefix of this tile (flag 1), then set the flag
-        back to 0 for the next call (one thread's compare-and-swap, acquire at GPU scope)."""
-        while gl.atomic_cas(flag, 1, 0, sem="acquire", scope="gpu") != 1:
-            pass
+    def _sk_fold(y, part, t, h, N, T, sy, stok, srow, omask, NCH: gl.constexpr):
+        """Tile t's output from its chunk sums: the fold through chunk h - 1 (stored by the program
+        that took the tile's first chunks) plus chunks h .. NCH - 1 in chunk order, read from L2
+        (.cg: the other programs' stores, no stale L1 line)."""
+        at = part + (stok[None, :] * N + srow[:, None])
+        tot = gl.load(at + (h - 1) * T * N, mask=omask, other=0.0, cache_modifier=".cg")
+        for c in range(h, NCH):
+            tot = tot + gl.load(at + c * T * N, mask=omask, other=0.0, cache_modifier=".cg")
+        gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
 
     @gluon.jit
-    def _ring_sk_kernel(aq, ad, y, part, flags, c0, c1, s0, s1, s2, s3, N, K, T, sy, U,
+    def _ring_sk_kernel(aq, ad, y, part, cnt, c0, c1, s0, s1, s2, s3, N, K, T, sy, U,
                         FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, CB: gl.constexpr,
                         NCH: gl.constexpr, S: gl.constexpr):
         """The walked ring's output (the same terms, chunk sums and additions in the same order) with
         the work shared out stream-K: the U = tiles x NCH (weight tile, chunk) units in tile order,
-        program p taking units [p U / P, (p + 1) U / P) across tile boundaries (P programs, each
-        taking at least NCH units, so a tile is shared by at most two programs), so every slot of
-        the GPU streams to the end instead of a last wave of whole tiles leaving slots idle (the
-        waves probe, bench/NOTES.md); p is the program's ticket (flags[0]), its tiles' flags
-        flags[1 + t]. A program takes its last tile's first chunks (its prefix)
-        first: it folds them from +0.0 in chunk order, stores the running sum (f64, part [T, N]) and
-        raises the tile's flag; whole tiles next, stored as the walk stores them; its first tile's
-        last chunks (a suffix) last, starting from the prefix of the program before once its flag
-        is up (by then long published: that program took the prefix first). The fold order is the
-        walk's whoever computes which chunk, so the bits are. One activation tile (T <= BM)."""
+        program p taking units [p U / P, (p + 1) U / P) across tile boundaries (P <= U programs), so
+        every slot of the GPU streams to the end instead of a last wave of whole tiles leaving
+        slots idle (the waves probe, bench/NOTES.md), and a shape of fewer tiles than slots still
+        fills them. A whole tile is walked and stored as the walk does. Of a tile shared by several
+        programs, the one with its first chunks folds them from +0.0 in chunk order and stores the
+        running sum (part [NCH, T, N] f64, at its last chunk's place); the others store each of
+        their chunks' sums there; each then arrives at the tile's counter (cnt[t]), and the last to
+        arrive, whichever it is, adds the stored sums onto the running one in chunk order (_sk_fold),
+        stores the output and sets the counter back to 0 for the next call. The fold order is the
+        walk's whoever computes which chunk, so the bits are; no program waits on another. One
+        activation tile (T <= BM)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
         lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
         wq, wh, xa, ql, qk, hl, hk, xl, xk = _ring_buffers(FMT, BN, BM, NW, S)
         nb = K // 256
+        p = gl.program_id(0)
         P = gl.num_programs(0)
-        # a program's place in the order is the ticket it draws (flags[0]), not its block index: the
-        # program before it has then started, so the prefix it waits for is coming (the hardware
-        # does not promise to start blocks in index order); the last to draw one sets it back to 0
-        p = gl.atomic_add(flags, 1, sem="relaxed", scope="gpu")
-        if p == P - 1:
-            gl.atomic_xchg(flags, 0, sem="relaxed", scope="gpu")
         u0 = p * U // P
         u1 = (p + 1) * U // P
         lo16, hi16 = _q6_halves(BN, la)
-        t_first = u0 // NCH
-        t_last = (u1 - 1) // NCH
-        for j in range(0, t_last - t_first + 1):  # the last tile (a prefix) first, the first tile last
-            t = t_last - j
+        for t in range(u0 // NCH, (u1 - 1) // NCH + 1):
             c_lo = gl.maximum(u0 - t * NCH, 0)
             c_hi = gl.minimum(u1 - t * NCH, NCH)
             qrow, qk2, qm, hrow, hk2, hm, xrow, xk2, xm, srow, snm, stok, stm, omask, arow1, anm1 = _ring_index(
@@ -1018,44 +1024,48 @@ if HAVE_GLUON:
                            xk2, xm)
             e0, e1, e2, e3, f0, f1, a_d = _ring_small(FMT, b0, b0 < b1, s0, s1, s2, s3, ad, K, srow, snm, arow1, anm1,
                                                       stok, stm)
-            tot = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
-            if c_lo > 0:  # a suffix: the fold goes on from the prefix the program before stored
-                _sk_wait(flags + 1 + t)
-                gl.thread_barrier()
-                tot = gl.load(part + stok[None, :] * N + srow[:, None], mask=omask, other=0.0, cache_modifier=".cg")
-            tot, e0, e1, e2, e3, f0, f1, a_d = _ring_chunks(  # the walk's loops and fold order
-                FMT, tot, c_lo, c_hi, nb, b0, b1, S, CB, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk2, qm,
-                hrow, hk2, hm, xrow, xk2, xm, srow, snm, arow1, anm1, stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16,
-                hi16, BN, BM, mma, la, lb)
+            # the tile's first chunks folded here from +0.0 (dot._chunk_sum); later ones stored one by one
+            tot, e0, e1, e2, e3, f0, f1, a_d = _ring_chunks(
+                FMT, gl.zeros([BN, BM], gl.float64, layout=mma), c_lo, c_hi, nb, b0, b1, S, CB, c0, c1, s0, s1, s2,
+                s3, aq, ad, K, wq, wh, xa, qrow, qk2, qm, hrow, hk2, hm, xrow, xk2, xm, srow, snm, arow1, anm1, stok,
+                stm, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN, BM, mma, la, lb, True, c_lo == 0, part, N, T, omask)
             async_copy.wait_group(0)
-            if c_hi < NCH:  # a prefix: stored for the program after, then its flag raised (release)
-                gl.store(part + stok[None, :] * N + srow[:, None], tot, mask=omask)
-                gl.thread_barrier()
-                gl.atomic_xchg(flags + 1 + t, 1, sem="release", scope="gpu")
-            else:
+            if (c_lo == 0) & (c_hi == NCH):  # a whole tile
                 gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
+            else:
+                if c_lo == 0:  # the running sum through chunk c_hi - 1
+                    gl.store(part + ((c_hi - 1) * T + stok[None, :]) * N + srow[:, None], tot, mask=omask)
+                gl.thread_barrier()  # every warp's sums stored before the arrival (its release)
+                seen = gl.atomic_add(cnt + t, 1, sem="acq_rel", scope="gpu")  # one thread's, its value broadcast
+                # the tile's programs: from the one whose run holds its first unit to the one with its last
+                # (program q's run holds unit u when q = ((u + 1) P - 1) // U)
+                q0 = ((t * NCH + 1) * P - 1) // U
+                q1 = ((t * NCH + NCH) * P - 1) // U
+                if seen == q1 - q0:
+                    # the first program's chunks end where the next program's run begins
+                    _sk_fold(y, part, t, (q0 + 1) * U // P - t * NCH, N, T, sy, stok, srow, omask, NCH)
+                    gl.atomic_xchg(cnt + t, 0, sem="relaxed", scope="gpu")  # every program of the tile arrived
 
 
-_FLAGS: dict[str, torch.Tensor] = {}
-FLAGS_MIN = 1 << 16  # flags a device: a full-geometry call has at most 6,314 weight tiles (the LM head)
+_COUNTERS: dict[str, torch.Tensor] = {}
+COUNTERS_MIN = 1 << 16  # counters a device: a full-geometry call has at most 6,314 weight tiles (the LM head)
 
 
-def sk_flags(device: torch.device | str, n: int) -> torch.Tensor:
-    """The device's stream-K counters (int32, at least `n`): the programs' ticket, then a prefix flag
-    a weight tile; zero between calls (the last program to draw a ticket and each program that reads
-    a prefix set theirs back to 0), so one buffer serves
+def sk_counters(device: torch.device | str, n: int) -> torch.Tensor:
+    """The device's stream-K arrival counters (int32, at least `n`, one a weight tile): zero between
+    calls (the last program to arrive at a tile sets its counter back to 0), so one buffer serves
     every call and every replay of a captured graph. The calls that share it run in one stream
     order (the engine's); a graph captures the buffer of the eager step before it, so a capture
     never allocates one (LaneError if it would have to)."""
     dev = torch.device(device)
     key = str(dev)
-    c = _FLAGS.get(key)
+    c = _COUNTERS.get(key)
     if c is None or c.numel() < n:
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise LaneError(f"int8 ring: a graph capture needs {n} stream-K flags on {key}, more than the eager "
+            raise LaneError(f"int8 ring: a graph capture needs {n} stream-K counters on {key}, more than the eager "
                             f"steps before it allocated ({0 if c is None else c.numel()})")
-        c = torch.zeros(max(n, FLAGS_MIN), dtype=torch.int32, device=dev)
-        _FLAGS[key] = c
+        c = torch.zeros(max(n, COUNTERS_MIN), dtype=torch.int32, device=dev)
+        _COUNTERS[key] = c
     return c
 
 
@@ -1127,8 +1137,7 @@ def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16
     the chunks a program sums, each into its own partial (check_group). `stream` (walking calls of
     at most BM rows): the stream-K walk (_ring_sk_kernel) on stream x SMs programs, or on
     `programs` where given (the self-check's count; `stream` still sets the registers), at most one
-    a weight tile. Speed only: a call
-    whose code bytes or activation codes do not start on 16 bytes runs matmul_tile (the same bits)."""
+    a (weight tile, chunk) unit. Speed only: a call whose code bytes or activation codes do not start on 16 bytes runs matmul_tile (the same bits)."""
     from . import qmatmul_i8
 
     if w.fmt not in FORMATS:
@@ -1163,9 +1172,9 @@ def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16
         # `stream` programs an SM are co-resident: the registers are capped at an SM's 65,536 over
         # their threads (left alone the segment loop's indices took the kernel to 253 registers,
         # two programs an SM; capped at 168 a few values outside the ring's loop go to local memory)
-        n_prog = min(tiles, programs if programs is not None else stream * _sms(out.device))
-        part = torch.empty((T, N), dtype=torch.float64, device=out.device)  # the tiles' prefixes
-        _ring_sk_kernel[(n_prog,)](aq, act.d, out, part, sk_flags(out.device, tiles + 1), c0, c1, s0, s1, s2, s3, N,
+        n_prog = min(tiles * nch, programs if programs is not None else stream * _sms(out.device))
+        part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)  # shared tiles' chunk sums
+        _ring_sk_kernel[(n_prog,)](aq, act.d, out, part, sk_counters(out.device, tiles), c0, c1, s0, s1, s2, s3, N,
                                    w.n_in, T, out.stride(0), tiles * nch, FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb,
                                    NCH=nch, S=s, num_warps=nw, enable_fp_fusion=False,
                                    maxnreg=min(255, 65536 // (stream * nw * 32) // 8 * 8))
@@ -1199,17 +1208,19 @@ def self_check_ring(device: str, fmt: str, config, split, group: int = 1, stream
     """The ring variant on one format, tiling, chunk group and stream-K walk against the tile's
     reference on this device (as self_check), before the table's routes to it serve: LaneError on
     any differing bit. A grouped route is checked at the split row counts (1, 3, 16) only, where it
-    serves; a stream-K route at 1, 3 and BM rows on four programs over a weight of five tiles of
-    three chunks (4 x BN + 24 rows, 2,304 columns: tiles shared between programs at both ends, a
-    prefix of one chunk and of two, a program with a suffix and a prefix, a partial last tile)."""
+    serves; a stream-K route at 1, 3 and BM rows over a weight of five tiles of three chunks
+    (4 x BN + 24 rows, 2,304 columns: a partial last tile) on 4 programs (whole tiles, tiles
+    shared by two, first chunks of one and of two, a program with a tile's last chunks and the
+    next one's first) and on 12 (tiles shared by three: a program with a tile's middle chunk)."""
     from . import qmatmul_i8
 
     if stream:
         bn, bm = config[0], config[1]
-        qmatmul_i8.check_against_reference(
-            f"int8 tile's ring {list(config)} stream-K walk", (G[fmt],), (1, 3, bm),
-            lambda w, act: matmul_ring(w, act, config=config, split=False, stream=stream, programs=4), device,
-            (4 * bn + 24, 2304))
+        for n in (4, 12):
+            qmatmul_i8.check_against_reference(
+                f"int8 tile's ring {list(config)} stream-K walk on {n} programs", (G[fmt],), (1, 3, bm),
+                lambda w, act, n=n: matmul_ring(w, act, config=config, split=False, stream=stream, programs=n),
+                device, (4 * bn + 24, 2304))
         return
     rows = (1, 3, 16, 40) if group == 1 else (1, 3, 16)
     qmatmul_i8.check_against_reference(f"int8 tile's ring {list(config)} group {group}", (G[fmt],), rows,
@@ -1217,7 +1228,7 @@ def self_check_ring(device: str, fmt: str, config, split, group: int = 1, stream
                                        device)
 
 
-__all__ = ["CONFIGS", "FORMATS", "MAX_GROUP", "MAX_STREAM", "RING_BYTES", "check_group", "check_stream", "sk_flags", "check_ring_config", "matmul_ring", "ring_bytes", "ring_routes", "self_check_ring", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
+__all__ = ["CONFIGS", "FORMATS", "MAX_GROUP", "MAX_STREAM", "RING_BYTES", "check_group", "check_stream", "sk_counters", "check_ring_config", "matmul_ring", "ring_bytes", "ring_routes", "self_check_ring", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
            "operand_elements",
            "load_tuning", "route", "routes_wide",
            "matmul_tile", "self_check", "supports"]
