@@ -559,6 +559,65 @@ def waves_probe(w, act, device: str, config=(64, 16, 4, 4)) -> dict:
     return res
 
 
+def stream_probe(w, act, device: str, config=(64, 16, 4, 4), stream: int = 3) -> dict:
+    """Whether the stream-K walk's programs all stream at once: the walk (`config`, `stream`
+    programs an SM) on 1, 2, ... `stream` programs an SM (P = k x SMs, at most the call's units),
+    each timed alone (a graph of 10 launches), with the weight bytes a microsecond. If `stream`
+    programs an SM are resident, the time falls as P grows, each program's run shorter; if fewer
+    are, the last P's programs run in two waves and its time rises again. Shapes of fewer tiles
+    than SMs are not probed."""
+    import torch
+
+    from muser.engine.kernels import qtile_i8
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    bn = config[0]
+    if w.n_out < sms * bn:
+        return {}
+    nbytes = sum(v.numel() * v.element_size() for v in w.fields.values())
+    res: dict = {"config": list(config), "stream": stream, "sms": sms}
+    out = torch.empty(act.rows, w.n_out, device=device)
+    for k in range(1, stream + 1):
+        try:
+            sec = graph_seconds(lambda: qtile_i8.matmul_ring(w, act, out, config=config, split=False, stream=stream,
+                                                             programs=k * sms), 10, 3)
+            us = min(sec) * 1e6
+            res[f"P{k * sms}"] = {"us": us, "GBps": nbytes / us / 1e3}
+        except Exception as e:  # noqa: BLE001
+            res[f"P{k * sms}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return res
+
+
+def residency() -> list[dict]:
+    """Every int8 tile and ring variant this process compiled: its registers, spilled bytes, shared
+    memory, warps, and the programs an SM the driver can keep resident at once
+    (cuOccupancyMaxActiveBlocksPerMultiprocessor on the loaded function)."""
+    import ctypes
+
+    import torch
+
+    from muser.engine.kernels import qtile_i8
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev = torch.cuda.current_device()
+    rows = []
+    for jit in (qtile_i8._qtile_kernel, qtile_i8._ring_kernel, qtile_i8._ring_sk_kernel):
+        for key, ck in list(jit.device_caches[dev][0].items()):
+            try:
+                ck._init_handles()
+                md = ck.metadata
+                n = ctypes.c_int(0)
+                rc = cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    ctypes.byref(n), ctypes.c_void_p(ck.function), ctypes.c_int(md.num_warps * 32),
+                    ctypes.c_size_t(md.shared))
+                rows.append({"kernel": ck.name, "constants": str(key)[-240:], "regs": ck.n_regs,
+                             "spills": ck.n_spills, "shared": md.shared, "warps": md.num_warps,
+                             "programs_per_sm": n.value if rc == 0 else f"CUresult {rc}"})
+            except Exception as e:  # noqa: BLE001
+                rows.append({"kernel": getattr(ck, "name", "?"), "error": f"{type(e).__name__}: {e}"[:300]})
+    return rows
+
+
 def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
     """The int8 tile (kernels/qtile_i8.py) on one shape beside its reference (qmatmul_i8, the
     default-tiled `yb` of every row): bitwise against matmul_ggml (`ref` on output rows `rows`) and
@@ -640,6 +699,7 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
             sweep[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
     t["sweep"] = sweep
     t["waves"] = waves_probe(w, acts[16], device)
+    t["stream_probe"] = stream_probe(w, acts[16], device)
     from muser.engine.kernels import qwide_i8
 
     if qwide_i8.supports(w.fmt):  # the wide GEMM (prefill chunks) beside the tile: bits and times
@@ -800,6 +860,10 @@ def main(argv=None) -> int:
                         print("  waves (ring walk, 16 rows) " + ", ".join(
                             f"{k} ({v.get('tiles')} tiles): {v.get('us', 0):.1f} us {v.get('GBps', 0):.0f} GB/s"
                             for k, v in tr["waves"].items() if k.startswith("N")), flush=True)
+                    if tr.get("stream_probe"):
+                        print("  stream-K walk (16 rows) by programs " + ", ".join(
+                            f"{k}: {v.get('us', 0):.1f} us {v.get('GBps', 0):.0f} GB/s"
+                            for k, v in tr["stream_probe"].items() if k.startswith("P")), flush=True)
                     if "wide" in tr:
                         print("  wide GEMM " + ", ".join(
                             f"{k}: {v.get('us', 0):.1f} us {v.get('TOPS', 0):.1f} TOPS x{v.get('over_tile', 0):.2f} of the tile "
@@ -809,6 +873,10 @@ def main(argv=None) -> int:
                      "trace": traceback.format_exc()[-2000:]}
                 print(f"i8 {fmt} {n_out}x{n_in}: {r['error']}", flush=True)
             rec["speed"].append(r)
+            try:  # the variants compiled so far: registers, spills and programs an SM
+                rec["residency"] = residency()
+            except Exception as e:  # noqa: BLE001
+                rec["residency"] = [{"error": f"{type(e).__name__}: {e}"[:300]}]
             i8_table = i8_tuning_table(rec["speed"])
             if i8_table:  # the sweep's winners so far, in i8_tuning.json's form
                 (out_dir / "i8_tuning.json").write_text(json.dumps(i8_table, indent=1) + "\n")
