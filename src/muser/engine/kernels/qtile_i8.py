@@ -889,20 +889,33 @@ if HAVE_GLUON:
         (dot._chunk_sum's two levels). PARTS (the stream-K walk) and not `keep`: each chunk's sum is
         stored in part [chunks, T, N] instead, `tot` left as it came. Returns the fold and the next
         block's small fields."""
-        for c in range(c_lo, c_hi):
-            acc = gl.zeros([BN, BM], gl.float64, layout=mma)
-            for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
-                term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
-                    FMT, b, b0, b1, S, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm,
-                    xrow, xk, xm, srow, snm, arow1, anm1, stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN, BM,
-                    mma, la, lb)
-                acc = acc + term
-            if PARTS:
+        if PARTS:
+            # loops counted from 0 (a chunk, a block of the chunk): with the start chunk c_lo a runtime
+            # value, counting from it took the segment loop to 509 instructions a block (sm_90, Q4_K
+            # (64, 16, 4, 4)), counted from 0 to the walk's 437; the walk keeps its own form (counted
+            # from 0 here its registers rose from 168 to 245: two programs an SM, not three)
+            for ci in range(0, c_hi - c_lo):
+                c = c_lo + ci
+                acc = gl.zeros([BN, BM], gl.float64, layout=mma)
+                for bi in range(0, gl.minimum(nb - c * CB, CB)):
+                    term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
+                        FMT, c * CB + bi, b0, b1, S, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow,
+                        hk, hm, xrow, xk, xm, srow, snm, arow1, anm1, stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16,
+                        hi16, BN, BM, mma, la, lb)
+                    acc = acc + term
                 if keep:
                     tot = tot + acc
                 else:
                     gl.store(part + (c * T + stok[None, :]) * N + srow[:, None], acc, mask=omask)
-            else:
+        else:
+            for c in range(c_lo, c_hi):
+                acc = gl.zeros([BN, BM], gl.float64, layout=mma)
+                for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
+                    term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
+                        FMT, b, b0, b1, S, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm,
+                        xrow, xk, xm, srow, snm, arow1, anm1, stok, stm, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN,
+                        BM, mma, la, lb)
+                    acc = acc + term
                 tot = tot + acc
         return tot, e0, e1, e2, e3, f0, f1, a_d
 
