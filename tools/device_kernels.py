@@ -672,8 +672,8 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
     # (twice the programs: fewer idle SM slots in the last wave) and 8-row activation tiles (six
     # slots and 128-row tiles were slower on the gate/up and Q6_K down shapes at 16 rows; three and
     # six slots lost to four at 512 on every shape; groups lost at one row: bench/NOTES.md)
-    # and, walking at 16 rows, the stream-K walk (sk k: k programs an SM, each an equal run of the
-    # (tile, chunk) units: no last wave of whole tiles)
+    # and, walking at 1 and 16 rows, the stream-K walk (sk k: k programs an SM, each an equal run of
+    # the (tile, chunk) units: no last wave of whole tiles)
     for T, cfg, split, group, sk in ((1, (64, 8, 4, 4), None, 1, 0), (1, (32, 8, 2, 4), False, 1, 0),
                                      (16, (64, 16, 4, 4), None, 1, 0), (16, (32, 16, 2, 4), None, 1, 0),
                                      (16, (64, 16, 4, 4), None, 2, 0), (16, (64, 16, 4, 4), None, 4, 0),

@@ -1150,7 +1150,8 @@ def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16
     the chunks a program sums, each into its own partial (check_group). `stream` (walking calls of
     at most BM rows): the stream-K walk (_ring_sk_kernel) on stream x SMs programs, or on
     `programs` where given (the self-check's count; `stream` still sets the registers), at most one
-    a (weight tile, chunk) unit. Speed only: a call whose code bytes or activation codes do not start on 16 bytes runs matmul_tile (the same bits)."""
+    a (weight tile, chunk) unit. Speed only: a call whose code bytes or activation codes do not
+    start on 16 bytes runs matmul_tile (the same bits)."""
     from . import qmatmul_i8
 
     if w.fmt not in FORMATS:
