@@ -1000,7 +1000,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _ring_sk_kernel(aq, ad, y, part, cnt, c0, c1, s0, s1, s2, s3, N, K, T, sy, U,
                         FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, CB: gl.constexpr,
-                        NCH: gl.constexpr, S: gl.constexpr):
+                        NCH: gl.constexpr, S: gl.constexpr, PDL: gl.constexpr):
         """The walked ring's output (the same terms, chunk sums and additions in the same order) with
         the work shared out stream-K: the U = tiles x NCH (weight tile, chunk) units in tile order,
         program p taking units [p U / P, (p + 1) U / P) across tile boundaries (P <= U programs), so
@@ -1014,6 +1014,7 @@ if HAVE_GLUON:
         stores the output and sets the counter back to 0 for the next call. The fold order is the
         walk's whoever computes which chunk, so the bits are; no program waits on another. One
         activation tile (T <= BM)."""
+        _after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
         lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
@@ -1191,7 +1192,7 @@ def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16
         _ring_sk_kernel[(n_prog,)](aq, act.d, out, part, sk_counters(out.device, tiles), c0, c1, s0, s1, s2, s3, N,
                                    w.n_in, T, out.stride(0), tiles * nch, FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb,
                                    NCH=nch, S=s, num_warps=nw, enable_fp_fusion=False,
-                                   maxnreg=min(255, 65536 // (stream * nw * 32) // 8 * 8))
+                                   maxnreg=min(255, 65536 // (stream * nw * 32) // 8 * 8), **gdc.kwargs(out))
         return out
     part = out
     if split and nch > 1:
