@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
-"""What bounds a kernel: the projection kernels of both lanes on one full-geometry shape, each
+"""What bounds a kernel: the projection kernels of both lanes on full-geometry shapes, each
 launched once under Nsight Compute (`ncu`, hardware counters), with the counters that say where
 its issue slots go (warp stall reasons per issued instruction), how full its pipes and memory
 paths are, and its occupancy. Synthetic weights of the format (the counters do not depend on the
 values); no model file.
 
-    python3 tools/device_counters.py OUT [--shape Q4_K:39936:6656] [--rows 1,16] [--lanes exact,fast]
+    python3 tools/device_counters.py OUT [--shape Q4_K:39936:6656[,FMT:N_OUT:N_IN...]] [--rows 1,16]
+                                         [--lanes exact,fast]
+
+The integer lane's calls take the tuning table's route for their shape and row count
+(qtile_i8.matmul: the tile, its ring variant or the stream-K walk), as the engine's do.
 
 Runs itself under `ncu --clock-control none` (METHOD.md: leave the clocks alone) with profiling
 off until every kernel has compiled and run once; writes OUT/counters.json (`labels`: the calls
-in launch order, e.g. "exact T16"; `records`: one per kernel launch in the same order, its kernel
+in launch order, e.g. "exact T16 Q4_K:39936:6656"; `records`: one per kernel launch in the same order, its kernel
 name and each metric; a call may launch more than one kernel: the exact lane's activation prep,
 the integer lane's chunk reduce) and OUT/counters.txt (a table), and prints it. A bad --shape or
 --lanes is refused before any work; where `ncu` is absent or cannot read the counters it says so
@@ -65,14 +69,17 @@ LANES = ("exact", "fast")
 FORMATS = ("Q4_K", "Q5_K", "Q6_K")  # the K-quants both lanes' kernels serve
 
 
-def shape_arg(s: str) -> tuple[str, int, int]:
-    """FMT:N_OUT:N_IN -> (FMT, N_OUT, N_IN), or an argparse error naming the value."""
-    parts = s.split(":")
-    if (len(parts) != 3 or parts[0] not in FORMATS or not all(p.isdigit() and int(p) > 0 for p in parts[1:])
-            or int(parts[2]) % 256):
-        raise argparse.ArgumentTypeError(f"{s!r}: expected FMT:N_OUT:N_IN with FMT one of {', '.join(FORMATS)} "
-                                         "and N_IN a positive multiple of 256")
-    return parts[0], int(parts[1]), int(parts[2])
+def shape_arg(s: str) -> list[tuple[str, int, int]]:
+    """FMT:N_OUT:N_IN[,...] -> [(FMT, N_OUT, N_IN)], or an argparse error naming the bad value."""
+    out = []
+    for one in s.split(","):
+        parts = one.split(":")
+        if (len(parts) != 3 or parts[0] not in FORMATS or not all(p.isdigit() and int(p) > 0 for p in parts[1:])
+                or int(parts[2]) % 256):
+            raise argparse.ArgumentTypeError(f"{one!r}: expected FMT:N_OUT:N_IN with FMT one of "
+                                             f"{', '.join(FORMATS)} and N_IN a positive multiple of 256")
+        out.append((parts[0], int(parts[1]), int(parts[2])))
+    return out
 
 
 def list_arg(allowed: tuple[str, ...] | None):
@@ -106,25 +113,27 @@ def target(args) -> int:
     from muser.engine.weights import random_bytes, repack
     from muser.gguf.types import GgmlType as G
 
-    fmt_name, n_out, n_in = args.shape
-    fmt = G[fmt_name]
     dev = "cuda"
-    w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 3).copy()).to(dev))
-    packed = qmatvec_v3.pack(w)
-    g = torch.Generator(device="cpu").manual_seed(1)
     rows = [int(r) for r in args.rows]
-    x = torch.randn(max(rows), n_in, generator=g).to(dev)
     calls = []  # (label, fn): one launch group each, in the order ncu sees them
-    for lane in args.lanes:
-        for T in rows:
-            xt = x[:T].contiguous()
+    for fmt_name, n_out, n_in in args.shape:
+        fmt = G[fmt_name]
+        shape = f"{fmt_name}:{n_out}:{n_in}"
+        w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 3).copy()).to(dev))
+        g = torch.Generator(device="cpu").manual_seed(1)
+        x = torch.randn(max(rows), n_in, generator=g).to(dev)
+        for lane in args.lanes:
             if lane == "exact":
+                packed = qmatvec_v3.pack(w)
+            for T in rows:
+                xt = x[:T].contiguous()
                 out = torch.empty(T, n_out, device=dev)
-                calls.append((f"exact T{T}", lambda xt=xt, out=out: qmatvec_v3.matvec_v3(packed, xt, out)))
-            else:
-                act = qmatmul_i8.quantize_act(xt, G.Q8_K)
-                out = torch.empty(T, n_out, device=dev)
-                calls.append((f"fast T{T}", lambda act=act, out=out: qtile_i8.matmul_tile(w, act, out)))
+                if lane == "exact":
+                    calls.append((f"exact T{T} {shape}",
+                                  lambda xt=xt, out=out, packed=packed: qmatvec_v3.matvec_v3(packed, xt, out)))
+                else:
+                    act = qmatmul_i8.quantize_act(xt, G.Q8_K)
+                    calls.append((f"fast T{T} {shape}", lambda act=act, out=out, w=w: qtile_i8.matmul(w, act, out)))
     for _, fn in calls:  # compile and warm
         fn()
         fn()
@@ -169,7 +178,7 @@ def main(argv=None) -> int:
         return 3
     out.mkdir(parents=True, exist_ok=True)
     order = out / "order.json"
-    shape = ":".join(str(v) for v in args.shape)
+    shape = ",".join(":".join(str(v) for v in one) for one in args.shape)
     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
            "--metrics", ",".join(METRICS), sys.executable, __file__, "--target", "--order", str(order),
            "--shape", shape, "--rows", ",".join(args.rows), "--lanes", ",".join(args.lanes)]

@@ -11,7 +11,8 @@
 #                                [--kernels-shapes FMT:N_OUT:N_IN,...]
 #                                [--profile-lanes exact,fast] [--profile-depths LIST] [--profile-rows 1,16]
 #                                [--profile-modes eager,graph] [--profile-pdl on,off,N] [--profile-acts tails,separate]
-#                                [--cli-lanes exact,fast] STAGE...
+#                                [--cli-lanes exact,fast] [--counters-shape FMT:N_OUT:N_IN,...] [--counters-lanes exact,fast]
+#                                STAGE...
 #
 # --reuse-gates takes a wide Gate 2 receipt of this tree and lane from an earlier call on this
 # machine or, on a bare machine, from DIR/gates/ of the carry (a receipt fetched back from one).
@@ -75,8 +76,9 @@
 #            --profile-acts's (tails: the tails quantize the projections' inputs, the default;
 #            tails,separate times both), 200 s; it waits for the
 #            fixture only, so named before speed it runs while the wide gate is computed
-#   counters python3 tools/device_counters.py: the projection kernels of both lanes on
-#            --counters-shape (Q4_K:39936:6656) at 1 and 16 rows under ncu's hardware counters
+#   counters python3 tools/device_counters.py: the projection kernels of --counters-lanes
+#            (exact,fast; the integer lane on its tuning table's routes) on --counters-shape
+#            (Q4_K:39936:6656; a comma list takes several) at 1 and 16 rows under ncu's hardware counters
 #            (stall reasons per issued instruction, pipe and memory-path use, occupancy), 200 s;
 #            synthetic weights, no fixture
 #   spec     muser bench spec on the shipped micro target + drafter (natural and synthetic prompts,
@@ -95,7 +97,7 @@ cd "$(dirname "$0")/.."
 DRY=0 CARRY=.device/gpubench DEADLINE=585 LLAMA_SERVER="" DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
 KIND_BOX=150 KVPACK_BOX=420 REUSE_GATES=0 GATES_ONLY=0 LANE=exact KINDS=decode,prefill,verify
 STAGES=() KLANE="" KARGS=() INSTALL_TUNING=0 PLANES=exact,fast PDEPTHS="" PROWS=1,16 PMODES=eager,graph PPDL=on PACTS=tails
-CLI_LANES=exact,fast CSHAPE=Q4_K:39936:6656
+CLI_LANES=exact,fast CSHAPE=Q4_K:39936:6656 CLANES=exact,fast
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu-dry) DRY=1 ;;
@@ -128,7 +130,8 @@ while [ $# -gt 0 ]; do
     --cli-lanes) CLI_LANES=${2:?--cli-lanes LIST}; shift
                  [[ "$CLI_LANES" =~ ^(exact|fast)(,(exact|fast))*$ ]] || {
                    echo "--cli-lanes $CLI_LANES: expected a comma-separated list of exact, fast" >&2; exit 2; } ;;
-    --counters-shape) CSHAPE=${2:?--counters-shape FMT:N_OUT:N_IN}; shift ;;
+    --counters-shape) CSHAPE=${2:?--counters-shape FMT:N_OUT:N_IN[,...]}; shift ;;
+    --counters-lanes) CLANES=${2:?--counters-lanes exact,fast}; shift ;;
     build|fixture|kernels|attn|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile|cli|counters) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
@@ -417,7 +420,7 @@ PYEOF
           --depths "${PDEPTHS:-${DEPTHS%%,*}}" --rows "$PROWS" --modes "$PMODES" --pdl "$PPDL" --acts "$PACTS" --steps 8 "${gr[@]}" ;;
     counters)
       if [ $DRY = 1 ]; then record counters - 0 "dry run: the hardware counters need CUDA"; continue; fi
-      run_stage counters 200 60 $PY tools/device_counters.py "$R/counters" --shape "$CSHAPE" ;;
+      run_stage counters 200 60 $PY tools/device_counters.py "$R/counters" --shape "$CSHAPE" --lanes "$CLANES" ;;
     attn)
       if [ $DRY = 1 ]; then run_stage attn 150 20 $PY tools/device_attn.py --smoke --json "$R/attn-cpu.json"
       else

@@ -35,6 +35,7 @@ def test_raw_csv_becomes_records_in_launch_order():
     (["out", "--shape", "Q8_0:64:256"], "Q8_0:64:256"),
     (["out", "--shape", "Q4_K:64:100"], "multiple of 256"),
     (["out", "--shape", "Q4_K:64"], "Q4_K:64"),
+    (["out", "--shape", "Q4_K:64:256,Q6_K:64:100"], "'Q6_K:64:100'"),  # a list: the bad one named
     (["out", "--lanes", "exact,split"], "'split'"),
     (["out", "--rows", "1,17"], "'17'"),
 ])

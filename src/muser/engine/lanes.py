@@ -308,14 +308,7 @@ class Linear:
         if w.fmt in self.tile_formats:
             from .kernels import qtile_i8
 
-            r = qtile_i8.route(w, act.rows)
-            if r.path == "wide":
-                from .kernels import qwide_i8
-
-                return qwide_i8.matmul_wide(w, act, out, config=r.config)
-            if r.path == "ring":
-                return qtile_i8.matmul_ring(w, act, out, config=r.config, split=r.split, group=r.group, stream=r.stream)
-            return qtile_i8.matmul_tile(w, act, out, config=r.config, split=r.split)
+            return qtile_i8.matmul(w, act, out)
         from .kernels import qmatmul_i8
 
         return qmatmul_i8.matmul_i8_act(w, act, out)

@@ -258,6 +258,20 @@ def route(w: QWeight, rows: int) -> Route:
     return TUNED.get((G(w.fmt).name, _bucket(rows), w.n_out, w.n_in), Route("tile"))
 
 
+def matmul(w: QWeight, act, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The lane's product through the table's route for this shape and row bucket (`route`): the tile
+    or its ring variant on the route's tiling, or the wide GEMM (Q4_K/Q5_K prefill chunks). Every
+    route has the same bits."""
+    r = route(w, act.rows)
+    if r.path == "wide":
+        from . import qwide_i8
+
+        return qwide_i8.matmul_wide(w, act, out, config=r.config)
+    if r.path == "ring":
+        return matmul_ring(w, act, out, config=r.config, split=r.split, group=r.group, stream=r.stream)
+    return matmul_tile(w, act, out, config=r.config, split=r.split)
+
+
 def ring_routes() -> list[tuple[str, tuple[int, ...], bool | None, int, int]]:
     """The table's distinct (format, ring tiling, split, group, stream) routes (the lane checks each
     at load)."""
@@ -1243,7 +1257,7 @@ def self_check_ring(device: str, fmt: str, config, split, group: int = 1, stream
                                        device)
 
 
-__all__ = ["CONFIGS", "FORMATS", "MAX_GROUP", "MAX_STREAM", "RING_BYTES", "check_group", "check_stream", "sk_counters", "check_ring_config", "matmul_ring", "ring_bytes", "ring_routes", "self_check_ring", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
+__all__ = ["matmul", "CONFIGS", "FORMATS", "MAX_GROUP", "MAX_STREAM", "RING_BYTES", "check_group", "check_stream", "sk_counters", "check_ring_config", "matmul_ring", "ring_bytes", "ring_routes", "self_check_ring", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
            "operand_elements",
            "load_tuning", "route", "routes_wide",
            "matmul_tile", "self_check", "supports"]
