@@ -673,8 +673,9 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
     # slots and 128-row tiles were slower on the gate/up and Q6_K down shapes at 16 rows; three and
     # six slots lost to four at 512 on every shape; groups lost at one row: bench/NOTES.md)
     # and, walking at 1 and 16 rows, the stream-K walk (sk k: k programs an SM, each an equal run of
-    # the (tile, chunk) units: no last wave of whole tiles; sk8 caps the registers at 128, eight
-    # programs of two warps an SM where the shared memory holds them: 16 warps against sk6's 12)
+    # the (tile, chunk) units: no last wave of whole tiles; sk8 on (32, 16, 2, 3), registers capped
+    # at 128, lost to sk6 by 28-56 % on both FFN downs: spills in the loop, and Q6_K's rings do not
+    # fit eight an SM: bench/NOTES.md)
     for T, cfg, split, group, sk in ((1, (64, 8, 4, 4), None, 1, 0), (1, (32, 8, 2, 4), False, 1, 0),
                                      (16, (64, 16, 4, 4), None, 1, 0), (16, (32, 16, 2, 4), None, 1, 0),
                                      (16, (64, 16, 4, 4), None, 2, 0), (16, (64, 16, 4, 4), None, 4, 0),
@@ -682,7 +683,7 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
                                      (16, (32, 16, 2, 4), False, 1, 0), (16, (32, 16, 2, 3), False, 1, 0),
                                      (16, (32, 8, 2, 4), False, 1, 0),
                                      (16, (64, 16, 4, 4), False, 1, 3), (16, (64, 16, 4, 4), False, 1, 2),
-                                     (16, (32, 16, 2, 3), False, 1, 6), (16, (32, 16, 2, 3), False, 1, 8),
+                                     (16, (32, 16, 2, 3), False, 1, 6),
                                      (1, (64, 16, 4, 4), False, 1, 3), (1, (32, 8, 2, 4), False, 1, 6),
                                      (big, (64, 16, 4, 4), False, 1, 0)):
         key = (f"T{T} {list(cfg)} ring" + (" walk" if split is False else "") + (f" sk{sk}" if sk else "")

@@ -206,7 +206,6 @@ def drive(rec: Recorder) -> None:
                                          torch.zeros(T, n_in // 32, dtype=torch.int32)), torch.empty(T, n_out), rcfg,
                                split, group)
             for T, rcfg, stream in ((16, (64, 16, 4, 4), 3), (16, (64, 16, 4, 4), 2), (16, (32, 16, 2, 3), 6),
-                                    (16, (32, 16, 2, 3), 8),
                                     (1, (64, 16, 4, 4), 3), (1, (32, 8, 2, 4), 6)):
                 # its stream-K walk (programs an SM: the register cap each gives)
                 ti.matmul_ring(w, i8.Act(G.Q8_K, torch.zeros(T, n_in, dtype=torch.int8), torch.zeros(T, n_in // 256),

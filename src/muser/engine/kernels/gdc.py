@@ -18,9 +18,11 @@ per-call switch.
 
 Why one row only: on the H200 the one-row graph step at depth 0 went from 10.65 to 9.68 ms with
 PDL, the 16-row step from 61.12 to 62.89 ms (`bench/receipts/20261204T192934Z-step-profile-cuda.json`,
-same call, same kernels); its kernels are long and its gaps few, and the cost of the early
-programs outweighed them. Row counts between were not measured, so they keep the launches they
-were measured with.
+same call, same kernels). Measured again on the integer lane's ring kernels (an H100, fast lane,
+depth 0, `bench/receipts/20261206T183428Z-step-profile-cuda.json`): with PDL up to 16 rows the
+16-row step's gaps between kernels fell from 0.47 to 0.16 ms but its kernels' busy time rose from
+13.04 to 13.46 ms, 0.1 ms worse in all. Row counts between were not measured, so they keep the
+launches they were measured with.
 """
 
 from __future__ import annotations
