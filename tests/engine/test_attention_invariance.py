@@ -284,6 +284,27 @@ def test_kv_round_and_store_equal_the_cast_and_index_copy(kernels, head_major, d
     assert torch.equal(kp[sel], base_k[sel]) and torch.equal(vp[sel], base_v[sel])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_kv_round_reads_a_row_slice_of_a_wider_output_in_place(kernels, dtype):
+    """v as the forward passes it: a column slice of the stacked q|k|v output (rows strided, each
+    row's heads packed) rounds to the bits of its contiguous copy, into contiguous tensors; heads
+    that are not packed are refused."""
+    _, att = kernels
+    g = torch.Generator().manual_seed(5)
+    T = 3
+    y = torch.randn(T, 5 * N_KV * D + 7, generator=g) * 100  # [T, q | k | v | gate]-like, an odd width
+    v = y[:, 2 * N_KV * D + 3:3 * N_KV * D + 3].view(T, N_KV, D)
+    k = torch.randn(T, N_KV, D, generator=g)
+    assert not v.is_contiguous()
+    kq, vq = att.kv_round(k, v, dtype)
+    bits = torch.int16 if dtype == torch.float16 else torch.int32
+    assert vq.is_contiguous() and kq.is_contiguous()
+    assert torch.equal(vq.view(bits), v.contiguous().to(dtype).view(bits))
+    assert torch.equal(kq.view(bits), k.to(dtype).view(bits))
+    with pytest.raises(AssertionError, match="packed heads"):
+        att.kv_round(k, k.transpose(0, 1).contiguous().transpose(0, 1), dtype)
+
+
 def test_one_graph_serves_every_session_of_its_bound(tiny_gguf, small_splits):
     """A step graph reads each session's K/V storage from the step's metadata (graphs.py), so one
     graph serves sessions of any max_context up to its bound, a session whose planes an install

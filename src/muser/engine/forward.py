@@ -262,7 +262,9 @@ def _reader(L: LayerWeights):
 
 
 class KvStep(Protocol):
-    """Attend T new rows over layer il's plane, then store them (see kernels/attention.py)."""
+    """Attend T new rows over layer il's plane, then store them (see kernels/attention.py). q and
+    k arrive contiguous; v [T, KV, D] with each row's heads packed, rows possibly strided (a
+    column slice of the stacked projection output)."""
 
     def attend(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
@@ -375,7 +377,9 @@ class Forward:
                 if L.sliding:
                     q = rope(q, cos, sin)
                     k = rope(k, cos, sin)
-            a = kv.attend(il, q.contiguous(), k.contiguous(), v.contiguous())  # [T, H, D]
+            # v may stay a row slice of the stacked q|k|v output: the graph step's rounding reads it
+            # in place (a copy kernel a layer at T > 1 otherwise); the eager steps make it contiguous
+            a = kv.attend(il, q.contiguous(), k.contiguous(), v)  # [T, H, D]
             if fz:
                 qa = lin.act_out(L.wo, T, H * D)
                 a = FK.gate_mul(a.reshape(T, H * D), g.contiguous() if g.stride(1) != 1 else g, act=qa)

@@ -106,7 +106,7 @@ class _GraphKv:
             a, b = g.bounds[i]
             geo = s.cache.planes[il].geometry  # the model's layer geometry: the same for every session
             # rounded like the store (llama.cpp reads the cache back), K and V in one launch
-            kq, vq = kv_round(k[a:b].contiguous(), v[a:b].contiguous(), s.kv_torch)
+            kq, vq = kv_round(k[a:b], v[a:b], s.kv_torch)
             outs.append(attend_triton(q[a:b], kq, vq, geo.head_major, g.meta[i][il], g.pos0[i],
                                       geo.window if geo.sliding else 0, s.cfg.attn_scale, g.scratch[i],
                                       rows_bound=plane_bound(geo, g.shape[i][2]),

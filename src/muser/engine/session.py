@@ -58,7 +58,7 @@ class _EagerKv:
         plane = s.cache.planes[il]
         g = plane.geometry
         kq = k.to(s.kv_torch)  # rounded like the store (llama.cpp reads the cache back)
-        vq = v.to(s.kv_torch)
+        vq = v.to(s.kv_torch).contiguous()  # v may be a row slice of a wider output (KvStep)
         window = g.window if g.sliding else 0
         if self.cuda:
             out = attend_triton(q, kq, vq, g.head_major, self.meta[il], self.pos, window, cfg.attn_scale,

@@ -470,7 +470,9 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, hea
     n_kv = k_new.shape[1]
     hpk = H // n_kv
     assert q.dtype == torch.float32 and q.stride(2) == 1
-    assert k_new.shape == v_new.shape == (T, n_kv, D) and k_new.stride() == v_new.stride()
+    # one set of strides serves both (the kernel's s_nt, s_nh); a dimension of size 1 is never stepped
+    assert k_new.shape == v_new.shape == (T, n_kv, D) and all(
+        a == b or n == 1 for a, b, n in zip(k_new.stride(), v_new.stride(), k_new.shape)), (k_new.stride(), v_new.stride())
     assert k_new.stride(2) == 1
     assert k_new.dtype in (torch.float16, torch.float32)
     assert not f16_operands or k_new.dtype == torch.float16, f"f16 operands over a {k_new.dtype} plane"
@@ -525,13 +527,14 @@ __all__ = ["BLOCK", "BLOCK_EXACT", "HAVE_TRITON", "META_FIELDS", "REDUCE_CHUNK",
 if HAVE_TRITON:
 
     @triton.jit
-    def _kv_round_kernel(k, v, kq, vq, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _kv_round_kernel(k, v, kq, vq, E, s_k, s_v, BLOCK: tl.constexpr, PDL: tl.constexpr):
         after_prior(PDL)
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = i < N
+        t = tl.program_id(0).to(tl.int64)  # row
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] of the row's E = KV * D values
+        m = i < E
         # f32 -> the plane's type, round to nearest even: torch's .to, what the store keeps
-        tl.store(kq + i, tl.load(k + i, mask=m).to(kq.dtype.element_ty), mask=m)
-        tl.store(vq + i, tl.load(v + i, mask=m).to(vq.dtype.element_ty), mask=m)
+        tl.store(kq + t * E + i, tl.load(k + t * s_k + i, mask=m).to(kq.dtype.element_ty), mask=m)
+        tl.store(vq + t * E + i, tl.load(v + t * s_v + i, mask=m).to(vq.dtype.element_ty), mask=m)
 
     @triton.jit
     def _kv_store_kernel(kq, vq, meta, widx, s_row, KV: tl.constexpr, D: tl.constexpr, HEAD_MAJOR: tl.constexpr,
@@ -551,17 +554,25 @@ if HAVE_TRITON:
 
 
 def kv_round(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """k, v f32 [T, KV, D] contiguous -> both rounded to `dtype` (RNE), in one launch; f32 planes
-    take the rows as they are."""
+    """k, v f32 [T, KV, D], each row's heads packed (strides (any, D, 1): a row slice of a wider
+    projection output, such as v of the stacked q|k|v, is read in place) -> both rounded to
+    `dtype` (RNE) into contiguous tensors, in one launch; f32 planes take the rows as they are
+    (contiguous)."""
     assert k.shape == v.shape and k.dim() == 3 and k.dtype == v.dtype == torch.float32
-    assert k.is_contiguous() and v.is_contiguous()
+    T, n_kv, D = k.shape
+    for x in (k, v):
+        assert (x.stride(2) == 1 or D == 1) and (x.stride(1) == D or n_kv == 1), \
+            f"rows of packed heads, got strides {x.stride()}"
     if dtype == torch.float32:
-        return k, v
+        return k.contiguous(), v.contiguous()
     kq = torch.empty(k.shape, dtype=dtype, device=k.device)
     vq = torch.empty(v.shape, dtype=dtype, device=v.device)
-    n = k.numel()
+    if T == 0:
+        return kq, vq
+    E = n_kv * D
     B = 1024
-    _kv_round_kernel[(triton.cdiv(n, B),)](k, v, kq, vq, n, BLOCK=B, num_warps=4, **gdc.kwargs(k))
+    _kv_round_kernel[(T, triton.cdiv(E, B))](k, v, kq, vq, E, k.stride(0), v.stride(0), BLOCK=B, num_warps=4,
+                                             **gdc.kwargs(k))
     return kq, vq
 
 
