@@ -13,9 +13,9 @@ The integer lane's calls take the tuning table's route for their shape and row c
 
 Runs itself under `ncu --clock-control none` (METHOD.md: leave the clocks alone) with profiling
 off until every kernel has compiled and run once; writes OUT/counters.json (`labels`: the calls
-in launch order, e.g. "exact T16 Q4_K:39936:6656"; `records`: one per kernel launch in the same order, its kernel
-name and each metric; a call may launch more than one kernel: the exact lane's activation prep,
-the integer lane's chunk reduce) and OUT/counters.txt (a table), and prints it. A bad --shape or
+in launch order, e.g. "exact T16 Q4_K:39936:6656"; `records`: one per kernel launch in the same
+order, its kernel name and each metric; a call may launch more than one kernel: the exact lane's
+activation prep, the integer lane's chunk reduce) and OUT/counters.txt (a table), and prints it. A bad --shape or
 --lanes is refused before any work; where `ncu` is absent or cannot read the counters it says so
 and exits 3.
 """

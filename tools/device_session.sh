@@ -131,7 +131,9 @@ while [ $# -gt 0 ]; do
                  [[ "$CLI_LANES" =~ ^(exact|fast)(,(exact|fast))*$ ]] || {
                    echo "--cli-lanes $CLI_LANES: expected a comma-separated list of exact, fast" >&2; exit 2; } ;;
     --counters-shape) CSHAPE=${2:?--counters-shape FMT:N_OUT:N_IN[,...]}; shift ;;
-    --counters-lanes) CLANES=${2:?--counters-lanes exact,fast}; shift ;;
+    --counters-lanes) CLANES=${2:?--counters-lanes exact,fast}; shift
+                      [[ "$CLANES" =~ ^(exact|fast)(,(exact|fast))*$ ]] || {
+                        echo "--counters-lanes $CLANES: expected a comma-separated list of exact, fast" >&2; exit 2; } ;;
     build|fixture|kernels|attn|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile|cli|counters) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
