@@ -47,7 +47,8 @@
 #            on one BLAS thread, oracle/forward.py single_thread_blas); the speed stage waits for it
 #            as long as that box
 #   speed    muser bench decode|prefill|verify --device cuda on the full Q4_K file: decode at
-#            --depths (default 0,8192), prefill and verify at the first depth; llama-bench's figures
+#            --depths (default 0,8192), prefill at the first depth, verify at each (llama.cpp's beside
+#            it at the first only); llama-bench's figures
 #            on the same file beside them (pp512/pp16/tg128/tg1 at the first depth, tg128 deeper;
 #            read as --llama-bench-json), a PNG of tok/s vs depth for both engines
 #   kvpack   muser bench kvpack --device cuda --model FULL, documents of --kv-lengths tokens (default
@@ -303,6 +304,13 @@ speed_kinds() {
     if [ $kind = decode ]; then box=$(( KIND_BOX * $(echo "$DEPTHS" | tr ',' '\n' | wc -l) )); else d=${DEPTHS%%,*}; fi
     run_stage "$label-$kind" $box 40 $PY -m muser bench $kind --model "$model" --device $DEV --lane $LANE --depths "$d" \
         --reps $REPS --warmup 1 $SPEED_TOKENS --gate-receipt "$gate" --out-dir "$R" "${against[@]}" "${plot[@]}"
+    # verify deeper too, Muser's side alone: its figure is its own verify/decode1 ratio, and
+    # llama-bench would re-fill a deep context before each repetition of pp16 and of tg1
+    if [ $kind = verify ] && [ "$DEPTHS" != "$d" ]; then
+      run_stage "$label-verify-deep" $(( KIND_BOX * ($(echo "$DEPTHS" | tr ',' '\n' | wc -l) - 1) )) 40 \
+          $PY -m muser bench verify --model "$model" --device $DEV --lane $LANE --depths "${DEPTHS#*,}" \
+          --reps $REPS --warmup 1 $SPEED_TOKENS --gate-receipt "$gate" --out-dir "$R"
+    fi
   done
 }
 

@@ -259,8 +259,8 @@ def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_pat
 
 def test_the_decode_kind_has_a_box_for_each_depth(tmp_path):
     """Decode runs at every depth of --depths (a deep one prefills its context first), so its box is
-    --kind-box once per depth (the dry run's depths are 0 and 40); verify, at the first depth only,
-    keeps one box."""
+    --kind-box once per depth (the dry run's depths are 0 and 40); verify runs with the comparator at
+    the first depth in one box and alone at the deeper ones in a box of their own."""
     sha = "d" * 40
     gates = tmp_path / "carry" / "gates"
     gates.mkdir(parents=True)
@@ -275,6 +275,7 @@ def test_the_decode_kind_has_a_box_for_each_depth(tmp_path):
     rows = {r.split("\t")[0]: r.split("\t") for r in (tmp_path / "out" / "stages.tsv").read_text().splitlines()}
     assert rows["speed-decode"][3].startswith("box 90 s"), rows
     assert rows["speed-verify"][3].startswith("box 45 s"), rows
+    assert rows["speed-verify-deep"][3].startswith("box 45 s"), rows
 
 
 def test_the_waves_probe_times_whole_waves_of_the_weights_rows(monkeypatch):
