@@ -8,12 +8,13 @@ the exact lane's exact-split tf32 dots; f16 operands: the fast lane's):
    from the plane's length == sized from its capacity (graph calls), bitwise;
 3. the time of one decode call and of one 16-row call (CUDA graphs of 20 calls, median);
 4. with --sweep, the f32-operand pass under each (keys per block, warps, pipeline stages): its
-   invariance and its decode time, so the shipped choice is read off a table;
+   invariance and its decode time, so the shipped choice is read off a table; with --sweep-f16,
+   the f16-operand passes under each (rows per program, keys per block, warps), the same way;
 5. with --before FILE, the same calls through another attention module (a copy of an earlier
-   kernels/attention.py), timed beside the current one.
+   kernels/attention.py), timed beside the current one, both operand kinds.
 
     PYTHONPATH=src python3 tools/device_attn.py [--depths 2048,32768] [--json PATH] [--sweep]
-                                                [--before FILE]
+                                                [--sweep-f16] [--before FILE]
     PYTHONPATH=src python3 tools/device_attn.py --smoke   # CPU, Triton interpreter, depth 40
 """
 from __future__ import annotations
@@ -47,6 +48,7 @@ if DEV == "cpu":
 H, N_KV, D = 32, 2, 128
 SCALE = 0.0883883
 SWEEP = [(bs, w, st) for bs in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+SWEEP_F16 = [(rg, bs, w) for rg in (1, 2, 4, 8) for bs in (16, 32, 64) for w in (4, 8)]
 
 
 def _case(depth: int, sliding: bool, g: torch.Generator):
@@ -86,7 +88,8 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _load(path: str):
-    spec = importlib.util.spec_from_file_location("attention_before", path)
+    # a module of the kernels package (its relative imports: gdc), under a name of its own
+    spec = importlib.util.spec_from_file_location("muser.engine.kernels.attention_before", path)
     assert spec is not None and spec.loader is not None, path
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -99,6 +102,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--sweep", action="store_true", help="time the f32-operand pass under each launch choice")
+    ap.add_argument("--sweep-f16", action="store_true",
+                    help="time the f16-operand passes under each (rows per program, keys per block, warps)")
     ap.add_argument("--before", default=None, help="another attention module file, timed beside this one")
     ap.add_argument("--smoke", action="store_true", help="CPU under the Triton interpreter, depth 40, 1 rep")
     a = ap.parse_args(argv)
@@ -108,6 +113,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     rows, sweep, ok = [], [], True
     shipped = (att.BLOCK_EXACT, dict(att.PARTIAL_LAUNCH))
+    shipped_f16 = (att.ROW_GROUP_F16, att.BLOCK, dict(att.F16_LAUNCH))
     for depth in (int(x) for x in a.depths.split(",")):
         for sliding in (True, False):
             kp, vp, cap, win = _case(depth, sliding, g)
@@ -155,10 +161,25 @@ def main(argv=None) -> int:
                 r[f"decode_ms_{tag}"] = _time(_run(att, *one, f16), a.reps)
                 r[f"rows16_ms_{tag}"] = _time(_run(att, *block, f16), a.reps)
             if before is not None:
-                r["before_decode_ms_f32ops"] = _time(_run(before, *one, False), a.reps)
-                r["before_rows16_ms_f32ops"] = _time(_run(before, *block, False), a.reps)
+                for tag, f16 in (("f32ops", False), ("f16ops", True)):
+                    r[f"before_decode_ms_{tag}"] = _time(_run(before, *one, f16), a.reps)
+                    r[f"before_rows16_ms_{tag}"] = _time(_run(before, *block, f16), a.reps)
             print(json.dumps(r), flush=True)
             rows.append(r)
+            if a.sweep_f16:
+                for rg, bs, w in SWEEP_F16:
+                    att.ROW_GROUP_F16, att.BLOCK, att.F16_LAUNCH = rg, bs, {"num_warps": w}
+                    try:
+                        c = checks(True)
+                        c.update({"f16": True, "row_group": rg, "block": bs, "num_warps": w, "layer": r["layer"],
+                                  "depth": depth, "decode_ms": _time(_run(att, *one, True), a.reps),
+                                  "rows16_ms": _time(_run(att, *block, True), a.reps)})
+                    except Exception as e:  # noqa: BLE001 (a choice that does not compile is a row too)
+                        c = {"f16": True, "row_group": rg, "block": bs, "num_warps": w, "layer": r["layer"],
+                             "depth": depth, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    print("  sweep " + json.dumps(c), flush=True)
+                    sweep.append(c)
+                att.ROW_GROUP_F16, att.BLOCK, att.F16_LAUNCH = shipped_f16[0], shipped_f16[1], dict(shipped_f16[2])
             if not a.sweep:
                 continue
             for bs, w, st in SWEEP:
@@ -177,7 +198,9 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)",
-                       "shipped": {"block_exact": shipped[0], "partial_launch": shipped[1]},
+                       "shipped": {"block_exact": shipped[0], "partial_launch": shipped[1],
+                                   "row_group_f16": shipped_f16[0], "block_f16": shipped_f16[1],
+                                   "f16_launch": shipped_f16[2]},
                        "rows": rows, "sweep": sweep}, f, indent=1)
     return 0 if ok else 1
 

@@ -48,8 +48,11 @@ capacity:
   value either way, so it does not matter which side of p0 a key fell in a given call;
 * visibility depends on the row position and origin_logical only: pos <= p_t, p_t - pos < W on
   sliding layers, pos >= origin_logical;
-* one program per (row, KV head, split) runs the online softmax over that row's visible blocks
-  of the split in ascending order; the reduce takes the (order-free) max over the row's splits,
+* one program per (group of rows, KV head, split) runs each row's online softmax over the
+  blocks of the split that some row of the group sees, in ascending order, each key block read
+  once for the group (ROW_GROUP_F16 / ROW_GROUP_EXACT rows, fixed for every row count, a decoded
+  row being a group with idle rows); a row is masked off a block it does not see, which leaves
+  its (max, sum, acc) bitwise as they were, so a row's bits are its visible blocks'; the reduce takes the (order-free) max over the row's splits,
   then accumulates l and o weighted by exp(m - max) per lane of REDUCE_CHUNK splits aligned at
   absolute split indices, chunks in ascending order, and sums the lanes in one fixed-size tree.
   Only splits holding a key the row sees take part; masked keys and lanes weigh exactly 0.
@@ -201,6 +204,12 @@ BLOCK_EXACT = 64  # keys per step of the f32-operand (exact-split tf32) pass, at
 # both layer kinds and depths 2,048 and 32,768 (tools/device_attn.py, bench/NOTES.md).
 PARTIAL_LAUNCH = {"num_warps": 8, "num_stages": 2}
 F16_LAUNCH = {"num_warps": 4}
+# Rows per partial program (a group reads each key block once for all its rows; the dots' M is
+# the group's rows x the padded heads). Fixed for every row count, like the launch options: a
+# decoded row is a group with idle rows. The f16-operand passes take 4 (M = 64 at 16 heads a KV
+# head); the exact lane's three-part tf32 dots keep 1.
+ROW_GROUP_F16 = 4
+ROW_GROUP_EXACT = 1
 
 
 def block_len(S: int, f16_operands: bool) -> int:
@@ -291,19 +300,22 @@ if HAVE_TRITON:
         else:
             return KV * D, D
 
-    @triton.jit(do_not_specialize=["r0", "NSP", "window"])
+    @triton.jit(do_not_specialize=["r0", "NR", "NSP", "window"])
     def _attn_partial(q, kn, vn, meta, pos, m_out, l_out, o_out, st_m, st_inv,
-                      r0, H, NSP, window, scale,
+                      r0, NR, H, NSP, window, scale,
                       s_qt, s_qh, s_nt, s_nh,
-                      HPK: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, KV: tl.constexpr,
-                      HEAD_MAJOR: tl.constexpr, S: tl.constexpr, PASS: tl.constexpr, SPLIT_KV: tl.constexpr,
-                      PDL: tl.constexpr):
+                      HPK: tl.constexpr, HP: tl.constexpr, RG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                      KV: tl.constexpr, HEAD_MAJOR: tl.constexpr, S: tl.constexpr, PASS: tl.constexpr,
+                      SPLIT_KV: tl.constexpr, PDL: tl.constexpr):
         # PASS 0: f32 operands, online softmax -> (m, l, acc) per split; both dots on tf32 tensor
         # cores with every product exact (_dot_exact; SPLIT_KV: f32 planes, K and V split too).
         # f16 operands, PASS 1: (m, l) per split from f16 K·Q; PASS 2: p = f16(exp(s - m_row) *
         # inv_row) with the row's reduced statistics (st_m, st_inv), acc = P·V per split.
+        # One program takes RG consecutive rows of the launch (a group; rows past NR idle) and one
+        # KV head: the dots' M is RG x HP lanes, lane m = row (m // HP), head (m % HP), so a key block
+        # is read once for the group's rows while each lane's arithmetic is the row-alone's (a row
+        # is masked off the blocks it does not see, and such a block changes none of its bits).
         after_prior(PDL)  # gdc.py: the previous kernel done before the first read
-        r = tl.program_id(0)  # row of this launch (row r0 + r of the call)
         g = tl.program_id(1)  # KV head
         k = tl.program_id(2)  # split, counted from the launch's first
         ol = tl.load(meta + 0).to(tl.int32)  # positions and offsets fit int32 (asserted by the host)
@@ -314,19 +326,26 @@ if HAVE_TRITON:
         vp = _plane(meta, 5, vn)
         s_slot, s_head = _plane_strides(cap, KV, D, HEAD_MAJOR)
         p0 = tl.load(pos).to(tl.int32)
-        pt = p0 + r0 + r  # this row's position
-        # the lowest visible key position: of this row, and of the launch's first row
+        mm = tl.arange(0, RG * HP)
+        r = tl.program_id(0) * RG + mm // HP  # [M] the lane's row of this launch (row r0 + r of the call)
+        hh = mm % HP
+        live = r < NR
+        pt = p0 + r0 + r  # [M] the lane's row position
+        # the lowest visible key position: of the lane's row, and of the launch's first row
         lo = tl.where(window > 0, tl.maximum(ol, pt - window + 1), ol)
         lo_first = tl.where(window > 0, tl.maximum(ol, p0 + r0 - window + 1), ol)
         s = lo_first // S + k  # absolute split index
         a = tl.maximum(lo, s * S)
-        b = tl.minimum(pt + 1, s * S + S)  # [a, b): what this row sees of split s
-        if a < b:
-            hh = tl.arange(0, HP)
-            hmask = hh < HPK
+        b = tl.minimum(pt + 1, s * S + S)  # [a, b): what the lane's row sees of split s
+        sees = live & (a < b)
+        # the group's rows see [a_g, b_g) of the split together (consecutive rows: one interval)
+        a_g = tl.min(tl.where(sees, a, s * S + S), 0)
+        b_g = tl.max(tl.where(sees, b, s * S), 0)
+        if a_g < b_g:
+            hmask = (hh < HPK) & live
             dd = tl.arange(0, D)
             head = g * HPK + hh
-            qv = tl.load(q + (r0 + r) * s_qt + head[:, None] * s_qh + dd[None, :], mask=hmask[:, None],
+            qv = tl.load(q + (r0 + r)[:, None] * s_qt + head[:, None] * s_qh + dd[None, :], mask=hmask[:, None],
                          other=0.0)
             if PASS > 0:
                 qv = qv.to(tl.float16)  # Q enters K·Q as f16 (RNE); padded heads are 0
@@ -335,15 +354,17 @@ if HAVE_TRITON:
                 st = r * H + head
                 m_row = tl.load(st_m + st, mask=hmask, other=0.0)
                 inv = tl.load(st_inv + st, mask=hmask, other=0.0)
-            m_i = tl.full([HP], float("-inf"), tl.float32)
-            l_i = tl.zeros([HP], tl.float32)
-            acc = tl.zeros([HP, D], tl.float32)
+            m_i = tl.full([RG * HP], float("-inf"), tl.float32)
+            l_i = tl.zeros([RG * HP], tl.float32)
+            acc = tl.zeros([RG * HP, D], tl.float32)
             cc = tl.arange(0, BS)
             pend = ol + ln  # the plane holds [ol, pend); the new rows start at p0
-            blk0 = a // BS
-            for i in range(0, (b - 1) // BS + 1 - blk0):
+            blk0 = a_g // BS
+            for i in range(0, (b_g - 1) // BS + 1 - blk0):
                 kpos = (blk0 + i) * BS + cc  # [BS] absolute key positions of block blk0 + i
-                valid = (kpos >= a) & (kpos < b) & ((kpos < pend) | (kpos >= p0))
+                held = (kpos < pend) | (kpos >= p0)
+                valid = (kpos >= a_g) & (kpos < b_g) & held  # [BS] seen by some row of the group
+                seen = held[None, :] & (kpos[None, :] >= a[:, None]) & (kpos[None, :] < b[:, None])  # [M, BS]
                 old = valid & (kpos < p0)
                 new = valid & (kpos >= p0)
                 slot = (op + tl.where(old, kpos - ol, 0)) % cap
@@ -356,21 +377,21 @@ if HAVE_TRITON:
                     vt = tl.load(tl.where(old[:, None], vp + po, vn + pn), mask=valid[:, None],
                                  other=0.0).to(tl.float32)
                     # the block into the running softmax (book 16.2); masked keys weigh exactly 0
-                    sc = _dot_exact(q1, q2, q3, tl.trans(kt), tl.zeros([HP, BS], tl.float32), SPLIT_KV) * scale
-                    sc = tl.where(valid[None, :], sc, float("-inf"))
+                    sc = _dot_exact(q1, q2, q3, tl.trans(kt), tl.zeros([RG * HP, BS], tl.float32), SPLIT_KV) * scale
+                    sc = tl.where(seen, sc, float("-inf"))
                     m_new = tl.maximum(m_i, tl.max(sc, 1))
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet
                     alpha = tl.exp(m_i - m_safe)
                     p = tl.exp(sc - m_safe[:, None])
                     l_i = l_i * alpha + tl.sum(p, 1)
                     p1, p2, p3 = _tf32_parts(p)
-                    acc = _dot_exact(p1, p2, p3, vt, acc * alpha[:, None], SPLIT_KV)  # [HP, D]
+                    acc = _dot_exact(p1, p2, p3, vt, acc * alpha[:, None], SPLIT_KV)  # [M, D]
                     m_i = m_new
                 else:
                     # f16 K (the plane's own values), exact f16 x f16 products, f32 accumulation
                     kt = tl.load(tl.where(old[:, None], kp + po, kn + pn), mask=valid[:, None], other=0.0)
-                    sc = tl.dot(qv, tl.trans(kt), out_dtype=tl.float32) * scale  # [HP, BS]
-                    sc = tl.where(valid[None, :], sc, float("-inf"))
+                    sc = tl.dot(qv, tl.trans(kt), out_dtype=tl.float32) * scale  # [M, BS]
+                    sc = tl.where(seen, sc, float("-inf"))
                     if PASS == 1:
                         m_new = tl.maximum(m_i, tl.max(sc, 1))
                         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -380,13 +401,14 @@ if HAVE_TRITON:
                         # ggml soft_max's p = e * (1/sum), rounded to f16 for V·P; masked keys 0
                         pt16 = (tl.exp(sc - m_row[:, None]) * inv[:, None]).to(tl.float16)
                         vt = tl.load(tl.where(old[:, None], vp + po, vn + pn), mask=valid[:, None], other=0.0)
-                        acc += tl.dot(pt16, vt, out_dtype=tl.float32)  # [HP, D]
-            row = (r * H + head) * NSP + k  # [HP]
+                        acc += tl.dot(pt16, vt, out_dtype=tl.float32)  # [M, D]
+            row = (r * H + head) * NSP + k  # [M]
+            keep = hmask & sees
             if PASS < 2:
-                tl.store(m_out + row, m_i, mask=hmask)
-                tl.store(l_out + row, l_i, mask=hmask)
+                tl.store(m_out + row, m_i, mask=keep)
+                tl.store(l_out + row, l_i, mask=keep)
             if PASS != 1:
-                tl.store(o_out + row[:, None] * D + dd[None, :], acc, mask=hmask[:, None])
+                tl.store(o_out + row[:, None] * D + dd[None, :], acc, mask=keep[:, None])
 
     @triton.jit(do_not_specialize=["r0", "NSP", "window"])
     def _attn_reduce(m_in, l_in, o_in, out, st_m, st_inv, meta, pos, r0, H, NSP, window, s_ot, s_oh,
@@ -503,11 +525,12 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, hea
         r1 = min(T, r0 + group)
         nsp = _splits_over(_span(r0, r1, rows_bound, window), S)
         for ps in ((1, 2) if f16_operands else (0,)):
-            _attn_partial[(r1 - r0, n_kv, nsp)](
+            rg = ROW_GROUP_F16 if ps else ROW_GROUP_EXACT
+            _attn_partial[(triton.cdiv(r1 - r0, rg), n_kv, nsp)](
                 q, k_new, v_new, meta, pos, sc.m, sc.l, sc.o, sc.st_m, sc.st_inv,
-                r0, H, nsp, window, scale,
+                r0, r1 - r0, H, nsp, window, scale,
                 q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
-                HPK=hpk, HP=hp, D=D, BS=bs, KV=n_kv, HEAD_MAJOR=head_major, S=S, PASS=ps,
+                HPK=hpk, HP=hp, RG=rg, D=D, BS=bs, KV=n_kv, HEAD_MAJOR=head_major, S=S, PASS=ps,
                 SPLIT_KV=k_new.dtype == torch.float32, **(PARTIAL_LAUNCH if ps == 0 else F16_LAUNCH), **gdc.kwargs(q))
             _attn_reduce[(r1 - r0, H)](sc.m, sc.l, sc.o, out, sc.st_m, sc.st_inv, meta, pos, r0, H, nsp, window,
                                        out.stride(0), out.stride(1), D=D, S=S, SC=REDUCE_CHUNK, PASS=ps,
@@ -515,7 +538,8 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, hea
     return out
 
 
-__all__ = ["BLOCK", "BLOCK_EXACT", "HAVE_TRITON", "META_FIELDS", "REDUCE_CHUNK", "SPLIT_FULL", "SPLIT_SLIDING",
+__all__ = ["BLOCK", "BLOCK_EXACT", "HAVE_TRITON", "META_FIELDS", "REDUCE_CHUNK", "ROW_GROUP_EXACT", "ROW_GROUP_F16",
+           "SPLIT_FULL", "SPLIT_SLIDING",
            "AttnScratch", "attend_ref", "attend_triton", "block_len", "plane_meta", "plane_meta_of", "plane_strides",
            "split_count", "split_len"]
 
