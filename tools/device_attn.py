@@ -48,7 +48,7 @@ if DEV == "cpu":
 H, N_KV, D = 32, 2, 128
 SCALE = 0.0883883
 SWEEP = [(bs, w, st) for bs in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
-SWEEP_F16 = [(rg, bs, w) for rg in (1, 2, 4, 8) for bs in (16, 32, 64) for w in (4, 8)]
+SWEEP_F16 = [(rg, bs, 4) for rg in (1, 2, 4, 8) for bs in (16, 32, 64)] + [(4, 16, 8), (4, 32, 8), (8, 32, 8)]
 
 
 def _case(depth: int, sliding: bool, g: torch.Generator):
