@@ -52,9 +52,10 @@ capacity:
   blocks of the split that some row of the group sees, in ascending order, each key block read
   once for the group (ROW_GROUP_F16 / ROW_GROUP_EXACT rows, fixed for every row count, a decoded
   row being a group with idle rows); a row is masked off a block it does not see, which leaves
-  its (max, sum, acc) bitwise as they were, so a row's bits are its visible blocks'; the reduce takes the (order-free) max over the row's splits,
-  then accumulates l and o weighted by exp(m - max) per lane of REDUCE_CHUNK splits aligned at
-  absolute split indices, chunks in ascending order, and sums the lanes in one fixed-size tree.
+  its (max, sum, acc) bitwise as they were, so a row's bits are its visible blocks'. The reduce
+  takes the (order-free) max over the row's splits, then accumulates l and o weighted by
+  exp(m - max) per lane of REDUCE_CHUNK splits aligned at absolute split indices, chunks in
+  ascending order, and sums the lanes in one fixed-size tree.
   Only splits holding a key the row sees take part; masked keys and lanes weigh exactly 0.
   With f16 operands the first pass's reduce stores the row's (max, 1 / sum) instead, the second
   pass recomputes the same scores, and its reduce sums the splits' P·V in the same lane order.
