@@ -84,11 +84,11 @@ def _sid(s, f16ops: bool) -> str:
 
 @pytest.fixture
 def small_splits(kernels, monkeypatch):
-    """Splits of 16 / 32 positions and reduce chunks of 2 splits, so tiny positions cross many
-    splits and chunk boundaries."""
+    """Splits of one and two f16 key blocks (32 / 64 positions) and reduce chunks of 2 splits,
+    so tiny positions cross many splits and chunk boundaries."""
     _, att = kernels
-    monkeypatch.setattr(att, "SPLIT_SLIDING", 16)
-    monkeypatch.setattr(att, "SPLIT_FULL", 32)
+    monkeypatch.setattr(att, "SPLIT_SLIDING", att.BLOCK)
+    monkeypatch.setattr(att, "SPLIT_FULL", 2 * att.BLOCK)
     monkeypatch.setattr(att, "REDUCE_CHUNK", 2)
     return att
 

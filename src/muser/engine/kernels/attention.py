@@ -195,7 +195,11 @@ def attend_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
 # Changing either changes the exact lane's bits (they fix the reduction order).
 SPLIT_SLIDING = 64
 SPLIT_FULL = 256
-BLOCK = 16  # keys per tl.dot step with f16 operands
+# Keys per tl.dot step with f16 operands. With 4 rows a program and 4 warps, 32 keys beat 16 at
+# both depths and both row counts on the H100 sweep (tools/device_attn.py --sweep-f16, all 52
+# layers: depth 64, 0.642 / 0.817 ms at 1 / 16 rows against 0.676 / 0.851; depth 32,768, 0.958 /
+# 2.223 against 1.105 / 2.288; bench/reports/device-20261206i-h100/call1/attn.json).
+BLOCK = 32
 BLOCK_EXACT = 64  # keys per step of the f32-operand (exact-split tf32) pass, at most a split
 
 
