@@ -10,11 +10,13 @@ the exact lane's exact-split tf32 dots; f16 operands: the fast lane's):
 4. with --sweep, the f32-operand pass under each (keys per block, warps, pipeline stages): its
    invariance and its decode time, so the shipped choice is read off a table; with --sweep-f16,
    the f16-operand passes under each (rows per program, keys per block, warps), the same way;
+   with --sweep-splits, the f16-operand passes under each split length of the layer kind
+   (SPLIT_SLIDING or SPLIT_FULL: how many partials a row's keys make, the merge's work);
 5. with --before FILE, the same calls through another attention module (a copy of an earlier
    kernels/attention.py), timed beside the current one, both operand kinds.
 
     PYTHONPATH=src python3 tools/device_attn.py [--depths 2048,32768] [--json PATH] [--sweep]
-                                                [--sweep-f16] [--before FILE]
+                                                [--sweep-f16] [--sweep-splits] [--before FILE]
     PYTHONPATH=src python3 tools/device_attn.py --smoke   # CPU, Triton interpreter, depth 40
 """
 from __future__ import annotations
@@ -48,6 +50,7 @@ if DEV == "cpu":
 H, N_KV, D = 32, 2, 128
 SCALE = 0.0883883
 SWEEP = [(bs, w, st) for bs in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+SWEEP_SPLITS = {"sliding": (32, 64, 128, 256, 512), "full": (128, 256, 512, 1024, 2048)}
 SWEEP_F16 = [(rg, bs, 4) for rg in (1, 2, 4, 8) for bs in (16, 32, 64)] + [(4, 16, 8), (4, 32, 8), (8, 32, 8)]
 
 
@@ -104,6 +107,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time the f32-operand pass under each launch choice")
     ap.add_argument("--sweep-f16", action="store_true",
                     help="time the f16-operand passes under each (rows per program, keys per block, warps)")
+    ap.add_argument("--sweep-splits", action="store_true",
+                    help="time the f16-operand passes under each split length of the layer kind")
     ap.add_argument("--before", default=None, help="another attention module file, timed beside this one")
     ap.add_argument("--smoke", action="store_true", help="CPU under the Triton interpreter, depth 40, 1 rep")
     a = ap.parse_args(argv)
@@ -114,6 +119,7 @@ def main(argv=None) -> int:
     rows, sweep, ok = [], [], True
     shipped = (att.BLOCK_EXACT, dict(att.PARTIAL_LAUNCH))
     shipped_f16 = (att.ROW_GROUP_F16, att.BLOCK, dict(att.F16_LAUNCH))
+    shipped_splits = (att.SPLIT_SLIDING, att.SPLIT_FULL)
     for depth in (int(x) for x in a.depths.split(",")):
         for sliding in (True, False):
             kp, vp, cap, win = _case(depth, sliding, g)
@@ -180,6 +186,23 @@ def main(argv=None) -> int:
                     print("  sweep " + json.dumps(c), flush=True)
                     sweep.append(c)
                 att.ROW_GROUP_F16, att.BLOCK, att.F16_LAUNCH = shipped_f16[0], shipped_f16[1], dict(shipped_f16[2])
+            if a.sweep_splits:
+                for S in SWEEP_SPLITS[r["layer"]]:
+                    if sliding:
+                        att.SPLIT_SLIDING = S
+                    else:
+                        att.SPLIT_FULL = S
+                    try:  # the scratch is sized from split_count, which reads the split length
+                        c = checks(True)
+                        c.update({"f16": True, "split": S, "layer": r["layer"], "depth": depth,
+                                  "decode_ms": _time(_run(att, *one, True), a.reps),
+                                  "rows16_ms": _time(_run(att, *block, True), a.reps)})
+                    except Exception as e:  # noqa: BLE001 (a choice that does not compile is a row too)
+                        c = {"f16": True, "split": S, "layer": r["layer"], "depth": depth,
+                             "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    print("  sweep " + json.dumps(c), flush=True)
+                    sweep.append(c)
+                att.SPLIT_SLIDING, att.SPLIT_FULL = shipped_splits
             if not a.sweep:
                 continue
             for bs, w, st in SWEEP:
@@ -200,7 +223,8 @@ def main(argv=None) -> int:
             json.dump({"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)",
                        "shipped": {"block_exact": shipped[0], "partial_launch": shipped[1],
                                    "row_group_f16": shipped_f16[0], "block_f16": shipped_f16[1],
-                                   "f16_launch": shipped_f16[2]},
+                                   "f16_launch": shipped_f16[2], "split_sliding": shipped_splits[0],
+                                   "split_full": shipped_splits[1]},
                        "rows": rows, "sweep": sweep}, f, indent=1)
     return 0 if ok else 1
 
