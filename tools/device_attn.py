@@ -43,9 +43,9 @@ from device_kernels import graph_seconds  # noqa: E402
 
 DEV = "cpu" if "--smoke" in sys.argv else "cuda"
 if DEV == "cpu":
-    from muser.engine.kernels.interpreter import index_compat
+    from muser.engine.kernels.interpreter import interpreter_compat
 
-    index_compat()
+    interpreter_compat()
 
 H, N_KV, D = 32, 2, 128
 SCALE = 0.0883883

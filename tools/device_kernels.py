@@ -743,9 +743,9 @@ def main(argv=None) -> int:
     t0 = time.time()
     if a.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        from muser.engine.kernels.interpreter import index_compat
+        from muser.engine.kernels.interpreter import interpreter_compat
 
-        index_compat()
+        interpreter_compat()
     import torch
 
     from muser.engine.kernels import qmatvec_v3

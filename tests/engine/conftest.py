@@ -17,9 +17,9 @@ if "triton" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-from muser.engine.kernels.interpreter import index_compat  # noqa: E402
+from muser.engine.kernels.interpreter import interpreter_compat  # noqa: E402
 
-index_compat()
+interpreter_compat()
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,18 @@ from __future__ import annotations
 import numpy as np
 
 
-def index_compat() -> None:
-    """Triton 3.6's interpreter turns a scalar kernel argument used as a loop bound into
-    `int(array_of_shape_(1,))`, which numpy >= 2.4 refuses; read the single element instead.
-    Idempotent; a no-op where Triton is absent."""
+def interpreter_compat() -> None:
+    """Two fixes to Triton 3.6's interpreter, installed once (idempotent; a no-op where Triton is
+    absent):
+
+    - a scalar kernel argument used as a loop bound becomes `int(array_of_shape_(1,))`, which
+      numpy >= 2.4 refuses: the single element is read instead;
+    - `tl.dot` runs as `np.matmul`, whose float BLAS kernels sum a row's products in an order that
+      depends on the row's place in M (OpenBLAS sgemm: the same [16, 128] rows differ by an ulp at
+      rows 0-15 and 48-63 of a [64, 128] operand), so a kernel that is row-invariant on the GPU
+      (one mma order per element) would not be under the interpreter. The dot becomes one fixed
+      order per element (einsum's sum of products along k, the same loop for every (i, j)); the
+      accumulator is added after, as the interpreter does."""
     try:
         from triton.runtime import interpreter as it
     except ImportError:
@@ -25,4 +33,14 @@ def index_compat() -> None:
         return original(self, obj, name, value)
 
     scope.set_attr = set_attr
+    original_dot = it.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.is_floating() and a.dtype.primitive_bitwidth > 8 and b.dtype.primitive_bitwidth > 8:
+            acc = d.data.dtype
+            prod = np.einsum("...ik,...kj->...ij", a.data.astype(acc), b.data.astype(acc), optimize=False)
+            return it.TensorHandle(prod + d.data, d.dtype.scalar)
+        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)  # integer dots are exact
+
+    it.InterpreterBuilder.create_dot = create_dot
     scope._muser_compat = True
