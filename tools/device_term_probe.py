@@ -80,16 +80,21 @@ def probe(rows: list[int]) -> dict:
     bucket = {1: 8, 16: 16}
     out: list[dict] = []
     g = torch.Generator(device="cpu").manual_seed(5)
-    for e in table:
-        for T in rows:
-            if e["rows"] != bucket[T]:
-                continue
-            fmt = G[e["fmt"]]
-            raw = random_bytes(fmt, e["n_out"], e["n_in"], 3)
-            w = repack("t", fmt, e["n_out"], e["n_in"], torch.from_numpy(raw.copy()).to("cuda"))
-            act = qmatmul_i8.quantize_act(torch.randn(T, e["n_in"], generator=g).to("cuda"), G.Q8_K)
-            y64 = torch.empty(T, e["n_out"], device="cuda")
-            y32 = torch.empty(T, e["n_out"], device="cuda")
+    shapes: dict = {}
+    for e in table:  # one random weight a shape, every row count of it timed on that weight
+        shapes.setdefault((e["fmt"], e["n_out"], e["n_in"]), []).append(e)
+    for (fmt_name, n_out, n_in), entries in shapes.items():
+        todo = [(T, e) for T in rows for e in entries if e["rows"] == bucket[T]]
+        if not todo:
+            continue
+        fmt = G[fmt_name]
+        raw = random_bytes(fmt, n_out, n_in, 3)
+        w = repack("t", fmt, n_out, n_in, torch.from_numpy(raw.copy()).to("cuda"))
+        del raw
+        for T, e in todo:
+            act = qmatmul_i8.quantize_act(torch.randn(T, n_in, generator=g).to("cuda"), G.Q8_K)
+            y64 = torch.empty(T, n_out, device="cuda")
+            y32 = torch.empty(T, n_out, device="cuda")
             r = {k: e[k] for k in ("fmt", "n_out", "n_in", "path", "config")} | {
                 "rows": T, "split": e.get("split"), "stream": e.get("stream", 0)}
             try:
@@ -108,8 +113,8 @@ def probe(rows: list[int]) -> dict:
                 r["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
             print(json.dumps(r), flush=True)
             out.append(r)
-            del w, act, y64, y32
-            torch.cuda.empty_cache()
+        del w
+        torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(), "edits": EDITS, "rows": out}
 
 
@@ -133,7 +138,7 @@ def sass() -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--rows", default="1,16")
+    ap.add_argument("--rows", default="16,1")
     ap.add_argument("--sass", action="store_true", help="compile the copy's loops for sm_90 here and count them")
     a = ap.parse_args(argv)
     if a.sass:
