@@ -31,8 +31,9 @@ def _distinct(v: np.ndarray) -> bool:
 
 def partial_sort_desc(key: np.ndarray, seg: np.ndarray, m: int, exact: bool = True) -> np.ndarray:
     """std::partial_sort(seg, seg + m, seg_end, [](a, b){ return key[a] > key[b]; }):
-    the first m handles of the result (handles index `key`). With exact=False, equal keys may
-    come out in any order (the caller checks afterwards that this cannot matter)."""
+    the first m handles of the result (handles index `key`). With exact=False, equal keys come
+    out in handle order rather than libstdc++'s (the caller checks afterwards that this cannot
+    change the pick), the same on every machine."""
     n = seg.size
     m = min(m, n)
     if m <= 0:
@@ -43,7 +44,9 @@ def partial_sort_desc(key: np.ndarray, seg: np.ndarray, m: int, exact: bool = Tr
         part = np.argpartition(vals, n - m)[n - m :]
         vm = vals[part].min()  # the m-th largest value
         if not exact or (int(np.count_nonzero(vals >= vm)) == m and _distinct(vals[part])):
-            top = part if identity else seg[part]
+            # ties by position, as below: argpartition leaves equal keys in an order of its own,
+            # which differs between numpy's SIMD builds (AVX-512 and AVX2 machines)
+            top = np.sort(part if identity else seg[part])
             return top[np.argsort(-key[top], kind="stable")]
     elif not exact or _distinct(vals):
         return seg[np.argsort(-vals, kind="stable")]
