@@ -12,6 +12,7 @@
 #                                [--profile-lanes exact,fast] [--profile-depths LIST] [--profile-rows 1,16]
 #                                [--profile-modes eager,graph] [--profile-pdl on,off,N] [--profile-acts tails,separate]
 #                                [--cli-lanes exact,fast] [--counters-shape FMT:N_OUT:N_IN,...] [--counters-lanes exact,fast]
+#                                [--attn-sweeps exact,f16,splits]
 #                                STAGE...
 #
 # --reuse-gates takes a wide Gate 2 receipt of this tree and lane from an earlier call on this
@@ -65,9 +66,15 @@
 #   serve    muser bench serve --device cuda at 1/4/16 clients on the full Q4_K file when it is
 #            written (else, or when that run fails, the shipped micro model), the CUDA
 #            llama-server beside it when built (or the one --llama-server names)
-#   attn     python3 tools/device_attn.py --sweep: attention at the engine's shape, both operand
-#            kinds, against attend_ref, row invariance, decode and 16-row times, the exact pass under
-#            each launch choice; DIR/attention_before.py, when carried, timed beside it, 150 s
+#   attn     python3 tools/device_attn.py: attention at the engine's shape, both operand kinds,
+#            against attend_ref, row invariance, decode and 16-row times at depths 64 and 32,768, and
+#            the sweeps of --attn-sweeps (default exact: the exact pass under each launch choice;
+#            f16: the f16 passes under each (rows a program, keys a block, warps); splits: the f16
+#            passes under each split length); DIR/attention_before.py, when carried, timed beside
+#            it, 200 s; named before gate and speed it runs while the wide gate is computed
+#   term     python3 tools/device_term_probe.py: each tuning-table route of the integer lane at
+#            1 and 16 rows beside a copy with float32 block terms (what the float64 terms cost a
+#            call; timings only, the copy is not a lane), 200 s; synthetic weights, no fixture
 #   profile  python3 tools/device_profile.py on the full Q4_K file, --profile-lanes (exact,fast):
 #            eager and/or graph steps (--profile-modes) of --profile-rows (1,16) rows at
 #            --profile-depths (the first depth) under the torch profiler (GPU time per kernel,
@@ -98,7 +105,7 @@ cd "$(dirname "$0")/.."
 DRY=0 CARRY=.device/gpubench DEADLINE=585 LLAMA_SERVER="" DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
 KIND_BOX=150 KVPACK_BOX=420 REUSE_GATES=0 GATES_ONLY=0 LANE=exact KINDS=decode,prefill,verify
 STAGES=() KLANE="" KARGS=() INSTALL_TUNING=0 PLANES=exact,fast PDEPTHS="" PROWS=1,16 PMODES=eager,graph PPDL=on PACTS=tails
-CLI_LANES=exact,fast CSHAPE=Q4_K:39936:6656 CLANES=exact,fast
+CLI_LANES=exact,fast CSHAPE=Q4_K:39936:6656 CLANES=exact,fast ASWEEPS=exact
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu-dry) DRY=1 ;;
@@ -135,7 +142,10 @@ while [ $# -gt 0 ]; do
     --counters-lanes) CLANES=${2:?--counters-lanes exact,fast}; shift
                       [[ "$CLANES" =~ ^(exact|fast)(,(exact|fast))*$ ]] || {
                         echo "--counters-lanes $CLANES: expected a comma-separated list of exact, fast" >&2; exit 2; } ;;
-    build|fixture|kernels|attn|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile|cli|counters) STAGES+=("$1") ;;
+    --attn-sweeps) ASWEEPS=${2:?--attn-sweeps exact,f16,splits}; shift
+                   [[ "$ASWEEPS" =~ ^(exact|f16|splits)(,(exact|f16|splits))*$ ]] || {
+                     echo "--attn-sweeps $ASWEEPS: expected a comma-separated list of exact, f16, splits" >&2; exit 2; } ;;
+    build|fixture|kernels|attn|term|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile|cli|counters) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
   shift
@@ -435,8 +445,14 @@ PYEOF
       if [ $DRY = 1 ]; then run_stage attn 150 20 $PY tools/device_attn.py --smoke --json "$R/attn-cpu.json"
       else
         before=(); [ -s "$CARRY/attention_before.py" ] && before=(--before "$CARRY/attention_before.py")
-        run_stage attn 150 30 $PY tools/device_attn.py --sweep --reps 100 --json "$R/attn-cuda.json" "${before[@]}"
+        sweeps=(); for sw in ${ASWEEPS//,/ }; do
+          case $sw in exact) sweeps+=(--sweep) ;; f16) sweeps+=(--sweep-f16) ;; splits) sweeps+=(--sweep-splits) ;; esac; done
+        run_stage attn 200 30 $PY tools/device_attn.py --depths 64,32768 "${sweeps[@]}" --reps 100 \
+            --json "$R/attn-cuda.json" "${before[@]}"
       fi ;;
+    term)
+      if [ $DRY = 1 ]; then run_stage term 120 10 $PY tools/device_term_probe.py --sass
+      else run_stage term 200 30 $PY tools/device_term_probe.py --json "$R/term-probe-cuda.json"; fi ;;
     kvpack)
       if ! wait_for "$W/full.done" $(( DEADLINE - 120 )) || [ ! -s "$FULL" ]; then
         record kvpack - 0 "no $FULL"; continue; fi
