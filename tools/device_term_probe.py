@@ -143,7 +143,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.sass:
         return sass()
-    res = probe([int(x) for x in a.rows.split(",")])
+    rows = [int(x) for x in a.rows.split(",")]
+    if not rows or any(r not in (1, 16) for r in rows):
+        ap.error(f"--rows {a.rows!r}: the table's one-row and 16-row buckets are 1 and 16")
+    res = probe(rows)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
     return 0 if not any("error" in r for r in res["rows"]) else 1

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 
-def test_a_rows_dot_does_not_depend_on_its_place_in_m():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_rows_dot_does_not_depend_on_its_place_in_m(dtype):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("a property of the interpreter's tl.dot; compiled kernels run one mma order per element")
     import triton
@@ -22,14 +23,14 @@ def test_a_rows_dot_does_not_depend_on_its_place_in_m():
         m = tl.arange(0, M)[:, None]
         k = tl.arange(0, K)
         n = tl.arange(0, N)[None, :]
-        x = tl.load(a + m * K + k[None, :])  # [M, K] f16
-        y = tl.load(b + k[:, None] * N + n)  # [K, N] f16
+        x = tl.load(a + m * K + k[None, :])  # [M, K] f16 or bf16
+        y = tl.load(b + k[:, None] * N + n)  # [K, N]
         tl.store(c + m * N + n, tl.dot(x, y, tl.zeros([M, N], tl.float32)))
 
     g = torch.Generator().manual_seed(3)
     M, K, N = 64, 128, 32  # the f16 attention's dot at the engine's shape: 4 rows x 16 heads, head_dim 128
-    a = torch.randn(M, K, generator=g).half()
-    b = torch.randn(K, N, generator=g).half()
+    a = torch.randn(M, K, generator=g).to(dtype)
+    b = torch.randn(K, N, generator=g).to(dtype)
     moved = torch.zeros_like(a)
     moved[:16] = a[48:]  # the same 16 rows first, the rest zero (a group's idle rows)
     c1, c2 = torch.empty(M, N), torch.empty(M, N)

@@ -19,6 +19,7 @@ def interpreter_compat() -> None:
       order per element (einsum's sum of products along k, the same loop for every (i, j)); the
       accumulator is added after, as the interpreter does."""
     try:
+        import triton.language as tl
         from triton.runtime import interpreter as it
     except ImportError:
         return
@@ -35,10 +36,15 @@ def interpreter_compat() -> None:
     scope.set_attr = set_attr
     original_dot = it.InterpreterBuilder.create_dot
 
+    def values(h, acc):  # the interpreter holds bf16 as its uint16 bit patterns
+        if h.dtype == tl.bfloat16:
+            return (h.data.astype(np.uint32) << 16).view(np.float32).astype(acc)
+        return h.data.astype(acc)
+
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if a.dtype.is_floating() and a.dtype.primitive_bitwidth > 8 and b.dtype.primitive_bitwidth > 8:
             acc = d.data.dtype
-            prod = np.einsum("...ik,...kj->...ij", a.data.astype(acc), b.data.astype(acc), optimize=False)
+            prod = np.einsum("...ik,...kj->...ij", values(a, acc), values(b, acc), optimize=False)
             return it.TensorHandle(prod + d.data, d.dtype.scalar)
         return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)  # integer dots are exact
 
