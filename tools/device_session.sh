@@ -72,9 +72,6 @@
 #            f16: the f16 passes under each (rows a program, keys a block, warps); splits: the f16
 #            passes under each split length); DIR/attention_before.py, when carried, timed beside
 #            it, 200 s; named before gate and speed it runs while the wide gate is computed
-#   term     python3 tools/device_term_probe.py: each tuning-table route of the integer lane at
-#            1 and 16 rows beside a copy with float32 block terms (what the float64 terms cost a
-#            call; timings only, the copy is not a lane), 200 s; synthetic weights, no fixture
 #   profile  python3 tools/device_profile.py on the full Q4_K file, --profile-lanes (exact,fast):
 #            eager and/or graph steps (--profile-modes) of --profile-rows (1,16) rows at
 #            --profile-depths (the first depth) under the torch profiler (GPU time per kernel,
@@ -145,7 +142,7 @@ while [ $# -gt 0 ]; do
     --attn-sweeps) ASWEEPS=${2:?--attn-sweeps exact,f16,splits}; shift
                    [[ "$ASWEEPS" =~ ^(exact|f16|splits)(,(exact|f16|splits))*$ ]] || {
                      echo "--attn-sweeps $ASWEEPS: expected a comma-separated list of exact, f16, splits" >&2; exit 2; } ;;
-    build|fixture|kernels|attn|term|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile|cli|counters) STAGES+=("$1") ;;
+    build|fixture|kernels|attn|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile|cli|counters) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
   shift
@@ -450,9 +447,6 @@ PYEOF
         run_stage attn 200 30 $PY tools/device_attn.py --depths 64,32768 "${sweeps[@]}" --reps 100 \
             --json "$R/attn-cuda.json" "${before[@]}"
       fi ;;
-    term)
-      if [ $DRY = 1 ]; then run_stage term 120 10 $PY tools/device_term_probe.py --sass
-      else run_stage term 200 30 $PY tools/device_term_probe.py --json "$R/term-probe-cuda.json"; fi ;;
     kvpack)
       if ! wait_for "$W/full.done" $(( DEADLINE - 120 )) || [ ! -s "$FULL" ]; then
         record kvpack - 0 "no $FULL"; continue; fi

@@ -18,7 +18,7 @@ PROMPT = [6 + (i * 37) % 370 for i in range(120)]
 
 # The CPU exact lane is row-invariant (engine/kernels/cpu.c: every output element reduced in one
 # fixed order whatever the row count), and so is the fast lane (integer block sums, one fixed
-# f64 block order: quant/dot.py), so a sequence stepped with others is bitwise the same as the
+# block order: quant/dot.py), so a sequence stepped with others is bitwise the same as the
 # sequence run alone.
 
 

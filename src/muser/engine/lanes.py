@@ -15,8 +15,9 @@
 * fast (the integer lane): every projection, at every row count, on both devices, computes
   `muser.quant.dot.matmul_ggml` bit for bit: the activations are converted to the weight type's
   vec_dot_type (Q8_K per 256 for the K-quants, Q8_0 per 32 for Q8_0/Q4_0/NVFP4), integer block
-  sums, per-block float64 terms summed in block order, one f32 rounding (ggml-cpu quants.c
-  ggml_vec_dot_*). CUDA: kernels/qtile_i8.py for the K-quants (int8 tensor-core tiles with the
+  sums, per-block terms summed in two fixed levels in block order (K-quants: float32 terms and
+  sums; Q8_0/Q4_0/NVFP4: float64, one f32 rounding), ggml-cpu quants.c ggml_vec_dot_*'s
+  products in one fixed order. CUDA: kernels/qtile_i8.py for the K-quants (int8 tensor-core tiles with the
   operands unpacked in registers; checked bitwise against qmatmul_i8 on the device before it
   serves) on the tiling the device sweep's table (kernels/i8_tuning.json) gives each shape,
   kernels/qwide_i8.py for the Q4_K/Q5_K prefill chunks that table routes there, kernels/qmatmul_i8.py for

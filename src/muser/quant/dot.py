@@ -14,14 +14,21 @@ Exact (bit-identical to ggml):
   - every f16 x f16 and bf16 x bf16 product (exact in float32).
 May differ from ggml by float reassociation only: ggml accumulates scale * int into eight
 float32 FMA lanes and reduces them with hadd (the SIMD accumulation order, and for repacked
-weights or llamafile's tinyBLAS a different tiling); here each block's term is formed in float64
-(float32 scale x integer, exact; the K-quants' two products added once) and the terms are summed
-in float64 in two fixed levels (`_chunk_sum`): within each chunk of CHUNK_ELEMS elements from
-+0.0 one block after another, then the chunk sums from +0.0 in chunk order; then rounded to
-float32 once. (The chunks let a GPU kernel give each chunk its own program, so a one-row call
-has enough programs to keep memory busy; the order is the same for every row count.) The difference from ggml is a few float32 ulps of the row sum. The fixed order is
-the contract of the engine's integer lane (engine/kernels/qmatmul_i8.py reproduces it bit for
-bit on CUDA, whatever the row count or tiling).
+weights or llamafile's tinyBLAS a different tiling); here the terms are summed in two fixed
+levels (`_chunk_sum`): within each chunk of CHUNK_ELEMS elements from +0.0 one block after
+another, then the chunk sums from +0.0 in chunk order. (The chunks let a GPU kernel give each
+chunk its own program, so a one-row call has enough programs to keep memory busy; the order is
+the same for every row count.)
+  - K-quants (256-element blocks): each term in float32, every step rounded once and none fused:
+    f32(sumi) * d + f32(summ) * dmin (Q6_K: f32(sumi) * d), the sums in float32. ggml's own
+    arithmetic is float32 too; the terms are float32 because the int8 tensor-core tile's
+    conversions to and from float64 sat in its loop's dependency chain (bench/NOTES.md, "The
+    float64 terms and the split lengths measured").
+  - Q8_0, Q4_0, NVFP4 (32- and 16-element blocks): each term f64(scale) * f64(isum), exact, the
+    sums in float64, rounded to float32 once.
+The difference from ggml is a few float32 ulps of the row sum. The fixed order is the contract of
+the engine's integer lane (engine/kernels/qmatmul_i8.py reproduces it bit for bit on CUDA,
+whatever the row count or tiling).
 """
 
 from __future__ import annotations
@@ -144,19 +151,19 @@ def codes_nbytes(t: G, n_out: int, n_in: int) -> int:
     return 4 * n_out * n_in + 8 * n_out * (n_in // 16)
 
 
-# Elements per chunk of the two-level float64 sum (module docstring; kernels/qmatmul_i8.py).
+# Elements per chunk of the two-level sum (module docstring; kernels/qmatmul_i8.py).
 CHUNK_ELEMS = 1024
 
 
-def _chunk_sum(term, nb: int, block_elems: int, shape) -> np.ndarray:
-    """float64 [T, O] from the terms of blocks 0 .. nb-1 (term(b) -> float64 [T, O]): per chunk of
+def _chunk_sum(term, nb: int, block_elems: int, shape, dtype=F64) -> np.ndarray:
+    """`dtype` [T, O] from the terms of blocks 0 .. nb-1 (term(b) -> `dtype` [T, O]): per chunk of
     CHUNK_ELEMS // block_elems blocks, part = +0.0 then part + term(b) in block order; then
     acc = +0.0 and acc + part for the chunks in order (one fixed order, so a kernel that adds the
     same terms the same way gets the same bits)."""
     per = CHUNK_ELEMS // block_elems
-    acc = np.zeros(shape, dtype=F64)
+    acc = np.zeros(shape, dtype=dtype)
     for c0 in range(0, nb, per):
-        part = np.zeros(shape, dtype=F64)
+        part = np.zeros(shape, dtype=dtype)
         for b in range(c0, min(nb, c0 + per)):
             part = part + term(b)
         acc = acc + part
@@ -192,16 +199,16 @@ def _dot_q8_K(wc: dict, a: Q8KActivation, t: G) -> np.ndarray:
     sc = wc["sc"].transpose(1, 2, 0).astype(F64)  # [nb, j, O]
     if t == G.Q6_K:
         isum = _int_dots(a.qs.reshape(T, nb * 16, 16), wc["q"]).reshape(nb, 16, T, O)
-        sumi = (isum * sc[:, :, None, :]).sum(axis=1)  # exact integers  [nb, T, O]
-        return _block_sum(d, sumi, 256)
+        sumi = (isum * sc[:, :, None, :]).sum(axis=1).astype(F32)  # exact integers, rounded once  [nb, T, O]
+        return _chunk_sum(lambda b: sumi[b] * d[b], nb, 256, (T, O), F32)
     isum = _int_dots(a.qs.reshape(T, nb * 8, 32), wc["q"]).reshape(nb, 8, T, O)
-    sumi = (isum * sc[:, :, None, :]).sum(axis=1)
+    sumi = (isum * sc[:, :, None, :]).sum(axis=1).astype(F32)  # exact integers, rounded once
     bs = a.bsums.reshape(T, nb, 8, 2).astype(np.int64).sum(axis=3)  # per 32: bsums[2j] + bsums[2j+1]
     m = wc["m"].transpose(1, 2, 0).astype(F64)  # [nb, j, O]
-    summ = np.matmul(bs.transpose(1, 0, 2).astype(F64), m)  # [nb, T, O]: integers, exact in f64
+    summ = np.matmul(bs.transpose(1, 0, 2).astype(F64), m).astype(F32)  # [nb, T, O]: integers, rounded once
     dmin = ((-a.d).T[:, :, None] * wc["dmin"].T[:, None, :]).astype(F32)  # -y.d * fp16(x.dmin)
-    # as _block_sum, the term of a K-quant block being its two products added once
-    return _chunk_sum(lambda b: d[b].astype(F64) * sumi[b] + dmin[b].astype(F64) * summ[b], nb, 256, (T, O))
+    # float32 numpy arithmetic: each product and the one addition rounded once, nothing fused
+    return _chunk_sum(lambda b: sumi[b] * d[b] + summ[b] * dmin[b], nb, 256, (T, O), F32)
 
 
 def matmul_ggml(weight_bytes: np.ndarray, t: G, x: np.ndarray) -> np.ndarray:

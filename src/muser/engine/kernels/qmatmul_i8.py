@@ -20,12 +20,14 @@ Arithmetic (the integer lane's contract, ggml-cpu's vec_dot with one fixed float
    sums they need from one more dot against ones (all exact, in int32).
    The K-quant scale combine (sum_j sc_j * isum_j, the mins against the Q8_K bsums) stays in int32
    (Q4_K/Q5_K |sumi| < 2^27, Q6_K < 2^28).
-3. Each block's term is formed in float64 as dot.py forms it: Q8_0/Q4_0 f64(f32(wd * ad)) * isum
-   per 32-block; Q4_K/Q5_K f64(f32(ad * wd)) * sumi + f64(f32(-ad * dmin)) * summ per 256-block;
-   Q6_K f64(f32(ad * wd)) * sumi per 256-block (products and the one addition each rounded once).
-4. The terms are summed in float64 in two fixed levels (dot._chunk_sum): per chunk of
-   dot.CHUNK_ELEMS elements, +0.0 then + term block by block; then +0.0 and + each chunk's sum in
-   chunk order; rounded to f32 once at the store. Calls of <= SPLIT_ROWS rows give every chunk
+3. Each block's term is formed as dot.py forms it: Q8_0/Q4_0 f64(f32(wd * ad)) * isum per
+   32-block, in float64; Q4_K/Q5_K f32(sumi) * f32(ad * wd) + f32(summ) * f32(-ad * dmin) per
+   256-block, Q6_K f32(sumi) * f32(ad * wd), in float32 (each conversion, product and the one
+   addition rounded once).
+4. The terms are summed in their type (ACC: float64 for Q8_0/Q4_0, float32 for the K-quants) in
+   two fixed levels (dot._chunk_sum): per chunk of dot.CHUNK_ELEMS elements, +0.0 then + term
+   block by block; then +0.0 and + each chunk's sum in chunk order; rounded to f32 at the store
+   (float64 sums). Calls of <= SPLIT_ROWS rows give every chunk
    its own program (a one-row call has N / BN x chunks programs) and add the chunk sums in
    `_chunk_reduce_kernel`; wider calls walk the chunks in one program.
    Kernels launch with enable_fp_fusion=False, so no step contracts into an FMA.
@@ -36,7 +38,7 @@ Arithmetic (the integer lane's contract, ggml-cpu's vec_dot with one fixed float
 
 Why every row's bits are independent of the batch (row invariance by construction): an output
 (t, n) depends only on activation row t and weight row n; its integer sums are exact whatever
-the tile shape, and its float steps (one rounding per scale product, per f64 product and per
+the tile shape, and its float steps (one rounding per scale product, per term product and per
 addition, in block order) are the same for every BM/BN/num_warps/num_stages and every row count.
 So a one-row decode, a 16-row verify and a 500-row prefill chunk give a row the same bits, and
 configs change speed only.
@@ -265,8 +267,8 @@ if HAVE_TRITON:
     @triton.jit
     def _term(FMT: tl.constexpr, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, row, tok, nmask, mmask, K,
               BM: tl.constexpr, BN: tl.constexpr):
-        """The float64 term [BM, BN] of weight block b (Q8_0/Q4_0: a 32-block; K-quants: a 256-block),
-        formed as dot.py forms it."""
+        """The term [BM, BN] of weight block b (Q8_0/Q4_0: a 32-block, float64; K-quants: a
+        256-block, float32), formed as dot.py forms it."""
         k = tl.arange(0, 32)
         if FMT <= 1:  # Q8_0 / Q4_0: w0 qs, w1 d; one 32-block per step
             nb = K // 32
@@ -340,7 +342,7 @@ if HAVE_TRITON:
             wm = tl.load(w2 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
             dd = a_d[:, None] * wd[None, :]  # f32: y.d * fp16(x.d)
             dm = (-a_d)[:, None] * wm[None, :]  # f32: -y.d * fp16(x.dmin)
-            term = (dd.to(tl.float64) * sumi.to(tl.float64) + dm.to(tl.float64) * summ.to(tl.float64))
+            term = sumi.to(tl.float32) * dd + summ.to(tl.float32) * dm
         else:  # Q6_K: w0 ql, w1 qh, w2 sc, w3 d
             nb = K // 256
             ones = tl.full([32, BN], 1, tl.int8)
@@ -387,14 +389,14 @@ if HAVE_TRITON:
             a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
             wd = tl.load(w3 + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
             dd = a_d[:, None] * wd[None, :]  # f32: y.d * fp16(x.d)
-            term = dd.to(tl.float64) * sumi.to(tl.float64)
+            term = sumi.to(tl.float32) * dd
         return term
 
     @triton.jit(do_not_specialize=["T"])
     def _qmatmul_i8_kernel(aq, ad, ab, y, part, w0, w1, w2, w3, w4, w5, N, K, T, sy,
                            FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CB: tl.constexpr,
-                           SPLIT: tl.constexpr):
-        """y [T, N] (or, SPLIT over several chunks, the chunk sums part [n_chunks, T, N] f64):
+                           SPLIT: tl.constexpr, ACC: tl.constexpr):
+        """y [T, N] (or, SPLIT over several chunks, the chunk sums part [n_chunks, T, N] in ACC):
         chunks of CB blocks (dot.CHUNK_ELEMS elements), each summed from +0.0 in block order,
         then the chunks from +0.0 in chunk order (dot._chunk_sum). SPLIT: program_id(2) is the
         chunk (a one-row call gets N / BN x n_chunks programs); otherwise each program walks the
@@ -410,7 +412,7 @@ if HAVE_TRITON:
         omask = mmask[:, None] & nmask[None, :]
         if SPLIT:
             c = tl.program_id(2)
-            acc = tl.zeros([BM, BN], dtype=tl.float64)  # +0.0 (dot._chunk_sum)
+            acc = tl.zeros([BM, BN], dtype=ACC)  # +0.0 (dot._chunk_sum)
             for b in range(c * CB, tl.minimum(nb, c * CB + CB)):
                 acc = acc + _term(FMT, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, row, tok, nmask, mmask, K, BM, BN)
             if nch == 1:  # +0.0 + acc is acc (acc is never -0.0: it starts at +0.0)
@@ -418,9 +420,9 @@ if HAVE_TRITON:
             else:
                 tl.store(part + (c * T + tok[:, None]) * N + n[None, :], acc, mask=omask)
         else:
-            tot = tl.zeros([BM, BN], dtype=tl.float64)
+            tot = tl.zeros([BM, BN], dtype=ACC)
             for c in range(0, nch):
-                acc = tl.zeros([BM, BN], dtype=tl.float64)
+                acc = tl.zeros([BM, BN], dtype=ACC)
                 for b in range(c * CB, tl.minimum(nb, c * CB + CB)):
                     acc = acc + _term(FMT, b, aq, ad, ab, w0, w1, w2, w3, w4, w5, row, tok, nmask, mmask, K,
                                       BM, BN)
@@ -437,7 +439,7 @@ if HAVE_TRITON:
         ok = i < T * N
         t = i // N
         n = i % N
-        acc = tl.zeros([BLOCK], dtype=tl.float64)
+        acc = tl.zeros([BLOCK], dtype=part.dtype.element_ty)
         for c in tl.static_range(NCH):
             acc = acc + tl.load(part + c * T * N + i, mask=ok, other=0.0)
         tl.store(y + t * sy + n, acc.to(tl.float32), mask=ok)
@@ -500,6 +502,12 @@ def check_call(w: QWeight, act: Act, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
+def sum_dtype(fmt: G) -> torch.dtype:
+    """The type a format's block terms and sums are formed in (dot.py): float32 for the K-quants'
+    256-blocks, float64 for the 32-block formats."""
+    return torch.float64 if G(fmt) in (G.Q8_0, G.Q4_0) else torch.float32
+
+
 def matmul_i8_act(w: QWeight, act: Act, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
     """Quantized activations [T, K] x weight [N, K] -> f32 [T, N] (y = x @ W^T), bitwise
     matmul_ggml. `out` may be a column slice of a wider output (unit column stride);
@@ -517,11 +525,13 @@ def matmul_i8_act(w: QWeight, act: Act, out: torch.Tensor | None = None, config=
     nch = triton.cdiv(w.n_in // blk, cb)
     split = T <= SPLIT_ROWS  # decode and verify: one program per chunk (enough programs for one row)
     part = out  # never read unless split over several chunks
+    acc = sum_dtype(w.fmt)
     if split and nch > 1:
-        part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
+        part = torch.empty((nch, T, N), dtype=acc, device=out.device)
     grid = (triton.cdiv(N, bn), triton.cdiv(T, bm), nch if split else 1)
     _qmatmul_i8_kernel[grid](act.qs, act.d, bs, out, part, *ptrs, N, w.n_in, T, out.stride(0),
-                             FMT=_CODE[w.fmt], BM=bm, BN=bn, CB=cb, SPLIT=split, num_warps=nw, num_stages=ns,
+                             FMT=_CODE[w.fmt], BM=bm, BN=bn, CB=cb, SPLIT=split,
+                             ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=nw, num_stages=ns,
                              enable_fp_fusion=False)
     if split and nch > 1:
         reduce_chunks(part, out)
@@ -529,10 +539,11 @@ def matmul_i8_act(w: QWeight, act: Act, out: torch.Tensor | None = None, config=
 
 
 def reduce_chunks(part: torch.Tensor, out: torch.Tensor) -> None:
-    """out[t, n] = f32(+0.0 + part[0, t, n] + part[1, t, n] + ...): the chunk sums f64
-    [n_chunks, T, N] of a split call added in chunk order (dot._chunk_sum's second level)."""
+    """out[t, n] = f32(+0.0 + part[0, t, n] + part[1, t, n] + ...): the chunk sums [n_chunks, T, N]
+    of a split call (in `sum_dtype` of the weight's format) added in chunk order, in their type
+    (dot._chunk_sum's second level)."""
     nch, T, N = part.shape
-    rb = 256  # two f64 a thread and chunk: a 20-chunk sum keeps its 40 loads in flight in registers
+    rb = 256  # two sums a thread and chunk: a 20-chunk sum keeps its 40 loads in flight in registers
     _chunk_reduce_kernel[(triton.cdiv(T * N, rb),)](part, out, N, T, out.stride(0), NCH=nch, BLOCK=rb, num_warps=4,
                                                      enable_fp_fusion=False, **gdc.kwargs(out))
 

@@ -32,13 +32,13 @@ Arithmetic (dot.py's, one fixed float order; the integer steps are exact whateve
   cores: a second IMMA per sub-block against the same activation operand, its weight operand the
   row's 6-bit m_j in every code slot (one byte permute of the m word), accumulating over the
   sub-blocks: sum_j sum_k m_j x_jk is the same integer as sum_j m_j bsum32_j, without a multiply
-  per output and sub-block or the bsum32 loads; the block term
-  f64(f32(ad * wd)) * f64(sumi) + f64(f32(-ad * wmin)) * f64(summ), each step rounded once.
+  per output and sub-block or the bsum32 loads; the block term, in float32,
+  f32(sumi) * f32(ad * wd) + f32(summ) * f32(-ad * wmin), each step rounded once.
 - Q6_K: per 16-element sub-block one IMMA against the activations with the other half loaded as
   zeros (a masked load; the zeros add nothing), sumi = sum_s sc_s isum_s (|sumi| < 2^28), term
-  f64(f32(ad * wd)) * f64(sumi).
-- The terms are summed in f64 per chunk of dot.CHUNK_ELEMS elements from +0.0 in block order,
-  then the chunks from +0.0 in chunk order, rounded to f32 at the store. Calls of <= SPLIT_ROWS
+  f32(sumi) * f32(ad * wd).
+- The terms are summed in f32 per chunk of dot.CHUNK_ELEMS elements from +0.0 in block order,
+  then the chunks from +0.0 in chunk order. Calls of <= SPLIT_ROWS
   rows give each chunk its own program and add the chunk sums with qmatmul_i8's reduce launch.
 Launched with enable_fp_fusion=False: no multiply and add contract into an FMA. A one-row launch
 takes programmatic dependent launch on sm_90 (gdc.py; `_after_prior` is the kernel's first step).
@@ -514,7 +514,7 @@ if HAVE_GLUON:
               bptr, bmask, bmask_lo, bmask_hi, stok, stm, w0, w1, w2, w3, w4, w5, arow, kw, amask, srow, snm,
               arow1, anm1, PF: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, mma: gl.constexpr,
               la: gl.constexpr):
-        """The float64 term [BN, BM] of 256-block b, formed as dot.py forms it. PF: its weight side
+        """The float32 term [BN, BM] of 256-block b, formed as dot.py forms it. PF: its weight side
         as _load read it an iteration ahead (v*, e*, f*); otherwise each word is loaded where it is
         used (fewer registers live: the 128-row tiles keep their loop out of local memory)."""
         nb = K // 256
@@ -559,7 +559,7 @@ if HAVE_GLUON:
             wm = f1.to(gl.float32)
             dd = wd[:, None] * a_d[None, :]  # f32: y.d * fp16(x.d)
             dm = wm[:, None] * (-a_d)[None, :]  # f32: -y.d * fp16(x.dmin)
-            term = dd.to(gl.float64) * sumi.to(gl.float64) + dm.to(gl.float64) * summ.to(gl.float64)
+            term = sumi.to(gl.float32) * dd + summ.to(gl.float32) * dm
         else:  # Q6_K
             for hh in gl.static_range(2):  # 128-element halves
                 if not PF:
@@ -597,14 +597,14 @@ if HAVE_GLUON:
                 f0 = gl.load(w3 + srow * nb + b, mask=snm, other=0.0)
             wd = f0.to(gl.float32)
             dd = wd[:, None] * a_d[None, :]
-            term = dd.to(gl.float64) * sumi.to(gl.float64)
+            term = sumi.to(gl.float32) * dd
         return term
 
     @gluon.jit
     def _qtile_kernel(aq, ad, y, part, w0, w1, w2, w3, w4, w5, N, K, T, sy,
                      FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr,
                      CB: gl.constexpr, SPLIT: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr):
-        """y [T, N] f32 (or, SPLIT over several chunks, part [n_chunks, T, N] f64): program (c, i, j)
+        """y [T, N] f32 (or, SPLIT over several chunks, part [n_chunks, T, N] f32): program (c, i, j)
         takes activation rows i*BM.. and weight rows j*BN.. (and, SPLIT, chunk c; else c is 0)."""
         _after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -658,7 +658,7 @@ if HAVE_GLUON:
         if SPLIT:
             c = gl.program_id(0)
             b1 = gl.minimum(nb, c * CB + CB)
-            acc = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
+            acc = gl.zeros([BN, BM], gl.float32, layout=mma)  # +0.0 (dot._chunk_sum)
             for b in range(b0, b1):
                 if PF:
                     n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3, h0, h1 = _load(
@@ -669,13 +669,13 @@ if HAVE_GLUON:
                 if PF:
                     v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1 = n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3, h0, h1
             if (nb + CB - 1) // CB == 1:  # +0.0 + acc is acc (acc starts at +0.0, never -0.0)
-                gl.store(y + stok[None, :] * sy + srow[:, None], acc.to(gl.float32), mask=omask)
+                gl.store(y + stok[None, :] * sy + srow[:, None], acc, mask=omask)
             else:
                 gl.store(part + (c * T + stok[None, :]) * N + srow[:, None], acc, mask=omask)
         else:
-            tot = gl.zeros([BN, BM], gl.float64, layout=mma)
+            tot = gl.zeros([BN, BM], gl.float32, layout=mma)
             for c in range(0, (nb + CB - 1) // CB):
-                acc = gl.zeros([BN, BM], gl.float64, layout=mma)
+                acc = gl.zeros([BN, BM], gl.float32, layout=mma)
                 for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
                     if PF:  # runs on across chunk boundaries
                         n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3, h0, h1 = _load(
@@ -687,7 +687,7 @@ if HAVE_GLUON:
                         v0, v1, v2, v3, v4, v5, e0, e1, e2, e3, f0, f1 = (n0_, n1_, n2_, n3_, n4_, n5_, g0, g1, g2, g3,
                                                                           h0, h1)
                 tot = tot + acc
-            gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
+            gl.store(y + stok[None, :] * sy + srow[:, None], tot, mask=omask)
 
     # --- the ring variant: a program's next blocks copied into shared memory ahead of its IMMAs ---
 
@@ -759,7 +759,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _ring_term(FMT: gl.constexpr, slot, wq, wh, xa, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16,
                    BN: gl.constexpr, BM: gl.constexpr, mma: gl.constexpr, la: gl.constexpr, lb: gl.constexpr):
-        """The float64 term [BN, BM] of the block in ring slot `slot`: _term's arithmetic, operands in
+        """The float32 term [BN, BM] of the block in ring slot `slot`: _term's arithmetic, operands in
         ggml's own element order (both sides alike) read from shared memory."""
         zero = gl.zeros([BN, BM], gl.int32, layout=mma)
         sumi = gl.zeros([BN, BM], gl.int32, layout=mma)
@@ -780,7 +780,7 @@ if HAVE_GLUON:
             wm = f1.to(gl.float32)
             dd = wd[:, None] * a_d[None, :]  # f32: y.d * fp16(x.d)
             dm = wm[:, None] * (-a_d)[None, :]  # f32: -y.d * fp16(x.dmin)
-            term = dd.to(gl.float64) * sumi.to(gl.float64) + dm.to(gl.float64) * summ.to(gl.float64)
+            term = sumi.to(gl.float32) * dd + summ.to(gl.float32) * dm
         else:
             for hh in gl.static_range(2):  # 128-element halves
                 h = wh.index(slot).slice(32 * hh, 32, dim=1).load(la)  # qh bytes 32 hh + k
@@ -798,7 +798,7 @@ if HAVE_GLUON:
                         sumi = sumi + ih * sh_[:, None]
             wd = f0.to(gl.float32)
             dd = wd[:, None] * a_d[None, :]
-            term = dd.to(gl.float64) * sumi.to(gl.float64)
+            term = sumi.to(gl.float32) * dd
         return term
 
     @gluon.jit
@@ -910,7 +910,7 @@ if HAVE_GLUON:
             # from 0 here its registers rose from 168 to 245: two programs an SM, not three)
             for ci in range(0, c_hi - c_lo):
                 c = c_lo + ci
-                acc = gl.zeros([BN, BM], gl.float64, layout=mma)
+                acc = gl.zeros([BN, BM], gl.float32, layout=mma)
                 for bi in range(0, gl.minimum(nb - c * CB, CB)):
                     term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
                         FMT, c * CB + bi, b0, b1, S, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow,
@@ -923,7 +923,7 @@ if HAVE_GLUON:
                     gl.store(part + (c * T + stok[None, :]) * N + srow[:, None], acc, mask=omask)
         else:
             for c in range(c_lo, c_hi):
-                acc = gl.zeros([BN, BM], gl.float64, layout=mma)
+                acc = gl.zeros([BN, BM], gl.float32, layout=mma)
                 for b in range(c * CB, gl.minimum(nb, c * CB + CB)):
                     term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
                         FMT, b, b0, b1, S, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm,
@@ -937,7 +937,7 @@ if HAVE_GLUON:
     def _ring_kernel(aq, ad, y, part, c0, c1, s0, s1, s2, s3, N, K, T, sy,
                      FMT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, CB: gl.constexpr,
                      SPLIT: gl.constexpr, CG: gl.constexpr, S: gl.constexpr, PDL: gl.constexpr):
-        """_qtile_kernel's output (the same terms, the same f64 additions in the same order) with a
+        """_qtile_kernel's output (the same terms, the same f32 additions in the same order) with a
         ring of S shared-memory slots: a block's code bytes and activation codes are copied
         (cp.async) S - 1 blocks before its IMMAs, so a warp waits on a copy issued S - 1 iterations
         earlier, not on its own loads; the small fields (scales, d) are loaded one block ahead.
@@ -967,7 +967,7 @@ if HAVE_GLUON:
         e0, e1, e2, e3, f0, f1, a_d = _ring_small(FMT, b0, b0 < b1, s0, s1, s2, s3, ad, K, srow, snm, arow1, anm1,
                                                   stok, stm)
         if SPLIT and CG == 1:  # its own loop: no store in it (462 against 526 instructions a block, sm_90)
-            acc = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
+            acc = gl.zeros([BN, BM], gl.float32, layout=mma)  # +0.0 (dot._chunk_sum)
             for b in range(b0, b1):
                 term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
                     FMT, b, b0, b1, S, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm,
@@ -975,7 +975,7 @@ if HAVE_GLUON:
                     mma, la, lb)
                 acc = acc + term
         elif SPLIT:
-            acc = gl.zeros([BN, BM], gl.float64, layout=mma)  # +0.0 (dot._chunk_sum)
+            acc = gl.zeros([BN, BM], gl.float32, layout=mma)  # +0.0 (dot._chunk_sum)
             for b in range(b0, b1):  # one loop, as CG 1's: the chunk's partial stored at its last block
                 term, e0, e1, e2, e3, f0, f1, a_d = _ring_block(
                     FMT, b, b0, b1, S, c0, c1, s0, s1, s2, s3, aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm,
@@ -984,20 +984,20 @@ if HAVE_GLUON:
                 acc = acc + term
                 if ((b + 1) % CB == 0) | (b + 1 == b1):  # nch > 1 (the launcher): chunk b // CB's partial
                     gl.store(part + ((b // CB) * T + stok[None, :]) * N + srow[:, None], acc, mask=omask)
-                    acc = gl.zeros([BN, BM], gl.float64, layout=mma)
+                    acc = gl.zeros([BN, BM], gl.float32, layout=mma)
         else:
             tot, e0, e1, e2, e3, f0, f1, a_d = _ring_chunks(
-                FMT, gl.zeros([BN, BM], gl.float64, layout=mma), 0, nch, nb, b0, b1, S, CB, c0, c1, s0, s1, s2, s3,
+                FMT, gl.zeros([BN, BM], gl.float32, layout=mma), 0, nch, nb, b0, b1, S, CB, c0, c1, s0, s1, s2, s3,
                 aq, ad, K, wq, wh, xa, qrow, qk, qm, hrow, hk, hm, xrow, xk, xm, srow, snm, arow1, anm1, stok, stm, e0,
                 e1, e2, e3, f0, f1, a_d, lo16, hi16, BN, BM, mma, la, lb, False, True, part, N, T, omask)
         async_copy.wait_group(0)
         if SPLIT and CG == 1:
             if nch == 1:  # +0.0 + acc is acc (acc starts at +0.0, never -0.0)
-                gl.store(y + stok[None, :] * sy + srow[:, None], acc.to(gl.float32), mask=omask)
+                gl.store(y + stok[None, :] * sy + srow[:, None], acc, mask=omask)
             else:
                 gl.store(part + (gl.program_id(0) * T + stok[None, :]) * N + srow[:, None], acc, mask=omask)
         elif not SPLIT:
-            gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
+            gl.store(y + stok[None, :] * sy + srow[:, None], tot, mask=omask)
 
 
     @gluon.jit
@@ -1009,7 +1009,7 @@ if HAVE_GLUON:
         tot = gl.load(at + (h - 1) * T * N, mask=omask, other=0.0, cache_modifier=".cg")
         for c in range(h, NCH):
             tot = tot + gl.load(at + c * T * N, mask=omask, other=0.0, cache_modifier=".cg")
-        gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
+        gl.store(y + stok[None, :] * sy + srow[:, None], tot, mask=omask)
 
     @gluon.jit
     def _ring_sk_kernel(aq, ad, y, part, cnt, c0, c1, s0, s1, s2, s3, N, K, T, sy, U,
@@ -1022,7 +1022,7 @@ if HAVE_GLUON:
         slots idle (the waves probe, bench/NOTES.md), and a shape of fewer tiles than slots still
         fills them. A whole tile is walked and stored as the walk does. Of a tile shared by several
         programs, the one with its first chunks folds them from +0.0 in chunk order and stores the
-        running sum (part [NCH, T, N] f64, at its last chunk's place); the others store each of
+        running sum (part [NCH, T, N] f32, at its last chunk's place); the others store each of
         their chunks' sums there; each then arrives at the tile's counter (cnt[t]), and the last to
         arrive, whichever it is, adds the stored sums onto the running one in chunk order (_sk_fold),
         stores the output and sets the counter back to 0 for the next call. The fold order is the
@@ -1054,12 +1054,12 @@ if HAVE_GLUON:
                                                       stok, stm)
             # the tile's first chunks folded here from +0.0 (dot._chunk_sum); later ones stored one by one
             tot, e0, e1, e2, e3, f0, f1, a_d = _ring_chunks(
-                FMT, gl.zeros([BN, BM], gl.float64, layout=mma), c_lo, c_hi, nb, b0, b1, S, CB, c0, c1, s0, s1, s2,
+                FMT, gl.zeros([BN, BM], gl.float32, layout=mma), c_lo, c_hi, nb, b0, b1, S, CB, c0, c1, s0, s1, s2,
                 s3, aq, ad, K, wq, wh, xa, qrow, qk2, qm, hrow, hk2, hm, xrow, xk2, xm, srow, snm, arow1, anm1, stok,
                 stm, e0, e1, e2, e3, f0, f1, a_d, lo16, hi16, BN, BM, mma, la, lb, True, c_lo == 0, part, N, T, omask)
             async_copy.wait_group(0)
             if (c_lo == 0) & (c_hi == NCH):  # a whole tile
-                gl.store(y + stok[None, :] * sy + srow[:, None], tot.to(gl.float32), mask=omask)
+                gl.store(y + stok[None, :] * sy + srow[:, None], tot, mask=omask)
             else:
                 if c_lo == 0:  # the running sum through chunk c_hi - 1
                     gl.store(part + ((c_hi - 1) * T + stok[None, :]) * N + srow[:, None], tot, mask=omask)
@@ -1146,7 +1146,7 @@ def matmul_tile(w: QWeight, act, out: torch.Tensor | None = None, config=None,
     split = T <= SPLIT_ROWS if split is None else bool(split)
     part = out  # never read unless split over several chunks
     if split and nch > 1:
-        part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
+        part = torch.empty((nch, T, N), dtype=torch.float32, device=out.device)
     grid = (nch if split else 1, -(-T // bm), -(-N // bn))  # chunks fastest (the kernel's note)
     _qtile_kernel[grid](act.qs.view(torch.int64), act.d, out, part, *ptrs, N, w.n_in, T, out.stride(0),
                        FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb, SPLIT=split, PF=pf, num_warps=nw,
@@ -1202,7 +1202,7 @@ def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16
         # their threads (left alone the segment loop's indices took the kernel to 253 registers,
         # two programs an SM; capped at 168 a few values outside the ring's loop go to local memory)
         n_prog = min(tiles * nch, programs if programs is not None else stream * _sms(out.device))
-        part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)  # shared tiles' chunk sums
+        part = torch.empty((nch, T, N), dtype=torch.float32, device=out.device)  # shared tiles' chunk sums
         _ring_sk_kernel[(n_prog,)](aq, act.d, out, part, sk_counters(out.device, tiles), c0, c1, s0, s1, s2, s3, N,
                                    w.n_in, T, out.stride(0), tiles * nch, FMT=_CODE[w.fmt], BN=bn, BM=bm, NW=nw, CB=cb,
                                    NCH=nch, S=s, num_warps=nw, enable_fp_fusion=False,
@@ -1210,7 +1210,7 @@ def matmul_ring(w: QWeight, act, out: torch.Tensor | None = None, config=(64, 16
         return out
     part = out
     if split and nch > 1:
-        part = torch.empty((nch, T, N), dtype=torch.float64, device=out.device)
+        part = torch.empty((nch, T, N), dtype=torch.float32, device=out.device)
     else:
         group = 1  # one chunk: the program stores it as the output (the grouped kernel writes partials only)
     grid = (-(-nch // group) if split else 1, -(-T // bm), -(-N // bn))

@@ -16,10 +16,10 @@ and the offset comes back through the activations' 32-sums: + 16 sum_j sc_j bsum
 term sum_j m_j bsum32_j and that correction are small dots (K = 8, padded to 32) whose
 activation side, |bsum32| <= 4064, enters as two int8 digits: bsum32 = 64 bh + bl (bl in 0..63,
 bh in -64..63). Every integer is exact in int32 (|sumi| < 2^26), so the float steps see the
-integers `qmatmul_i8` sees, and they are its steps: per 256-block f64(f32(y.d * x.d)) * sumi +
-f64(f32(-y.d * x.dmin)) * summ, each product and the addition rounded once (enable_fp_fusion
-off), summed from +0.0 per 1,024-element chunk in block order and the chunks from +0.0 in chunk
-order, one f32 rounding at the store. So a row's bits are the lane's at every row count and
+integers `qmatmul_i8` sees, and they are its steps: per 256-block, in float32,
+f32(sumi) * f32(y.d * x.d) + f32(summ) * f32(-y.d * x.dmin), each conversion, product and the
+addition rounded once (enable_fp_fusion off), summed in float32 from +0.0 per 1,024-element chunk
+in block order and the chunks from +0.0 in chunk order. So a row's bits are the lane's at every row count and
 tiling (row invariance by construction), and the tests hold them to matmul_ggml.
 
 Layout read (weights.repack fields): qs u8 [N, nb*128] (byte 32c + i: element 64c + i in its low
@@ -78,13 +78,6 @@ if HAVE_TRITON:
         hi = tl.dot(bh, wv, out_dtype=tl.int32)
         return tl.dot(bl, wv, acc=hi * 64, out_dtype=tl.int32)
 
-    @triton.jit
-    def _f64_of(i):
-        """int32 -> float64 exactly without the conversion unit (a quarter of the FP64 rate on
-        sm_90): the bits of 2^52 + 2^51 plus i are the double 2^52 + 2^51 + i (|i| < 2^51 stays in
-        that binade, one unit a step); subtracting 2^52 + 2^51 is exact (Sterbenz)."""
-        return (i.to(tl.int64) + 0x4338000000000000).to(tl.float64, bitcast=True) - 6755399441055744.0
-
     @triton.jit(do_not_specialize=["T"])
     def _qwide_kernel(aq, ad, ab, y, qs, wd, wdm, wsc, wm, wqh, N, K, T, sy,
                       FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CB: tl.constexpr):
@@ -103,9 +96,9 @@ if HAVE_TRITON:
         j = e // 32  # its sub-block
         j32 = tl.arange(0, 32)  # the small dots' K: sub-blocks 0..7, then zeros
         jm = j32 < 8
-        tot = tl.zeros([BM, BN], dtype=tl.float64)
+        tot = tl.zeros([BM, BN], dtype=tl.float32)
         for c in range(0, (nb + CB - 1) // CB):
-            acc = tl.zeros([BM, BN], dtype=tl.float64)  # +0.0 (dot._chunk_sum)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)  # +0.0 (dot._chunk_sum)
             for b in range(c * CB, tl.minimum(nb, c * CB + CB)):
                 a = tl.load(aq + tok[:, None] * K + b * 256 + e[None, :], mask=mmask[:, None], other=0)  # [BM, 256]
                 wb = tl.load(qs + row[None, :] * (nb * 128) + b * 128 + byte[:, None], mask=nmask[None, :],
@@ -133,9 +126,9 @@ if HAVE_TRITON:
                 dm = tl.load(wdm + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
                 dd = a_d[:, None] * d[None, :]  # f32: y.d * fp16(x.d)
                 mm = (-a_d)[:, None] * dm[None, :]  # f32: -y.d * fp16(x.dmin)
-                acc = acc + (dd.to(tl.float64) * _f64_of(s) + mm.to(tl.float64) * _f64_of(summ))
+                acc = acc + (s.to(tl.float32) * dd + summ.to(tl.float32) * mm)
             tot = tot + acc
-        tl.store(y + tok[:, None] * sy + n[None, :], tot.to(tl.float32), mask=mmask[:, None] & nmask[None, :])
+        tl.store(y + tok[:, None] * sy + n[None, :], tot, mask=mmask[:, None] & nmask[None, :])
 
 
 def matmul_wide(w: QWeight, act, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
