@@ -11,15 +11,12 @@ the exact lane's exact-split tf32 dots; f16 operands: the fast lane's):
    invariance and its decode time, so the shipped choice is read off a table; with --sweep-f16,
    the f16-operand passes under each (rows per program, keys per block, warps), the same way;
    with --sweep-splits, the f16-operand passes under each split length of the layer kind
-   (SPLIT_SLIDING or SPLIT_FULL: how many partials a row's keys make, the merge's work); with
-   --sweep-fold, the f16-operand passes with the second pass's partials folded per reduce lane
-   from each number of row groups (FOLD_MIN_GROUPS 1, 2, 4 and never: the same bits, checked);
+   (SPLIT_SLIDING or SPLIT_FULL: how many partials a row's keys make, the merge's work);
 5. with --before FILE, the same calls through another attention module (a copy of an earlier
    kernels/attention.py), timed beside the current one, both operand kinds.
 
     PYTHONPATH=src python3 tools/device_attn.py [--depths 2048,32768] [--json PATH] [--sweep]
-                                                [--sweep-f16] [--sweep-splits] [--sweep-fold]
-                                                [--before FILE]
+                                                [--sweep-f16] [--sweep-splits] [--before FILE]
     PYTHONPATH=src python3 tools/device_attn.py --smoke   # CPU, Triton interpreter, depth 40
 """
 from __future__ import annotations
@@ -54,7 +51,6 @@ H, N_KV, D = 32, 2, 128
 SCALE = 0.0883883
 SWEEP = [(bs, w, st) for bs in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
 SWEEP_SPLITS = {"sliding": (32, 64, 128, 256, 512), "full": (128, 256, 512, 1024, 2048)}
-SWEEP_FOLD = (1, 2, 4, 10**9)  # FOLD_MIN_GROUPS; 10**9: never
 SWEEP_F16 = [(rg, bs, 4) for rg in (1, 2, 4, 8) for bs in (16, 32, 64)] + [(4, 16, 8), (4, 32, 8), (8, 32, 8)]
 
 
@@ -113,8 +109,6 @@ def main(argv=None) -> int:
                     help="time the f16-operand passes under each (rows per program, keys per block, warps)")
     ap.add_argument("--sweep-splits", action="store_true",
                     help="time the f16-operand passes under each split length of the layer kind")
-    ap.add_argument("--sweep-fold", action="store_true",
-                    help="time the f16-operand passes with the partials folded from each number of row groups")
     ap.add_argument("--before", default=None, help="another attention module file, timed beside this one")
     ap.add_argument("--smoke", action="store_true", help="CPU under the Triton interpreter, depth 40, 1 rep")
     a = ap.parse_args(argv)
@@ -126,7 +120,6 @@ def main(argv=None) -> int:
     shipped = (att.BLOCK_EXACT, dict(att.PARTIAL_LAUNCH))
     shipped_f16 = (att.ROW_GROUP_F16, att.BLOCK, dict(att.F16_LAUNCH))
     shipped_splits = (att.SPLIT_SLIDING, att.SPLIT_FULL)
-    shipped_fold = att.FOLD_MIN_GROUPS
     for depth in (int(x) for x in a.depths.split(",")):
         for sliding in (True, False):
             kp, vp, cap, win = _case(depth, sliding, g)
@@ -210,19 +203,6 @@ def main(argv=None) -> int:
                     print("  sweep " + json.dumps(c), flush=True)
                     sweep.append(c)
                 att.SPLIT_SLIDING, att.SPLIT_FULL = shipped_splits
-            if a.sweep_fold:
-                ref16 = _run(att, *block, True)()
-                for fg in SWEEP_FOLD:
-                    att.FOLD_MIN_GROUPS = fg
-                    c = checks(True)
-                    c.update({"f16": True, "fold_min_groups": fg, "layer": r["layer"], "depth": depth,
-                              "block_eq_shipped_block": _bits_equal(_run(att, *block, True)(), ref16),
-                              "decode_ms": _time(_run(att, *one, True), a.reps),
-                              "rows16_ms": _time(_run(att, *block, True), a.reps)})
-                    ok &= c["alone_eq_block"] and c["block_eq_shipped_block"]
-                    print("  sweep " + json.dumps(c), flush=True)
-                    sweep.append(c)
-                att.FOLD_MIN_GROUPS = shipped_fold
             if not a.sweep:
                 continue
             for bs, w, st in SWEEP:
@@ -244,7 +224,7 @@ def main(argv=None) -> int:
                        "shipped": {"block_exact": shipped[0], "partial_launch": shipped[1],
                                    "row_group_f16": shipped_f16[0], "block_f16": shipped_f16[1],
                                    "f16_launch": shipped_f16[2], "split_sliding": shipped_splits[0],
-                                   "split_full": shipped_splits[1], "fold_min_groups": shipped_fold},
+                                   "split_full": shipped_splits[1]},
                        "rows": rows, "sweep": sweep}, f, indent=1)
     return 0 if ok else 1
 

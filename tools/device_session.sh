@@ -12,7 +12,7 @@
 #                                [--profile-lanes exact,fast] [--profile-depths LIST] [--profile-rows 1,16]
 #                                [--profile-modes eager,graph] [--profile-pdl on,off,N] [--profile-acts tails,separate]
 #                                [--cli-lanes exact,fast] [--counters-shape FMT:N_OUT:N_IN,...] [--counters-lanes exact,fast]
-#                                [--attn-sweeps exact,f16,splits,fold,none]
+#                                [--attn-sweeps exact,f16,splits,none]
 #                                STAGE...
 #
 # --reuse-gates takes a wide Gate 2 receipt of this tree and lane from an earlier call on this
@@ -70,9 +70,9 @@
 #            against attend_ref, row invariance, decode and 16-row times at depths 64 and 32,768, and
 #            the sweeps of --attn-sweeps (default exact: the exact pass under each launch choice;
 #            f16: the f16 passes under each (rows a program, keys a block, warps); splits: the f16
-#            passes under each split length; fold: the second f16 pass's partials folded per reduce
-#            lane from each number of row groups; none: no sweep); DIR/attention_before.py, when carried, timed beside
-#            it, 200 s; named before gate and speed it runs while the wide gate is computed
+#            passes under each split length; none: no sweep); DIR/attention_before.py, when
+#            carried, timed beside it, 200 s; named before gate and speed it runs while the wide
+#            gate is computed
 #   profile  python3 tools/device_profile.py on the full Q4_K file, --profile-lanes (exact,fast):
 #            eager and/or graph steps (--profile-modes) of --profile-rows (1,16) rows at
 #            --profile-depths (the first depth) under the torch profiler (GPU time per kernel,
@@ -140,9 +140,9 @@ while [ $# -gt 0 ]; do
     --counters-lanes) CLANES=${2:?--counters-lanes exact,fast}; shift
                       [[ "$CLANES" =~ ^(exact|fast)(,(exact|fast))*$ ]] || {
                         echo "--counters-lanes $CLANES: expected a comma-separated list of exact, fast" >&2; exit 2; } ;;
-    --attn-sweeps) ASWEEPS=${2:?--attn-sweeps exact,f16,splits,fold,none}; shift
-                   [[ "$ASWEEPS" =~ ^(exact|f16|splits|fold|none)(,(exact|f16|splits|fold|none))*$ ]] || {
-                     echo "--attn-sweeps $ASWEEPS: expected a comma-separated list of exact, f16, splits, fold, none" >&2
+    --attn-sweeps) ASWEEPS=${2:?--attn-sweeps exact,f16,splits,none}; shift
+                   [[ "$ASWEEPS" =~ ^(exact|f16|splits|none)(,(exact|f16|splits|none))*$ ]] || {
+                     echo "--attn-sweeps $ASWEEPS: expected a comma-separated list of exact, f16, splits, none" >&2
                      exit 2; } ;;
     build|fixture|kernels|attn|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile|cli|counters) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
@@ -445,8 +445,7 @@ PYEOF
       else
         before=(); [ -s "$CARRY/attention_before.py" ] && before=(--before "$CARRY/attention_before.py")
         sweeps=(); for sw in ${ASWEEPS//,/ }; do
-          case $sw in exact) sweeps+=(--sweep) ;; f16) sweeps+=(--sweep-f16) ;; splits) sweeps+=(--sweep-splits) ;;
-                      fold) sweeps+=(--sweep-fold) ;; esac; done
+          case $sw in exact) sweeps+=(--sweep) ;; f16) sweeps+=(--sweep-f16) ;; splits) sweeps+=(--sweep-splits) ;; esac; done
         run_stage attn 200 30 $PY tools/device_attn.py --depths 64,32768 "${sweeps[@]}" --reps 100 \
             --json "$R/attn-cuda.json" "${before[@]}"
       fi ;;

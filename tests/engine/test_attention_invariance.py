@@ -154,8 +154,7 @@ def test_launch_config_does_not_depend_on_rows(kernels, monkeypatch, setup, f16o
     1, 2, 7, 13 or 16 rows; only the grid and the unspecialized r0 / NSP / window change. The
     kernels are replaced by recorders (nothing runs), so the check costs nothing under the
     interpreter and reads the very values the compiled launch would get. With f16 operands each
-    kernel runs once per pass: one configuration per (kernel, pass). FOLD may follow the rows: its
-    two forms give the same bits (test_folded_partials_equal_a_partial_a_split)."""
+    kernel runs once per pass: one configuration per (kernel, pass)."""
     _, att = kernels
     window, hm, dt, p, cap = setup
     seen: dict[str, dict[int, set]] = {}
@@ -171,7 +170,7 @@ def test_launch_config_does_not_depend_on_rows(kernels, monkeypatch, setup, f16o
                 skip = set(real.kwargs.get("do_not_specialize") or ())
                 ints = tuple((n, a == 1, a % 16 == 0) for n, a in zip(real.arg_names, args)
                              if isinstance(a, int) and not isinstance(a, bool) and n not in skip)
-                key = (ints, tuple(sorted((k, v) for k, v in kwargs.items() if k != "FOLD")))
+                key = (ints, tuple(sorted(kwargs.items())))
                 seen.setdefault((real.fn.__name__, kwargs["PASS"]), {}).setdefault(T, set()).add(key)
 
             return launch
@@ -190,38 +189,6 @@ def test_launch_config_does_not_depend_on_rows(kernels, monkeypatch, setup, f16o
     for name, by_rows in seen.items():
         assert all(len(v) == 1 for v in by_rows.values()), (name, by_rows)
         assert len(set.union(*by_rows.values())) == 1, (name, by_rows)
-
-
-# f16 planes with four or more splits a call: a fold needs two splits a reduce lane (`folds`)
-FOLD_SETUPS = [
-    (96, False, torch.float16, 230, 96),  # sliding ring wrapped twice, five 32-position splits
-    (96, True, torch.float16, 200, 96),  # head-major ring
-    (0, True, torch.float16, 150, 192),  # full plane, three to four 64-position splits a row
-]
-
-
-@pytest.mark.parametrize("setup", FOLD_SETUPS, ids=["sliding", "sliding-hm", "full"])
-@pytest.mark.parametrize("T", [16, 9, 4])
-def test_folded_partials_equal_a_partial_a_split(small_splits, monkeypatch, setup, T):
-    """The second f16 pass with each reduce lane's splits summed in its partial kernel (FOLD) and
-    with a partial a split summed by the reduce: every row of the call bitwise equal, and the
-    folded call folds (the reduce lanes hold several splits each at these small splits)."""
-    att = small_splits
-    window, hm, dt, p, cap = setup
-    hist = History(p + 16, dt, seed=p + 3)
-    p0 = p - T + 1
-    ol = _ring_ol(p0, cap) if window else 0
-    real, used = att.folds, []
-    monkeypatch.setattr(att, "folds", lambda *a: used.append(real(*a)) or used[-1])
-    monkeypatch.setattr(att, "FOLD_MIN_GROUPS", 1)
-    folded = _attend(att, hist, hm, window, p0, T, cap, ol, 5, f16ops=True)
-    assert True in used
-    used.clear()
-    monkeypatch.setattr(att, "FOLD_MIN_GROUPS", 10**9)
-    per_split = _attend(att, hist, hm, window, p0, T, cap, ol, 5, f16ops=True)
-    assert True not in used
-    assert torch.isfinite(folded).all()
-    assert torch.equal(_bits(folded), _bits(per_split))
 
 
 def test_default_splits_invariance_and_reference(kernels):

@@ -58,10 +58,7 @@ capacity:
   ascending order, and sums the lanes in one fixed-size tree.
   Only splits holding a key the row sees take part; masked keys and lanes weigh exactly 0.
   With f16 operands the first pass's reduce stores the row's (max, 1 / sum) instead, the second
-  pass recomputes the same scores, and its reduce sums the splits' P·V in the same lane order;
-  a launch of several row groups over many splits has each lane's sum formed by one partial
-  program instead (`folds`: the same additions in the same order, so the same bits, with a
-  quarter to a sixteenth of the partials written and read).
+  pass recomputes the same scores, and its reduce sums the splits' P·V in the same lane order.
 
 The grid is sized from bounds (the plane's capacity, or its length where the host knows it) and
 programs whose split holds nothing the row sees exit at once, so the launch shape never reaches
@@ -227,10 +224,6 @@ def block_len(S: int, f16_operands: bool) -> int:
     assert S % bs == 0, f"split of {S} positions is not a multiple of {bs}-key blocks"
     return bs
 REDUCE_CHUNK = 32  # split partials merged per step of the reduce
-# Row groups from which a launch's second f16 pass folds its partials per reduce lane (`folds`):
-# a 16-row call's four groups; a decoded row's one group keeps a program a split (the device's
-# SMs need the splits' programs at one row).
-FOLD_MIN_GROUPS = 4
 
 
 def split_len(window: int) -> int:
@@ -313,26 +306,65 @@ if HAVE_TRITON:
             return KV * D, D
 
     @triton.jit
-    def _split_partial(q, kn, vn, kp, vp, st_m, st_inv, s, g, r0, r, hh, live, pt, lo, ol, op, ln, cap, p0,
-                       H, scale, s_qt, s_qh, s_nt, s_nh, s_slot, s_head,
-                       HPK: tl.constexpr, HP: tl.constexpr, RG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                       S: tl.constexpr, PASS: tl.constexpr, SPLIT_KV: tl.constexpr):
-        # One split s (absolute index) for the group's lanes: -> (m, l, acc, sees), where sees
-        # [M] marks the lanes whose row sees a key of the split (the others' triple is the empty
-        # one: -inf, 0, 0). _attn_partial's PASS values.
+    def _store_partial(m_out, l_out, o_out, m_i, l_i, acc, r, H, head, NSP, k, keep, dd, D: tl.constexpr,
+                       PASS: tl.constexpr):
+        # a split's (m, l, acc) of the lanes in keep, as its pass writes them
+        row = (r * H + head) * NSP + k  # [M]
+        if PASS < 2:
+            tl.store(m_out + row, m_i, mask=keep)
+            tl.store(l_out + row, l_i, mask=keep)
+        if PASS != 1:
+            tl.store(o_out + row[:, None] * D + dd[None, :], acc, mask=keep[:, None])
+
+    @triton.jit(do_not_specialize=["r0", "NR", "NSP", "window"])
+    def _attn_partial(q, kn, vn, meta, pos, m_out, l_out, o_out, st_m, st_inv,
+                      r0, NR, H, NSP, window, scale,
+                      s_qt, s_qh, s_nt, s_nh,
+                      HPK: tl.constexpr, HP: tl.constexpr, RG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                      KV: tl.constexpr, HEAD_MAJOR: tl.constexpr, S: tl.constexpr, PASS: tl.constexpr,
+                      SPLIT_KV: tl.constexpr, PDL: tl.constexpr):
+        # PASS 0: f32 operands, online softmax -> (m, l, acc) per split; both dots on tf32 tensor
+        # cores with every product exact (_dot_exact; SPLIT_KV: f32 planes, K and V split too).
+        # f16 operands, PASS 1: (m, l) per split from f16 K·Q; PASS 2: p = f16(exp(s - m_row) *
+        # inv_row) with the row's reduced statistics (st_m, st_inv), acc = P·V per split.
+        # One program takes RG consecutive rows of the launch (a group; rows past NR idle) and one
+        # KV head: the dots' M is RG x HP lanes, lane m = row (m // HP), head (m % HP), so a key block
+        # is read once for the group's rows while each lane's arithmetic is the row-alone's (a row
+        # is masked off the blocks it does not see, and such a block changes none of its bits).
+        after_prior(PDL)  # gdc.py: the previous kernel done before the first read
+        g = tl.program_id(1)  # KV head
+        k = tl.program_id(2)  # split, counted from the launch's first
+        ol = tl.load(meta + 0).to(tl.int32)  # positions and offsets fit int32 (asserted by the host)
+        op = tl.load(meta + 1).to(tl.int32)
+        ln = tl.load(meta + 2).to(tl.int32)
+        cap = tl.load(meta + 3).to(tl.int32)
+        kp = _plane(meta, 4, kn)  # the session's K and V storage (plane_meta)
+        vp = _plane(meta, 5, vn)
+        s_slot, s_head = _plane_strides(cap, KV, D, HEAD_MAJOR)
+        p0 = tl.load(pos).to(tl.int32)
+        mm = tl.arange(0, RG * HP)
+        r = tl.program_id(0) * RG + mm // HP  # [M] the lane's row of this launch (row r0 + r of the call)
+        hh = mm % HP
+        live = r < NR
+        pt = p0 + r0 + r  # [M] the lane's row position
+        # the lowest visible key position: of the lane's row, and of the launch's first row
+        lo = tl.where(window > 0, tl.maximum(ol, pt - window + 1), ol)
+        lo_first = tl.where(window > 0, tl.maximum(ol, p0 + r0 - window + 1), ol)
+        s = lo_first // S + k  # absolute split index
         a = tl.maximum(lo, s * S)
         b = tl.minimum(pt + 1, s * S + S)  # [a, b): what the lane's row sees of split s
         sees = live & (a < b)
         # the group's rows see [a_g, b_g) of the split together (consecutive rows: one interval)
         a_g = tl.min(tl.where(sees, a, s * S + S), 0)
         b_g = tl.max(tl.where(sees, b, s * S), 0)
-        m_i = tl.full([RG * HP], float("-inf"), tl.float32)
-        l_i = tl.zeros([RG * HP], tl.float32)
-        acc = tl.zeros([RG * HP, D], tl.float32)
+        hmask = (hh < HPK) & live
+        dd = tl.arange(0, D)
+        head = g * HPK + hh
+        if PASS > 0:  # the f16 passes store after the branch below: the empty triple where not taken
+            m_i = tl.full([RG * HP], float("-inf"), tl.float32)
+            l_i = tl.zeros([RG * HP], tl.float32)
+            acc = tl.zeros([RG * HP, D], tl.float32)
         if a_g < b_g:
-            hmask = (hh < HPK) & live
-            dd = tl.arange(0, D)
-            head = g * HPK + hh
             qv = tl.load(q + (r0 + r)[:, None] * s_qt + head[:, None] * s_qh + dd[None, :], mask=hmask[:, None],
                          other=0.0)
             if PASS > 0:
@@ -342,6 +374,10 @@ if HAVE_TRITON:
                 st = r * H + head
                 m_row = tl.load(st_m + st, mask=hmask, other=0.0)
                 inv = tl.load(st_inv + st, mask=hmask, other=0.0)
+            if PASS == 0:
+                m_i = tl.full([RG * HP], float("-inf"), tl.float32)
+                l_i = tl.zeros([RG * HP], tl.float32)
+                acc = tl.zeros([RG * HP, D], tl.float32)
             cc = tl.arange(0, BS)
             pend = ol + ln  # the plane holds [ol, pend); the new rows start at p0
             blk0 = a_g // BS
@@ -387,132 +423,59 @@ if HAVE_TRITON:
                         pt16 = (tl.exp(sc - m_row[:, None]) * inv[:, None]).to(tl.float16)
                         vt = tl.load(tl.where(old[:, None], vp + po, vn + pn), mask=valid[:, None], other=0.0)
                         acc += tl.dot(pt16, vt, out_dtype=tl.float32)  # [M, D]
-        return m_i, l_i, acc, sees
-
-    @triton.jit(do_not_specialize=["r0", "NR", "NSP", "window"])
-    def _attn_partial(q, kn, vn, meta, pos, m_out, l_out, o_out, st_m, st_inv,
-                      r0, NR, H, NSP, window, scale,
-                      s_qt, s_qh, s_nt, s_nh,
-                      HPK: tl.constexpr, HP: tl.constexpr, RG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                      KV: tl.constexpr, HEAD_MAJOR: tl.constexpr, S: tl.constexpr, PASS: tl.constexpr,
-                      SPLIT_KV: tl.constexpr, FOLD: tl.constexpr, SC: tl.constexpr, PDL: tl.constexpr):
-        # PASS 0: f32 operands, online softmax -> (m, l, acc) per split; both dots on tf32 tensor
-        # cores with every product exact (_dot_exact; SPLIT_KV: f32 planes, K and V split too).
-        # f16 operands, PASS 1: (m, l) per split from f16 K·Q; PASS 2: p = f16(exp(s - m_row) *
-        # inv_row) with the row's reduced statistics (st_m, st_inv), acc = P·V per split.
-        # One program takes RG consecutive rows of the launch (a group; rows past NR idle) and one
-        # KV head: the dots' M is RG x HP lanes, lane m = row (m // HP), head (m % HP), so a key block
-        # is read once for the group's rows while each lane's arithmetic is the row-alone's (a row
-        # is masked off the blocks it does not see, and such a block changes none of its bits).
-        # Axis 2 is the split counted from the launch's first; with FOLD (PASS 2 only) it is the
-        # reduce's lane c instead: the program takes the splits s = c (mod SC) of the launch in
-        # ascending order and adds their P·V as _attn_reduce's lane c would (0 + o_s + o_s' + ...,
-        # a split the row does not see adding 0), so only SC partials a row and head are written.
-        after_prior(PDL)  # gdc.py: the previous kernel done before the first read
-        g = tl.program_id(1)  # KV head
-        k = tl.program_id(2)
-        ol = tl.load(meta + 0).to(tl.int32)  # positions and offsets fit int32 (asserted by the host)
-        op = tl.load(meta + 1).to(tl.int32)
-        ln = tl.load(meta + 2).to(tl.int32)
-        cap = tl.load(meta + 3).to(tl.int32)
-        kp = _plane(meta, 4, kn)  # the session's K and V storage (plane_meta)
-        vp = _plane(meta, 5, vn)
-        s_slot, s_head = _plane_strides(cap, KV, D, HEAD_MAJOR)
-        p0 = tl.load(pos).to(tl.int32)
-        mm = tl.arange(0, RG * HP)
-        r = tl.program_id(0) * RG + mm // HP  # [M] the lane's row of this launch (row r0 + r of the call)
-        hh = mm % HP
-        live = r < NR
-        pt = p0 + r0 + r  # [M] the lane's row position
-        # the lowest visible key position: of the lane's row, and of the launch's first row
-        lo = tl.where(window > 0, tl.maximum(ol, pt - window + 1), ol)
-        lo_first = tl.where(window > 0, tl.maximum(ol, p0 + r0 - window + 1), ol)
-        s0 = lo_first // S  # the launch's first split (absolute index)
-        head = g * HPK + hh
-        hmask = (hh < HPK) & live
-        dd = tl.arange(0, D)
-        if FOLD:
-            num = tl.zeros([RG * HP, D], tl.float32)
-            c0 = s0 // SC
-            for c in range(0, (s0 + NSP - 1) // SC + 1 - c0):
-                s = (c0 + c) * SC + k
-                if (s >= s0) & (s < s0 + NSP):
-                    _, _, acc, sees = _split_partial(
-                        q, kn, vn, kp, vp, st_m, st_inv, s, g, r0, r, hh, live, pt, lo, ol, op, ln, cap, p0,
-                        H, scale, s_qt, s_qh, s_nt, s_nh, s_slot, s_head,
-                        HPK, HP, RG, D, BS, S, PASS, SPLIT_KV)
-                    num += tl.where(sees[:, None], acc, 0.0)
-            tl.store(o_out + ((r * H + head) * SC + k)[:, None] * D + dd[None, :], num, mask=hmask[:, None])
-        else:
-            m_i, l_i, acc, sees = _split_partial(
-                q, kn, vn, kp, vp, st_m, st_inv, s0 + k, g, r0, r, hh, live, pt, lo, ol, op, ln, cap, p0,
-                H, scale, s_qt, s_qh, s_nt, s_nh, s_slot, s_head,
-                HPK, HP, RG, D, BS, S, PASS, SPLIT_KV)
-            row = (r * H + head) * NSP + k  # [M]
-            keep = hmask & sees
-            if PASS < 2:
-                tl.store(m_out + row, m_i, mask=keep)
-                tl.store(l_out + row, l_i, mask=keep)
-            if PASS != 1:
-                tl.store(o_out + row[:, None] * D + dd[None, :], acc, mask=keep[:, None])
+            if PASS == 0:
+                _store_partial(m_out, l_out, o_out, m_i, l_i, acc, r, H, head, NSP, k, hmask & sees, dd, D, PASS)
+        # the f16 passes store after the branch (keep is empty where it was not taken); the exact
+        # pass inside it: each placement was the faster for its pass on the H200 (bench/NOTES.md)
+        if PASS > 0:
+            _store_partial(m_out, l_out, o_out, m_i, l_i, acc, r, H, head, NSP, k, hmask & sees, dd, D, PASS)
 
     @triton.jit(do_not_specialize=["r0", "NSP", "window"])
     def _attn_reduce(m_in, l_in, o_in, out, st_m, st_inv, meta, pos, r0, H, NSP, window, s_ot, s_oh,
-                     D: tl.constexpr, S: tl.constexpr, SC: tl.constexpr, PASS: tl.constexpr, FOLD: tl.constexpr,
-                     PDL: tl.constexpr):
+                     D: tl.constexpr, S: tl.constexpr, SC: tl.constexpr, PASS: tl.constexpr, PDL: tl.constexpr):
         # PASS 0: out = sum_s o_s w_s / sum_s l_s w_s, w_s = exp(m_s - max). f16 operands:
-        # PASS 1 stores the row's (max, 1 / sum_s l_s w_s); PASS 2: out = sum_s o_s (p normalised),
-        # each of the SC lanes summing its splits (s = lane mod SC) in ascending order, the lanes
-        # then summed in one fixed tree; with FOLD the partial kernel has summed each lane already.
+        # PASS 1 stores the row's (max, 1 / sum_s l_s w_s); PASS 2: out = sum_s o_s (p normalised).
         after_prior(PDL)
         r = tl.program_id(0)
         h = tl.program_id(1)
-        if FOLD:
-            cl = tl.arange(0, SC)
-            dl = tl.arange(0, D)
-            lanes = tl.load(o_in + ((r * H + h) * SC + cl)[:, None] * D + dl[None, :])  # [SC, D]
-            tl.store(out + (r0 + r) * s_ot + h * s_oh + dl, tl.sum(lanes, 0))
-        else:
-            ol = tl.load(meta + 0).to(tl.int32)
-            p0 = tl.load(pos).to(tl.int32)
-            pt = p0 + r0 + r
-            lo = tl.where(window > 0, tl.maximum(ol, pt - window + 1), ol)
-            lo_first = tl.where(window > 0, tl.maximum(ol, p0 + r0 - window + 1), ol)
-            s_lo = lo // S  # the row's splits [s_lo, s_hi], none empty
-            s_hi = pt // S
-            base = (r * H + h) * NSP - lo_first // S  # + s: split s's partial
-            c0 = s_lo // SC
-            n_chunks = s_hi // SC + 1 - c0
-            cc = tl.arange(0, SC)
-            dd = tl.arange(0, D)
-            m_row = 0.0
-            if PASS < 2:  # PASS 2's partials are normalised already
-                mx = tl.full([SC], float("-inf"), tl.float32)
-                for i in range(0, n_chunks):
-                    s = (c0 + i) * SC + cc  # lane i of chunk c holds split c * SC + i
-                    ok = (s >= s_lo) & (s <= s_hi)
-                    mx = tl.maximum(mx, tl.load(m_in + base + s, mask=ok, other=float("-inf")))
-                m_row = tl.max(mx, 0)  # finite: row t always sees itself
-            den = tl.zeros([SC], tl.float32)
-            num = tl.zeros([SC, D], tl.float32)
-            for i2 in range(0, n_chunks):
-                s = (c0 + i2) * SC + cc
-                ok = (s >= s_lo) & (s <= s_hi)
-                if PASS == 2:
-                    num += tl.load(o_in + (base + s)[:, None] * D + dd[None, :], mask=ok[:, None], other=0.0)
-                else:
-                    w = tl.where(ok, tl.exp(tl.load(m_in + base + s, mask=ok, other=float("-inf")) - m_row), 0.0)
-                    den += tl.load(l_in + base + s, mask=ok, other=0.0) * w
-                    if PASS == 0:
-                        num += tl.load(o_in + (base + s)[:, None] * D + dd[None, :], mask=ok[:, None],
-                                       other=0.0) * w[:, None]
-            if PASS == 0:
-                tl.store(out + (r0 + r) * s_ot + h * s_oh + dd, tl.sum(num, 0) / tl.sum(den, 0))
-            elif PASS == 1:
-                tl.store(st_m + r * H + h, m_row)
-                tl.store(st_inv + r * H + h, 1.0 / tl.sum(den, 0))
+        ol = tl.load(meta + 0).to(tl.int32)
+        p0 = tl.load(pos).to(tl.int32)
+        pt = p0 + r0 + r
+        lo = tl.where(window > 0, tl.maximum(ol, pt - window + 1), ol)
+        lo_first = tl.where(window > 0, tl.maximum(ol, p0 + r0 - window + 1), ol)
+        s_lo = lo // S  # the row's splits [s_lo, s_hi], none empty
+        s_hi = pt // S
+        base = (r * H + h) * NSP - lo_first // S  # + s: split s's partial
+        c0 = s_lo // SC
+        n_chunks = s_hi // SC + 1 - c0
+        cc = tl.arange(0, SC)
+        dd = tl.arange(0, D)
+        mx = tl.full([SC], float("-inf"), tl.float32)
+        for i in range(0, n_chunks):
+            s = (c0 + i) * SC + cc  # lane i of chunk c holds split c * SC + i
+            ok = (s >= s_lo) & (s <= s_hi)
+            mx = tl.maximum(mx, tl.load(m_in + base + s, mask=ok, other=float("-inf")))
+        m_row = tl.max(mx, 0)  # finite: row t always sees itself
+        den = tl.zeros([SC], tl.float32)
+        num = tl.zeros([SC, D], tl.float32)
+        for i2 in range(0, n_chunks):
+            s = (c0 + i2) * SC + cc
+            ok = (s >= s_lo) & (s <= s_hi)
+            if PASS == 2:
+                num += tl.load(o_in + (base + s)[:, None] * D + dd[None, :], mask=ok[:, None], other=0.0)
             else:
-                tl.store(out + (r0 + r) * s_ot + h * s_oh + dd, tl.sum(num, 0))
+                w = tl.where(ok, tl.exp(tl.load(m_in + base + s, mask=ok, other=float("-inf")) - m_row), 0.0)
+                den += tl.load(l_in + base + s, mask=ok, other=0.0) * w
+                if PASS == 0:
+                    num += tl.load(o_in + (base + s)[:, None] * D + dd[None, :], mask=ok[:, None],
+                                   other=0.0) * w[:, None]
+        if PASS == 0:
+            tl.store(out + (r0 + r) * s_ot + h * s_oh + dd, tl.sum(num, 0) / tl.sum(den, 0))
+        elif PASS == 1:
+            tl.store(st_m + r * H + h, m_row)
+            tl.store(st_inv + r * H + h, 1.0 / tl.sum(den, 0))
+        else:
+            tl.store(out + (r0 + r) * s_ot + h * s_oh + dd, tl.sum(num, 0))
 
 
 class AttnScratch:
@@ -583,33 +546,21 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, hea
         nsp = _splits_over(_span(r0, r1, rows_bound, window), S)
         for ps in ((1, 2) if f16_operands else (0,)):
             rg = ROW_GROUP_F16 if ps else ROW_GROUP_EXACT
-            fold = folds(ps, triton.cdiv(r1 - r0, rg), nsp)
-            _attn_partial[(triton.cdiv(r1 - r0, rg), n_kv, REDUCE_CHUNK if fold else nsp)](
+            _attn_partial[(triton.cdiv(r1 - r0, rg), n_kv, nsp)](
                 q, k_new, v_new, meta, pos, sc.m, sc.l, sc.o, sc.st_m, sc.st_inv,
                 r0, r1 - r0, H, nsp, window, scale,
                 q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
                 HPK=hpk, HP=hp, RG=rg, D=D, BS=bs, KV=n_kv, HEAD_MAJOR=head_major, S=S, PASS=ps,
-                SPLIT_KV=k_new.dtype == torch.float32, FOLD=fold, SC=REDUCE_CHUNK,
-                **(PARTIAL_LAUNCH if ps == 0 else F16_LAUNCH), **gdc.kwargs(q))
+                SPLIT_KV=k_new.dtype == torch.float32, **(PARTIAL_LAUNCH if ps == 0 else F16_LAUNCH), **gdc.kwargs(q))
             _attn_reduce[(r1 - r0, H)](sc.m, sc.l, sc.o, out, sc.st_m, sc.st_inv, meta, pos, r0, H, nsp, window,
-                                       out.stride(0), out.stride(1), D=D, S=S, SC=REDUCE_CHUNK, PASS=ps, FOLD=fold,
+                                       out.stride(0), out.stride(1), D=D, S=S, SC=REDUCE_CHUNK, PASS=ps,
                                        num_warps=4, **gdc.kwargs(q))
     return out
 
 
-def folds(ps: int, groups: int, nsp: int) -> bool:
-    """Whether a launch's second f16 pass sums each reduce lane's splits in its partial kernel
-    (FOLD): with FOLD_MIN_GROUPS row groups or more and at least two splits a lane. Either form
-    gives the same bits (the same additions in the same order); the fold writes and reads
-    REDUCE_CHUNK partials a row and head instead of one a split (at depth 32,768 a 16-row
-    full-layer call's 34 MB), at the cost of fewer, longer programs: worth it only where the
-    groups fill the device and each lane has splits to sum (a sliding layer's ~33 do not)."""
-    return ps == 2 and groups >= FOLD_MIN_GROUPS and nsp >= 2 * REDUCE_CHUNK
-
-
-__all__ = ["BLOCK", "BLOCK_EXACT", "FOLD_MIN_GROUPS", "HAVE_TRITON", "META_FIELDS", "REDUCE_CHUNK", "ROW_GROUP_EXACT", "ROW_GROUP_F16",
+__all__ = ["BLOCK", "BLOCK_EXACT", "HAVE_TRITON", "META_FIELDS", "REDUCE_CHUNK", "ROW_GROUP_EXACT", "ROW_GROUP_F16",
            "SPLIT_FULL", "SPLIT_SLIDING",
-           "AttnScratch", "attend_ref", "attend_triton", "block_len", "folds", "plane_meta", "plane_meta_of", "plane_strides",
+           "AttnScratch", "attend_ref", "attend_triton", "block_len", "plane_meta", "plane_meta_of", "plane_strides",
            "split_count", "split_len"]
 
 
