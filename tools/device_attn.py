@@ -11,7 +11,7 @@ the exact lane's exact-split tf32 dots; f16 operands: the fast lane's):
    invariance and its decode time, so the shipped choice is read off a table; with --sweep-f16,
    the f16-operand passes under each (rows per program, keys per block, warps), the same way;
    with --sweep-splits, the f16-operand passes under each split length of the layer kind
-   (SPLIT_SLIDING or SPLIT_FULL_F16: how many partials a row's keys make, the merge's work);
+   (SPLIT_SLIDING or SPLIT_FULL: how many partials a row's keys make, the merge's work);
 5. with --before FILE, the same calls through another attention module (a copy of an earlier
    kernels/attention.py), timed beside the current one, both operand kinds.
 
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     rows, sweep, ok = [], [], True
     shipped = (att.BLOCK_EXACT, dict(att.PARTIAL_LAUNCH))
     shipped_f16 = (att.ROW_GROUP_F16, att.BLOCK, dict(att.F16_LAUNCH))
-    shipped_splits = (att.SPLIT_SLIDING, att.SPLIT_FULL_F16)
+    shipped_splits = (att.SPLIT_SLIDING, att.SPLIT_FULL)
     for depth in (int(x) for x in a.depths.split(",")):
         for sliding in (True, False):
             kp, vp, cap, win = _case(depth, sliding, g)
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
                     if sliding:
                         att.SPLIT_SLIDING = S
                     else:
-                        att.SPLIT_FULL_F16 = S
+                        att.SPLIT_FULL = S
                     try:  # the scratch is sized from split_count, which reads the split length
                         c = checks(True)
                         c.update({"f16": True, "split": S, "layer": r["layer"], "depth": depth,
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
                              "error": f"{type(e).__name__}: {str(e)[:200]}"}
                     print("  sweep " + json.dumps(c), flush=True)
                     sweep.append(c)
-                att.SPLIT_SLIDING, att.SPLIT_FULL_F16 = shipped_splits
+                att.SPLIT_SLIDING, att.SPLIT_FULL = shipped_splits
             if not a.sweep:
                 continue
             for bs, w, st in SWEEP:
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
                        "shipped": {"block_exact": shipped[0], "partial_launch": shipped[1],
                                    "row_group_f16": shipped_f16[0], "block_f16": shipped_f16[1],
                                    "f16_launch": shipped_f16[2], "split_sliding": shipped_splits[0],
-                                   "split_full": att.SPLIT_FULL, "split_full_f16": shipped_splits[1]},
+                                   "split_full": shipped_splits[1]},
                        "rows": rows, "sweep": sweep}, f, indent=1)
     return 0 if ok else 1
 

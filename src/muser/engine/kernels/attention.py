@@ -42,8 +42,7 @@ capacity:
 
 * keys go in blocks of BS positions [BS*b, BS*(b + 1)) (BS = BLOCK_EXACT, at most S, with f32
   operands; BLOCK with f16 operands; one step of the loop each) inside splits of S
-  positions [S*s, S*(s+1)), S = SPLIT_SLIDING on sliding layers and SPLIT_FULL (f32 operands)
-  or SPLIT_FULL_F16 (f16 operands) on full ones;
+  positions [S*s, S*(s+1)), S = SPLIT_SLIDING on sliding layers and SPLIT_FULL on full ones;
 * a key position below p0 is read from the plane at slot (origin_physical + pos -
   origin_logical) % capacity, one at or above p0 from the new rows (row pos - p0): the same
   value either way, so it does not matter which side of p0 a key fell in a given call;
@@ -191,15 +190,11 @@ def attend_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
 
 # Split lengths in positions (multiples of BLOCK). Sliding layers: 64, so a 2,048 window spreads
 # over ~33 programs per KV head (64-position splits took the depth-32,768 decode attention from
-# 3.85 to 2.21 ms: bench/NOTES.md item 9). Full layers, f32 operands (the exact lane): 256, so a
-# depth-32,768 decode still runs 258 programs (H200: 132 SMs) while a 131,072 context needs 514
-# partials per row, not 2,050. Full layers, f16 operands (the fast lane): 512, half the partials a
-# 16-row verify writes and merges at depth (H100 sweep at 32,768: 100.6 -> 87.1 us a layer call
-# at 16 rows, 33.8 -> 44.8 at one row; bench/NOTES.md "split lengths"). Each lane's lengths are
-# one for every row count; changing one changes that lane's bits (they fix the reduction order).
+# 3.85 to 2.21 ms: bench/NOTES.md item 9). Full layers: 256, so a depth-32,768 decode still runs
+# 258 programs (H200: 132 SMs) while a 131,072 context needs 514 partials per row, not 2,050.
+# Changing either changes the exact lane's bits (they fix the reduction order).
 SPLIT_SLIDING = 64
 SPLIT_FULL = 256
-SPLIT_FULL_F16 = 512
 # Keys per tl.dot step with f16 operands. With 4 rows a program and 4 warps, 32 keys beat 16 at
 # both depths and both row counts on the H100 sweep (tools/device_attn.py --sweep-f16, all 52
 # layers: depth 64, 0.642 / 0.817 ms at 1 / 16 rows against 0.676 / 0.851; depth 32,768, 0.958 /
@@ -231,12 +226,9 @@ def block_len(S: int, f16_operands: bool) -> int:
 REDUCE_CHUNK = 32  # split partials merged per step of the reduce
 
 
-def split_len(window: int, f16_operands: bool = False) -> int:
-    """Positions per split of a layer: SPLIT_SLIDING with a window; without one, SPLIT_FULL
-    (f32 operands) or SPLIT_FULL_F16 (f16 operands)."""
-    if window > 0:
-        return SPLIT_SLIDING
-    return SPLIT_FULL_F16 if f16_operands else SPLIT_FULL
+def split_len(window: int) -> int:
+    """Positions per split of a layer: SPLIT_SLIDING with a window, SPLIT_FULL without."""
+    return SPLIT_SLIDING if window > 0 else SPLIT_FULL
 
 
 def _span(r0: int, r1: int, plane_rows: int, window: int) -> int:
@@ -254,10 +246,9 @@ def _splits_over(n: int, s: int) -> int:
 
 
 def split_count(rows: int, capacity: int, window: int) -> int:
-    """Split programs per row that a call of `rows` rows over a plane of `capacity` can launch
-    with either operand kind (the shorter split length): the grid bound, and what AttnScratch's
-    `splits` must cover (not part of the arithmetic)."""
-    return _splits_over(_span(0, rows, capacity, window), min(split_len(window, f) for f in (False, True)))
+    """Split programs per row that a call of `rows` rows over a plane of `capacity` can launch:
+    the grid bound, and what AttnScratch's `splits` must cover (not part of the arithmetic)."""
+    return _splits_over(_span(0, rows, capacity, window), split_len(window))
 
 
 if HAVE_TRITON:
@@ -531,7 +522,7 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, hea
     assert D >= 16 and (D & (D - 1)) == 0, f"head_dim {D} must be a power of two >= 16"
     assert k_new.numel() < 2**31, "the kernel indexes in int32"
     assert rows_bound >= 0, f"rows_bound {rows_bound}"
-    S = split_len(window, f16_operands)
+    S = split_len(window)
     bs = block_len(S, f16_operands)
     units = scratch.rows * scratch.splits  # (row, split) partials per head the scratch holds
     assert scratch.m.numel() >= units * H and scratch.st_m.numel() >= units * H and scratch.o.numel() < 2**31
@@ -568,7 +559,7 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, hea
 
 
 __all__ = ["BLOCK", "BLOCK_EXACT", "HAVE_TRITON", "META_FIELDS", "REDUCE_CHUNK", "ROW_GROUP_EXACT", "ROW_GROUP_F16",
-           "SPLIT_FULL", "SPLIT_FULL_F16", "SPLIT_SLIDING",
+           "SPLIT_FULL", "SPLIT_SLIDING",
            "AttnScratch", "attend_ref", "attend_triton", "block_len", "plane_meta", "plane_meta_of", "plane_strides",
            "split_count", "split_len"]
 
