@@ -81,11 +81,6 @@ def pdl_order(ptx: str, name: str, arg_names: list[str], scalars: frozenset[str]
     return None
 
 
-# kernels whose launchers guarantee 16-byte-aligned pointers (they copy 16 bytes a thread with
-# cp.async): compiled as the JIT specializes them then (pointers 16-aligned, ints divisible by 16)
-ALIGNED = {"_ring_kernel", "_ring_sk_kernel"}
-
-
 class Recorder:
     def __init__(self):
         self.launches: dict[tuple, tuple] = {}
@@ -127,13 +122,18 @@ class Recorder:
                 sig[n] = "fp32"
             else:
                 raise TypeError(f"{fn.__name__}: argument {n!r} of type {type(v).__name__}")
+        # as the JIT specializes a launch (triton/runtime/jit.py): a 16-byte-aligned pointer and an
+        # int divisible by 16 (outside do_not_specialize) compile with that divisibility, which is
+        # what lets the compiler vectorize loads and pipeline them (cp.async); without it the PTX
+        # is not the device's
         attrs = {}
-        if fn.__name__ in ALIGNED:
-            for i, n in enumerate(names):
-                v = vals[n]
-                if (isinstance(v, torch.Tensor) and v.data_ptr() % 16 == 0) or (
-                        sig[n] == "i32" and not isinstance(v, bool) and v % 16 == 0):
-                    attrs[(i,)] = [["tt.divisibility", 16]]
+        for i, n in enumerate(names):
+            v = vals[n]
+            if n in dns or i in dns or sig[n] == "constexpr":
+                continue
+            if (isinstance(v, torch.Tensor) and v.data_ptr() % 16 == 0) or (
+                    sig[n] in ("i32", "i64") and not isinstance(v, bool) and v % 16 == 0):
+                attrs[(i,)] = [["tt.divisibility", 16]]
         key = (fn.__name__, tuple(sig.items()), tuple(sorted(consts.items())), tuple(sorted(opts.items())))
         self.launches.setdefault(key, (fn, sig, consts, opts, attrs))
 
