@@ -6,7 +6,10 @@ the exact lane's exact-split tf32 dots; f16 operands: the fast lane's):
 1. against attend_ref (max |diff|; share of elements within 4e-6);
 2. row invariance: a row decoded alone == the same row inside a 16-row block, and the grid sized
    from the plane's length == sized from its capacity (graph calls), bitwise;
-3. the time of one decode call and of one 16-row call (CUDA graphs of 20 calls, median);
+3. the time of one decode call and of one 16-row call (CUDA graphs of 20 calls, median), with
+   the planes warm in L2 (every call over the same planes) and cold (`cold_*`: each call of the
+   graph over its own copy of them, as a layer's call inside a step finds its keys and values in
+   DRAM; a full layer's planes at 32,768 are 34 MB, which the H100's and H200's 50 MB L2 holds);
 4. with --sweep, the f32-operand pass under each (keys per block, warps, pipeline stages): its
    invariance and its decode time, so the shipped choice is read off a table; with --sweep-f16,
    the f16-operand passes under each (rows per program, keys per block, warps), the same way;
@@ -49,6 +52,8 @@ if DEV == "cpu":
 
 H, N_KV, D = 32, 2, 128
 SCALE = 0.0883883
+# planes a cold timing cycles over: 20 x 34 MB (a full layer at 32,768) is 13 x the L2
+COLD_COPIES = 2 if DEV == "cpu" else 20
 SWEEP = [(bs, w, st) for bs in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
 SWEEP_SPLITS = {"sliding": (32, 64, 128, 256, 512), "full": (128, 256, 512, 1024, 2048)}
 SWEEP_F16 = [(rg, bs, 4) for rg in (1, 2, 4, 8) for bs in (16, 32, 64)] + [(4, 16, 8), (4, 32, 8), (8, 32, 8)]
@@ -70,6 +75,18 @@ def _run(mod, q, kn, vn, kp, vp, hm, ol, op, ln, cap, p0, win, f16, plane_len=Tr
     sc = mod.AttnScratch(T, H, D, mod.split_count(T, cap, win), DEV)
     return lambda: mod.attend_triton(q, kn, vn, hm, meta, pos, win, SCALE, sc,
                                      rows_bound=ln if plane_len else cap, f16_operands=f16)
+
+
+def _run_cold(mod, q, kn, vn, kp, vp, *rest, copies: int):
+    """As _run, each call over the next of `copies` copies of the planes (cycled), so the keys and
+    values a call reads are not in the L2 the calls before it filled."""
+    fns = [_run(mod, q, kn, vn, kp.clone(), vp.clone(), *rest) for _ in range(copies)]
+    n = [0]
+
+    def call():
+        n[0] += 1
+        return fns[n[0] % copies]()
+    return call
 
 
 def _time(fn, reps: int) -> float:
@@ -166,6 +183,8 @@ def main(argv=None) -> int:
                 ok &= c["alone_eq_block"] and c["len_grid_eq_cap_grid"] and c["share_within_4e-6"] >= 0.9
                 r[f"decode_ms_{tag}"] = _time(_run(att, *one, f16), a.reps)
                 r[f"rows16_ms_{tag}"] = _time(_run(att, *block, f16), a.reps)
+                r[f"cold_decode_ms_{tag}"] = _time(_run_cold(att, *one, f16, copies=COLD_COPIES), a.reps)
+                r[f"cold_rows16_ms_{tag}"] = _time(_run_cold(att, *block, f16, copies=COLD_COPIES), a.reps)
             if before is not None:
                 for tag, f16 in (("f32ops", False), ("f16ops", True)):
                     r[f"before_decode_ms_{tag}"] = _time(_run(before, *one, f16), a.reps)
