@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import sys
@@ -80,13 +81,8 @@ def _run(mod, q, kn, vn, kp, vp, hm, ol, op, ln, cap, p0, win, f16, plane_len=Tr
 def _run_cold(mod, q, kn, vn, kp, vp, *rest, copies: int):
     """As _run, each call over the next of `copies` copies of the planes (cycled), so the keys and
     values a call reads are not in the L2 the calls before it filled."""
-    fns = [_run(mod, q, kn, vn, kp.clone(), vp.clone(), *rest) for _ in range(copies)]
-    n = [0]
-
-    def call():
-        n[0] += 1
-        return fns[n[0] % copies]()
-    return call
+    fns = itertools.cycle([_run(mod, q, kn, vn, kp.clone(), vp.clone(), *rest) for _ in range(copies)])
+    return lambda: next(fns)()
 
 
 def _time(fn, reps: int) -> float:
