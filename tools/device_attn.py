@@ -16,7 +16,8 @@ the exact lane's exact-split tf32 dots; f16 operands: the fast lane's):
    with --sweep-splits, the f16-operand passes under each split length of the layer kind
    (SPLIT_SLIDING or SPLIT_FULL: how many partials a row's keys make, the merge's work);
 5. with --before FILE, the same calls through another attention module (a copy of an earlier
-   kernels/attention.py), timed beside the current one, both operand kinds.
+   kernels/attention.py), timed beside the current one (warm and cold), both operand kinds, and
+   whether both give the same bits (`before_eq_*`).
 
     PYTHONPATH=src python3 tools/device_attn.py [--depths 2048,32768] [--json PATH] [--sweep]
                                                 [--sweep-f16] [--sweep-splits] [--before FILE]
@@ -183,8 +184,14 @@ def main(argv=None) -> int:
                 r[f"cold_rows16_ms_{tag}"] = _time(_run_cold(att, *block, f16, copies=COLD_COPIES), a.reps)
             if before is not None:
                 for tag, f16 in (("f32ops", False), ("f16ops", True)):
+                    # the same rows through both modules, bitwise (a change meant to keep the bits)
+                    r[f"before_eq_{tag}"] = (_bits_equal(_run(before, *block, f16)(), _run(att, *block, f16)())
+                                             and _bits_equal(_run(before, *one, f16)(), _run(att, *one, f16)()))
                     r[f"before_decode_ms_{tag}"] = _time(_run(before, *one, f16), a.reps)
                     r[f"before_rows16_ms_{tag}"] = _time(_run(before, *block, f16), a.reps)
+                    r[f"before_cold_decode_ms_{tag}"] = _time(_run_cold(before, *one, f16, copies=COLD_COPIES), a.reps)
+                    r[f"before_cold_rows16_ms_{tag}"] = _time(_run_cold(before, *block, f16, copies=COLD_COPIES),
+                                                              a.reps)
             print(json.dumps(r), flush=True)
             rows.append(r)
             if a.sweep_f16:
