@@ -316,68 +316,6 @@ if HAVE_TRITON:
         if PASS != 1:
             tl.store(o_out + row[:, None] * D + dd[None, :], acc, mask=keep[:, None])
 
-    @triton.jit
-    def _key_block(blk, m_i, l_i, acc, qv, q1, q2, q3, m_row, inv, a, b, a_g, b_g,
-                   ol, op, pend, p0, cap, kp, vp, kn, vn, g, s_slot, s_head, s_nt, s_nh, scale, cc, dd,
-                   M: tl.constexpr, BS: tl.constexpr, PASS: tl.constexpr, SPLIT_KV: tl.constexpr,
-                   MASKED: tl.constexpr):
-        # key block blk (positions [BS*blk, BS*blk + BS)) into the lanes' running (m, l, acc).
-        # MASKED: the lanes' visibility, the plane's gap and the new rows applied per key; without
-        # it the caller vouches that every live lane sees every key and all are in the plane.
-        kpos = blk * BS + cc  # [BS] absolute key positions
-        if MASKED:
-            held = (kpos < pend) | (kpos >= p0)
-            valid = (kpos >= a_g) & (kpos < b_g) & held  # [BS] seen by some row of the group
-            seen = held[None, :] & (kpos[None, :] >= a[:, None]) & (kpos[None, :] < b[:, None])  # [M, BS]
-            old = valid & (kpos < p0)
-            new = valid & (kpos >= p0)
-            slot = (op + tl.where(old, kpos - ol, 0)) % cap
-            j = tl.where(new, kpos - p0, 0)
-            po = slot[:, None] * s_slot + g * s_head + dd[None, :]
-            pn = j[:, None] * s_nt + g * s_nh + dd[None, :]
-            kt = tl.load(tl.where(old[:, None], kp + po, kn + pn), mask=valid[:, None], other=0.0)  # [BS, D]
-        else:
-            po = ((op + kpos - ol) % cap)[:, None] * s_slot + g * s_head + dd[None, :]
-            kt = tl.load(kp + po)
-        if PASS == 0:
-            if MASKED:
-                vt = tl.load(tl.where(old[:, None], vp + po, vn + pn), mask=valid[:, None], other=0.0)
-            else:
-                vt = tl.load(vp + po)
-            kt = kt.to(tl.float32)
-            vt = vt.to(tl.float32)
-            # the block into the running softmax (book 16.2); masked keys weigh exactly 0
-            sc = _dot_exact(q1, q2, q3, tl.trans(kt), tl.zeros([M, BS], tl.float32), SPLIT_KV) * scale
-            if MASKED:
-                sc = tl.where(seen, sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(sc - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            p1, p2, p3 = _tf32_parts(p)
-            acc = _dot_exact(p1, p2, p3, vt, acc * alpha[:, None], SPLIT_KV)  # [M, D]
-            m_i = m_new
-        else:
-            # f16 K (the plane's own values), exact f16 x f16 products, f32 accumulation
-            sc = tl.dot(qv, tl.trans(kt), out_dtype=tl.float32) * scale  # [M, BS]
-            if MASKED:
-                sc = tl.where(seen, sc, float("-inf"))
-            if PASS == 1:
-                m_new = tl.maximum(m_i, tl.max(sc, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(sc - m_safe[:, None]), 1)
-                m_i = m_new
-            else:
-                # ggml soft_max's p = e * (1/sum), rounded to f16 for V·P; masked keys 0
-                pt16 = (tl.exp(sc - m_row[:, None]) * inv[:, None]).to(tl.float16)
-                if MASKED:
-                    vt = tl.load(tl.where(old[:, None], vp + po, vn + pn), mask=valid[:, None], other=0.0)
-                else:
-                    vt = tl.load(vp + po)
-                acc += tl.dot(pt16, vt, out_dtype=tl.float32)  # [M, D]
-        return m_i, l_i, acc
-
     @triton.jit(do_not_specialize=["r0", "NR", "NSP", "window"])
     def _attn_partial(q, kn, vn, meta, pos, m_out, l_out, o_out, st_m, st_inv,
                       r0, NR, H, NSP, window, scale,
@@ -440,34 +378,51 @@ if HAVE_TRITON:
                 m_i = tl.full([RG * HP], float("-inf"), tl.float32)
                 l_i = tl.zeros([RG * HP], tl.float32)
                 acc = tl.zeros([RG * HP, D], tl.float32)
-            if PASS != 2:  # unused: the helper takes every pass's arguments
-                m_row = m_i
-                inv = l_i
             cc = tl.arange(0, BS)
             pend = ol + ln  # the plane holds [ol, pend); the new rows start at p0
             blk0 = a_g // BS
-            blk_end = (b_g - 1) // BS + 1
-            # the blocks every live row of the group sees whole, all from the plane: [A, B) with A
-            # the largest lo of the live rows' splits and B the smallest end (a live row that sees
-            # none of the split makes A >= B). There the masks select nothing, so those blocks run
-            # without them (same values into the same dots: the same bits); the others, before and
-            # after, with them, all in ascending order.
-            a_all = tl.max(tl.where(live, a, s * S), 0)
-            b_all = tl.minimum(tl.min(tl.where(live, b, s * S + S), 0), tl.minimum(pend, p0))
-            ib0 = tl.minimum(tl.maximum(blk0, (a_all + BS - 1) // BS), blk_end)
-            ib1 = tl.maximum(ib0, tl.minimum(blk_end, b_all // BS))
-            for blk in range(blk0, ib0):
-                m_i, l_i, acc = _key_block(blk, m_i, l_i, acc, qv, q1, q2, q3, m_row, inv, a, b, a_g, b_g,
-                                           ol, op, pend, p0, cap, kp, vp, kn, vn, g, s_slot, s_head, s_nt, s_nh,
-                                           scale, cc, dd, RG * HP, BS, PASS, SPLIT_KV, True)
-            for blk in range(ib0, ib1):
-                m_i, l_i, acc = _key_block(blk, m_i, l_i, acc, qv, q1, q2, q3, m_row, inv, a, b, a_g, b_g,
-                                           ol, op, pend, p0, cap, kp, vp, kn, vn, g, s_slot, s_head, s_nt, s_nh,
-                                           scale, cc, dd, RG * HP, BS, PASS, SPLIT_KV, False)
-            for blk in range(ib1, blk_end):
-                m_i, l_i, acc = _key_block(blk, m_i, l_i, acc, qv, q1, q2, q3, m_row, inv, a, b, a_g, b_g,
-                                           ol, op, pend, p0, cap, kp, vp, kn, vn, g, s_slot, s_head, s_nt, s_nh,
-                                           scale, cc, dd, RG * HP, BS, PASS, SPLIT_KV, True)
+            for i in range(0, (b_g - 1) // BS + 1 - blk0):
+                kpos = (blk0 + i) * BS + cc  # [BS] absolute key positions of block blk0 + i
+                held = (kpos < pend) | (kpos >= p0)
+                valid = (kpos >= a_g) & (kpos < b_g) & held  # [BS] seen by some row of the group
+                seen = held[None, :] & (kpos[None, :] >= a[:, None]) & (kpos[None, :] < b[:, None])  # [M, BS]
+                old = valid & (kpos < p0)
+                new = valid & (kpos >= p0)
+                slot = (op + tl.where(old, kpos - ol, 0)) % cap
+                j = tl.where(new, kpos - p0, 0)
+                po = slot[:, None] * s_slot + g * s_head + dd[None, :]
+                pn = j[:, None] * s_nt + g * s_nh + dd[None, :]
+                if PASS == 0:
+                    kt = tl.load(tl.where(old[:, None], kp + po, kn + pn), mask=valid[:, None],
+                                 other=0.0).to(tl.float32)  # [BS, D]
+                    vt = tl.load(tl.where(old[:, None], vp + po, vn + pn), mask=valid[:, None],
+                                 other=0.0).to(tl.float32)
+                    # the block into the running softmax (book 16.2); masked keys weigh exactly 0
+                    sc = _dot_exact(q1, q2, q3, tl.trans(kt), tl.zeros([RG * HP, BS], tl.float32), SPLIT_KV) * scale
+                    sc = tl.where(seen, sc, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(sc, 1))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet
+                    alpha = tl.exp(m_i - m_safe)
+                    p = tl.exp(sc - m_safe[:, None])
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    p1, p2, p3 = _tf32_parts(p)
+                    acc = _dot_exact(p1, p2, p3, vt, acc * alpha[:, None], SPLIT_KV)  # [M, D]
+                    m_i = m_new
+                else:
+                    # f16 K (the plane's own values), exact f16 x f16 products, f32 accumulation
+                    kt = tl.load(tl.where(old[:, None], kp + po, kn + pn), mask=valid[:, None], other=0.0)
+                    sc = tl.dot(qv, tl.trans(kt), out_dtype=tl.float32) * scale  # [M, BS]
+                    sc = tl.where(seen, sc, float("-inf"))
+                    if PASS == 1:
+                        m_new = tl.maximum(m_i, tl.max(sc, 1))
+                        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(sc - m_safe[:, None]), 1)
+                        m_i = m_new
+                    else:
+                        # ggml soft_max's p = e * (1/sum), rounded to f16 for V·P; masked keys 0
+                        pt16 = (tl.exp(sc - m_row[:, None]) * inv[:, None]).to(tl.float16)
+                        vt = tl.load(tl.where(old[:, None], vp + po, vn + pn), mask=valid[:, None], other=0.0)
+                        acc += tl.dot(pt16, vt, out_dtype=tl.float32)  # [M, D]
             if PASS == 0:
                 _store_partial(m_out, l_out, o_out, m_i, l_i, acc, r, H, head, NSP, k, hmask & sees, dd, D, PASS)
         # the f16 passes store after the branch (keep is empty where it was not taken); the exact
