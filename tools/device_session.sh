@@ -12,7 +12,7 @@
 #                                [--profile-lanes exact,fast] [--profile-depths LIST] [--profile-rows 1,16]
 #                                [--profile-modes eager,graph] [--profile-pdl on,off,N] [--profile-acts tails,separate]
 #                                [--cli-lanes exact,fast] [--counters-shape FMT:N_OUT:N_IN,...] [--counters-lanes exact,fast]
-#                                [--attn-sweeps exact,f16,splits]
+#                                [--attn-sweeps exact,f16,splits|none]
 #                                STAGE...
 #
 # --reuse-gates takes a wide Gate 2 receipt of this tree and lane from an earlier call on this
@@ -68,7 +68,7 @@
 #            llama-server beside it when built (or the one --llama-server names)
 #   attn     python3 tools/device_attn.py: attention at the engine's shape, both operand kinds,
 #            against attend_ref, row invariance, decode and 16-row times at depths 64 and 32,768, and
-#            the sweeps of --attn-sweeps (default exact: the exact pass under each launch choice;
+#            the sweeps of --attn-sweeps (default exact: the exact pass under each launch choice; none: no sweep;
 #            f16: the f16 passes under each (rows a program, keys a block, warps); splits: the f16
 #            passes under each split length); DIR/attention_before.py, when carried, timed beside
 #            it, 200 s; named before gate and speed it runs while the wide gate is computed
@@ -139,9 +139,9 @@ while [ $# -gt 0 ]; do
     --counters-lanes) CLANES=${2:?--counters-lanes exact,fast}; shift
                       [[ "$CLANES" =~ ^(exact|fast)(,(exact|fast))*$ ]] || {
                         echo "--counters-lanes $CLANES: expected a comma-separated list of exact, fast" >&2; exit 2; } ;;
-    --attn-sweeps) ASWEEPS=${2:?--attn-sweeps exact,f16,splits}; shift
-                   [[ "$ASWEEPS" =~ ^(exact|f16|splits)(,(exact|f16|splits))*$ ]] || {
-                     echo "--attn-sweeps $ASWEEPS: expected a comma-separated list of exact, f16, splits" >&2; exit 2; } ;;
+    --attn-sweeps) ASWEEPS=${2:?--attn-sweeps exact,f16,splits or none}; shift
+                   [[ "$ASWEEPS" =~ ^((exact|f16|splits)(,(exact|f16|splits))*|none)$ ]] || {
+                     echo "--attn-sweeps $ASWEEPS: expected a comma-separated list of exact, f16, splits, or none" >&2; exit 2; } ;;
     build|fixture|kernels|attn|gate|speed|kvpack|nvfp4|serve|sampling|spec|profile|cli|counters) STAGES+=("$1") ;;
     *) echo "unknown argument or stage: $1" >&2; exit 2 ;;
   esac
