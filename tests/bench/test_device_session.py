@@ -55,6 +55,15 @@ def test_an_unknown_attention_sweep_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "work").exists()
 
 
+def test_no_attention_sweep_is_accepted_alone_only(tmp_path):
+    p = run(tmp_path, "--cpu-dry", "--attn-sweeps", "none,exact", "attn")
+    assert p.returncode == 2 and "--attn-sweeps none,exact: expected" in p.stderr
+    # "none" alone parses: the run goes on to the next argument (an unknown stage, refused)
+    p = run(tmp_path, "--cpu-dry", "--attn-sweeps", "none", "benchmark")
+    assert p.returncode == 2 and "unknown argument or stage: benchmark" in p.stderr
+    assert not (tmp_path / "work").exists()
+
+
 def test_an_abbreviated_sha_is_refused_before_any_work(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PY=sys.executable, MUSER_DEVICE_WORK=str(tmp_path / "work"),
                MUSER_GIT_SHA="1319bb1")
