@@ -75,10 +75,7 @@ def _run(mod, q, kn, vn, kp, vp, hm, ol, op, ln, cap, p0, win, f16, plane_len=Tr
     meta = torch.tensor(mod.plane_meta(kp, vp, hm, N_KV, D, ol, op, ln), dtype=torch.int64, device=DEV)
     pos = torch.tensor([p0], dtype=torch.int64, device=DEV)
     sc = mod.AttnScratch(T, H, D, mod.split_count(T, cap, win), DEV)
-    planes = (kp, vp)  # meta holds only their addresses: the call keeps the planes alive
-
-    def call():
-        assert planes
+    def call(planes=(kp, vp)):  # meta holds only the planes' addresses: the call keeps them alive
         return mod.attend_triton(q, kn, vn, hm, meta, pos, win, SCALE, sc,
                                  rows_bound=ln if plane_len else cap, f16_operands=f16)
     return call
