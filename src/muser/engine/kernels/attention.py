@@ -24,7 +24,9 @@ f16 before the scores, and the probabilities after ggml's normalisation (ops.cpp
 p = e * (1/sum)) before V·P (oracle numerics.Arithmetic.attn_query / attn_probs). Every product
 is then exact in f32, so the Triton kernel takes both dots on tensor cores (f16 tl.dot, f32
 accumulation); the normalised p needs the row's global max and sum first, so it runs two passes
-over the keys (statistics, then probabilities x V), each split at the same fixed positions.
+over the keys (statistics, then probabilities x V), each split at the same fixed positions. Both
+passes hold scores in log2 units: exp(s - m) is 2^(fma(q.k, scale * log2 e, -m2)), one FFMA and
+one ex2 an element, the same value in either pass.
 
 * `attend_ref`  - torch; plane metadata as host ints; the reference of the Triton kernel and of
   the CPU lane's C kernel (kernels/cpu_native.attend, same arguments), and the path of devices
@@ -70,6 +72,7 @@ from __future__ import annotations
 import torch
 
 from . import gdc
+from .interpreter import compiled
 
 try:
     import triton
@@ -291,6 +294,19 @@ if HAVE_TRITON:
         return acc
 
     @triton.jit
+    def _ex2_ftz(x, ASM: tl.constexpr):
+        # 2^x by ex2.approx with results below 2^-126 flushed to 0 (tl.math.exp2's non-flushing
+        # ex2 costs a compare and two predicated multiplies an element). Where it is used a flushed
+        # value changes no stored bit: a p under 2^-126 is 0 after p * (1 / sum) (<= p) rounds to
+        # f16, and a split's sum holds ~1 (its running max's own term), which absorbs it. The
+        # interpreter has no PTX: tl.math.exp2 there.
+        if ASM:
+            return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            return tl.math.exp2(x)
+
+    @triton.jit
     def _plane(meta, i: tl.constexpr, like):
         # the storage address in meta[i] (plane_meta) as a pointer of `like`'s element type, 16-byte
         # aligned (plane_meta checks it): the hint keeps the row loads vectorized, which an address
@@ -322,7 +338,7 @@ if HAVE_TRITON:
                       s_qt, s_qh, s_nt, s_nh,
                       HPK: tl.constexpr, HP: tl.constexpr, RG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                       KV: tl.constexpr, HEAD_MAJOR: tl.constexpr, S: tl.constexpr, PASS: tl.constexpr,
-                      SPLIT_KV: tl.constexpr, PDL: tl.constexpr):
+                      SPLIT_KV: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
         # PASS 0: f32 operands, online softmax -> (m, l, acc) per split; both dots on tf32 tensor
         # cores with every product exact (_dot_exact; SPLIT_KV: f32 planes, K and V split too).
         # f16 operands, PASS 1: (m, l) per split from f16 K·Q; PASS 2: p = f16(exp(s - m_row) *
@@ -360,6 +376,7 @@ if HAVE_TRITON:
         hmask = (hh < HPK) & live
         dd = tl.arange(0, D)
         head = g * HPK + hh
+        c = scale * 1.4426950408889634  # the f16 passes' scores in log2 units: s * log2(e)
         if PASS > 0:  # the f16 passes store after the branch below: the empty triple where not taken
             m_i = tl.full([RG * HP], float("-inf"), tl.float32)
             l_i = tl.zeros([RG * HP], tl.float32)
@@ -388,7 +405,10 @@ if HAVE_TRITON:
                 seen = held[None, :] & (kpos[None, :] >= a[:, None]) & (kpos[None, :] < b[:, None])  # [M, BS]
                 old = valid & (kpos < p0)
                 new = valid & (kpos >= p0)
-                slot = (op + tl.where(old, kpos - ol, 0)) % cap
+                # op < cap and an old key's kpos - ol < len <= cap (plane_meta checks both), so the
+                # slot (op + kpos - ol) % cap is one conditional subtraction, not an integer division
+                slot = op + tl.where(old, kpos - ol, 0)
+                slot = tl.where(slot >= cap, slot - cap, slot)
                 j = tl.where(new, kpos - p0, 0)
                 po = slot[:, None] * s_slot + g * s_head + dd[None, :]
                 pn = j[:, None] * s_nt + g * s_nh + dd[None, :]
@@ -411,16 +431,19 @@ if HAVE_TRITON:
                 else:
                     # f16 K (the plane's own values), exact f16 x f16 products, f32 accumulation
                     kt = tl.load(tl.where(old[:, None], kp + po, kn + pn), mask=valid[:, None], other=0.0)
-                    sc = tl.dot(qv, tl.trans(kt), out_dtype=tl.float32) * scale  # [M, BS]
+                    sc = tl.dot(qv, tl.trans(kt), out_dtype=tl.float32)  # [M, BS] q·k, unscaled
                     sc = tl.where(seen, sc, float("-inf"))
+                    # exp(s - m) as 2^(fma(q·k, c, -m2)), c = scale * log2(e), m2 = the max in log2 units:
+                    # one FFMA and one ex2 an element, and both passes form the same value
                     if PASS == 1:
-                        m_new = tl.maximum(m_i, tl.max(sc, 1))
+                        m_new = tl.maximum(m_i, tl.max(sc, 1) * c)  # c > 0: max(q·k) * c = max(q·k * c)
                         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(sc - m_safe[:, None]), 1)
+                        l_i = (l_i * _ex2_ftz(m_i - m_safe, ASM)
+                               + tl.sum(_ex2_ftz(tl.fma(sc, c, -m_safe[:, None]), ASM), 1))
                         m_i = m_new
                     else:
                         # ggml soft_max's p = e * (1/sum), rounded to f16 for V·P; masked keys 0
-                        pt16 = (tl.exp(sc - m_row[:, None]) * inv[:, None]).to(tl.float16)
+                        pt16 = (_ex2_ftz(tl.fma(sc, c, -m_row[:, None]), ASM) * inv[:, None]).to(tl.float16)
                         vt = tl.load(tl.where(old[:, None], vp + po, vn + pn), mask=valid[:, None], other=0.0)
                         acc += tl.dot(pt16, vt, out_dtype=tl.float32)  # [M, D]
             if PASS == 0:
@@ -433,8 +456,9 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["r0", "NSP", "window"])
     def _attn_reduce(m_in, l_in, o_in, out, st_m, st_inv, meta, pos, r0, H, NSP, window, s_ot, s_oh,
                      D: tl.constexpr, S: tl.constexpr, SC: tl.constexpr, PASS: tl.constexpr, PDL: tl.constexpr):
-        # PASS 0: out = sum_s o_s w_s / sum_s l_s w_s, w_s = exp(m_s - max). f16 operands:
-        # PASS 1 stores the row's (max, 1 / sum_s l_s w_s); PASS 2: out = sum_s o_s (p normalised).
+        # PASS 0: out = sum_s o_s w_s / sum_s l_s w_s, w_s = exp(m_s - max). f16 operands (m_s in
+        # log2 units, w_s = 2^(m_s - max)): PASS 1 stores the row's (max, 1 / sum_s l_s w_s);
+        # PASS 2: out = sum_s o_s (p normalised).
         after_prior(PDL)
         r = tl.program_id(0)
         h = tl.program_id(1)
@@ -464,7 +488,8 @@ if HAVE_TRITON:
             if PASS == 2:
                 num += tl.load(o_in + (base + s)[:, None] * D + dd[None, :], mask=ok[:, None], other=0.0)
             else:
-                w = tl.where(ok, tl.exp(tl.load(m_in + base + s, mask=ok, other=float("-inf")) - m_row), 0.0)
+                m_s = tl.load(m_in + base + s, mask=ok, other=float("-inf"))
+                w = tl.where(ok, tl.math.exp2(m_s - m_row) if PASS == 1 else tl.exp(m_s - m_row), 0.0)
                 den += tl.load(l_in + base + s, mask=ok, other=0.0) * w
                 if PASS == 0:
                     num += tl.load(o_in + (base + s)[:, None] * D + dd[None, :], mask=ok[:, None],
@@ -551,7 +576,8 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, hea
                 r0, r1 - r0, H, nsp, window, scale,
                 q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
                 HPK=hpk, HP=hp, RG=rg, D=D, BS=bs, KV=n_kv, HEAD_MAJOR=head_major, S=S, PASS=ps,
-                SPLIT_KV=k_new.dtype == torch.float32, **(PARTIAL_LAUNCH if ps == 0 else F16_LAUNCH), **gdc.kwargs(q))
+                SPLIT_KV=k_new.dtype == torch.float32, ASM=compiled(),
+                **(PARTIAL_LAUNCH if ps == 0 else F16_LAUNCH), **gdc.kwargs(q))
             _attn_reduce[(r1 - r0, H)](sc.m, sc.l, sc.o, out, sc.st_m, sc.st_inv, meta, pos, r0, H, nsp, window,
                                        out.stride(0), out.stride(1), D=D, S=S, SC=REDUCE_CHUNK, PASS=ps,
                                        num_warps=4, **gdc.kwargs(q))

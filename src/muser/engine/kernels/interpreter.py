@@ -3,7 +3,15 @@ engine tests and `tools/device_kernels.py --device cpu` do."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+
+
+def compiled() -> bool:
+    """Whether the Triton kernels are compiled (inline PTX allowed) rather than run by Triton's
+    interpreter, which reads TRITON_INTERPRET when the kernels are decorated and has no PTX."""
+    return not os.environ.get("TRITON_INTERPRET")
 
 
 def interpreter_compat() -> None:

@@ -52,13 +52,13 @@ Reference beside them: `matmul_ref` (torch, exact integer sums in f64, the same 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ...gguf.types import GgmlType as G
 from ..weights import QK, QWeight, decode_fields
+from .interpreter import compiled
 from .qmatvec_v3 import Packed, _values, _wrap16, _wrap32, repacked_fields
 
 try:  # Triton is optional on the CPU; the CUDA backend requires it.
@@ -581,11 +581,6 @@ if HAVE_TRITON:
         tl.store(y + m[None, :] * sy + n[:, None], total, mask=mmask[None, :] & nmask[:, None])
 
 
-def _asm() -> bool:
-    """Inline PTX where the kernels are compiled; the plain expression under the interpreter."""
-    return not os.environ.get("TRITON_INTERPRET")
-
-
 def split_act(x: torch.Tensor) -> Act:
     """x f32 [T, K] -> Act: the Triton kernel on CUDA, the reference elsewhere (bitwise equal)."""
     T, K = x.shape
@@ -671,7 +666,7 @@ def launch_matmul(p: SplitPacked, act: Act, out: torch.Tensor, config: tuple | N
             o = out[t0:t1]
             _rows_kernel[(triton.cdiv(p.n_out, bn),)](sub.a.view(torch.int32), sub.s, sub.bx16, sub.bx32, o, *ptrs, p.n_out,
                                                       K, o.stride(0),
-                                                      FMT=_CODE[p.fmt], ROWS=rows, BN=bn, ASM=_asm(),
+                                                      FMT=_CODE[p.fmt], ROWS=rows, BN=bn, ASM=compiled(),
                                                       num_warps=nw, enable_fp_fusion=False)
         return out
     tiles = TILE_CONFIGS[p.fmt]

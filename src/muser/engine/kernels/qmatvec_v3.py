@@ -91,6 +91,7 @@ import torch
 from ...gguf.types import GgmlType as G
 from ..weights import QK, QWeight, decode_fields, index_maps
 from . import gdc
+from .interpreter import compiled
 from .qmatvec import _rows_bucket, check_matvec_args
 
 try:  # Triton is optional on the CPU; the CUDA backend requires it.
@@ -938,11 +939,6 @@ def act_prep(x: torch.Tensor, scale: bool = True) -> tuple[torch.Tensor, torch.T
     return xq, xs
 
 
-def _asm() -> bool:
-    """Inline PTX where the kernels are compiled; the plain expression under the interpreter."""
-    return not os.environ.get("TRITON_INTERPRET")
-
-
 def dequant_v3(p: Packed, bn: int = 4, j: int = 8) -> torch.Tensor:
     """The v3 in-kernel decoder over the whole weight: f32 [n_out, n_in] (tests hold it
     bit-exact with the reference decoder)."""
@@ -951,7 +947,7 @@ def dequant_v3(p: Packed, bn: int = 4, j: int = 8) -> torch.Tensor:
     out = torch.empty((p.n_out, p.n_in), dtype=torch.float32, device=p.device)
     grid = (triton.cdiv(p.n_out, bn), triton.cdiv(p.n_in // UNIT, j))
     _dequant_v3_kernel[grid](out, *p.pointers(), p.n_out, p.n_in, FMT=_CODE[p.fmt], BN=bn, J=j,
-                             ASM=_asm(), enable_fp_fusion=False)
+                             ASM=compiled(), enable_fp_fusion=False)
     return out
 
 
@@ -1111,7 +1107,7 @@ def matvec_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
     if rt == 1:
         _matvec_v3_kernel[(triton.cdiv(p.n_out, bn),)](x, out, *p.pointers(), p.n_out, p.n_in, 0, FMT=_CODE[p.fmt],
                                                        BN=bn, J=J_UNITS, PREFETCH=pipe == 1, STAGES=max(pipe, 1),
-                                                       NW=num_warps, ASM=_asm(), num_warps=num_warps,
+                                                       NW=num_warps, ASM=compiled(), num_warps=num_warps,
                                                        enable_fp_fusion=False, **gdc.kwargs(x))
         return out
     # several rows: chunk-ordered activations (K-quants: pre-scaled) and unit sums, once a call,
@@ -1124,7 +1120,7 @@ def matvec_v3(p: Packed, x: torch.Tensor, out: torch.Tensor | None = None,
     grid = (triton.cdiv(p.n_out, bn) * triton.cdiv(T, rt),)
     _matvec_rows_kernel[grid](xp, sp2, out, q.view(torch.int64), h, s, d, p.n_out, p.n_in, xp.stride(0),
                               sp2.stride(0) if sums is not None else 0, out.stride(0), T, 0, FMT=_CODE[p.fmt], RT=rt,
-                              BN=bn, J=J_UNITS, STAGES=max(pipe, 1), WN=wn, ASM=_asm(), num_warps=num_warps,
+                              BN=bn, J=J_UNITS, STAGES=max(pipe, 1), WN=wn, ASM=compiled(), num_warps=num_warps,
                               enable_fp_fusion=False, **gdc.kwargs(x))
     return out
 
