@@ -9,7 +9,9 @@ the exact lane's exact-split tf32 dots; f16 operands: the fast lane's):
 3. the time of one decode call and of one 16-row call (CUDA graphs of 20 calls, median), with
    the planes warm in L2 (every call over the same planes) and cold (`cold_*`: each call of the
    graph over its own copy of them, as a layer's call inside a step finds its keys and values in
-   DRAM; a full layer's planes at 32,768 are 34 MB, which the H100's and H200's 50 MB L2 holds);
+   DRAM; a full layer's planes at 32,768 are 34 MB, which the H100's and H200's 50 MB L2 holds),
+   and with f16 operands the grid sized as the bench's step graph sizes it (`graph_*`: the
+   power-of-two context bound of a session of depth + 16 positions);
 4. with --sweep, the f32-operand pass under each (keys per block, warps, pipeline stages): its
    invariance and its decode time, so the shipped choice is read off a table; with --sweep-f16,
    the f16-operand passes under each (rows per program, keys per block, warps, stages), the same way;
@@ -53,6 +55,7 @@ if DEV == "cpu":
     interpreter_compat()
 
 H, N_KV, D = 32, 2, 128
+CONTEXT_LENGTH = 131072  # the full geometry's (model/synth.py FULL_GEOMETRY)
 SCALE = 0.0883883
 # planes a cold timing cycles over: 20 x 34 MB (a full layer at 32,768) is 13 x the L2
 COLD_COPIES = 2 if DEV == "cpu" else 20
@@ -72,15 +75,25 @@ def _case(depth: int, sliding: bool, g: torch.Generator):
     return kp, vp, cap, win
 
 
-def _run(mod, q, kn, vn, kp, vp, hm, ol, op, ln, cap, p0, win, f16, plane_len=True):
+def _run(mod, q, kn, vn, kp, vp, hm, ol, op, ln, cap, p0, win, f16, plane_len=True, bound=None):
+    """A call of attend_triton; its grid sized from the plane's length (plane_len), its capacity,
+    or `bound` (a step graph's: the capacity of the largest session the graph serves)."""
     T = q.shape[0]
     meta = torch.tensor(mod.plane_meta(kp, vp, hm, N_KV, D, ol, op, ln), dtype=torch.int64, device=DEV)
     pos = torch.tensor([p0], dtype=torch.int64, device=DEV)
-    sc = mod.AttnScratch(T, H, D, mod.split_count(T, cap, win), DEV)
+    rows_bound = bound if bound is not None else ln if plane_len else cap
+    sc = mod.AttnScratch(T, H, D, mod.split_count(T, max(cap, rows_bound), win), DEV)
     def call(planes=(kp, vp)):  # meta holds only the planes' addresses: the call keeps them alive
-        return mod.attend_triton(q, kn, vn, hm, meta, pos, win, SCALE, sc,
-                                 rows_bound=ln if plane_len else cap, f16_operands=f16)
+        return mod.attend_triton(q, kn, vn, hm, meta, pos, win, SCALE, sc, rows_bound=rows_bound, f16_operands=f16)
     return call
+
+
+def _graph_bound(depth: int, cap: int, sliding: bool) -> int:
+    """The attention grid's bound in the step graph of a session of depth + 16 positions (the
+    bench's verify and decode sessions): engine/graphs.py's graph_context and plane_bound."""
+    from muser.engine.graphs import graph_context
+
+    return cap if sliding else max(cap, graph_context(depth + 16, CONTEXT_LENGTH))
 
 
 def _run_cold(mod, q, kn, vn, kp, vp, *rest, copies: int):
@@ -187,6 +200,11 @@ def main(argv=None) -> int:
                 r[f"rows16_ms_{tag}"] = _time(_run(att, *block, f16), a.reps)
                 r[f"cold_decode_ms_{tag}"] = _time(_run_cold(att, *one, f16, copies=COLD_COPIES), a.reps)
                 r[f"cold_rows16_ms_{tag}"] = _time(_run_cold(att, *block, f16, copies=COLD_COPIES), a.reps)
+                if f16:  # the grid as the bench's step graph sizes it (programs past the plane exit at once)
+                    gb = _graph_bound(depth, cap, sliding)
+                    r["graph_bound"] = gb
+                    r[f"graph_decode_ms_{tag}"] = _time(_run(att, *one, f16, bound=gb), a.reps)
+                    r[f"graph_rows16_ms_{tag}"] = _time(_run(att, *block, f16, bound=gb), a.reps)
             if before is not None:
                 for tag, f16 in (("f32ops", False), ("f16ops", True)):
                     # the same rows through both modules, bitwise (a change meant to keep the bits)
