@@ -16,13 +16,14 @@ on a GPU of compute capability 9 or later, ENABLED, and at most ROWS rows. The T
 and CPU tensors never do. ENABLED is configuration (tools time the step with it off), not a
 per-call switch.
 
-Why one row only: on the H200 the one-row graph step at depth 0 went from 10.65 to 9.68 ms with
-PDL, the 16-row step from 61.12 to 62.89 ms (`bench/receipts/20261204T192934Z-step-profile-cuda.json`,
-same call, same kernels). Measured again on the integer lane's ring kernels (an H100, fast lane,
-depth 0, `bench/receipts/20261206T183428Z-step-profile-cuda.json`): with PDL up to 16 rows the
-16-row step's gaps between kernels fell from 0.47 to 0.16 ms but its kernels' busy time rose from
-13.04 to 13.46 ms, 0.1 ms worse in all. Row counts between were not measured, so they keep the
-launches they were measured with.
+Why up to 16 rows: on the H200 the one-row graph step at depth 0 went from 10.65 to 9.68 ms with
+PDL (`bench/receipts/20261204T192934Z-step-profile-cuda.json`). At 16 rows PDL first lost (the
+same receipt: 61.12 to 62.89 ms; then 0.1 ms worse on the ring kernels of an H100,
+`bench/receipts/20261206T183428Z-step-profile-cuda.json`); with today's kernels it wins: on an H100
+the 16-row graph step took 12.91 -> 12.77 ms at depth 0 and 14.32 -> 14.20 ms at depth 32,768,
+its gaps between kernels 0.56 -> 0.12 and 0.61 -> 0.27 ms (`bench/receipts/20261207T142115Z-step-profile-cuda.json`,
+same call). Rows 2-15 were not measured apart; they run the same kernels as 1 or 16 rows, each
+launch one or a few waves, and take PDL with them. Longer launches (prefill chunks) keep none.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     HAVE_TRITON = False
 
 ENABLED = True
-ROWS = 1  # launches of at most this many rows take PDL (module doc)
+ROWS = 16  # launches of at most this many rows take PDL (module doc)
 
 
 @functools.lru_cache(maxsize=None)
