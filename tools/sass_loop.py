@@ -9,7 +9,8 @@ instructions by class, then divide by the weights one thread decodes per iterati
     python3 tools/sass_loop.py tile FMT T [--config BN,BM,NUM_WARPS] [--dump]   (the integer lane's int8 tile:
                                                                              its super-block loop)
     python3 tools/sass_loop.py ring FMT T [--config BN,BM,NUM_WARPS,S] [--walk | --group G] [--dump]   (its ring variant)
-    python3 tools/sass_loop.py attn full|sliding T [--dump]   (the exact pass at depth 32,768)
+    python3 tools/sass_loop.py attn full|sliding T [--attn-pass 0|1|2] [--dump]   (attention at depth 32,768:
+                                                                  the exact pass 0, the f16 passes 1, 2)
 
 Used to predict a kernel's issue-bound ceiling before spending GPU time (bench/NOTES.md).
 """
@@ -165,18 +166,19 @@ def _matmul_launch(a):
     return fn, args, kw, grid
 
 
-def _attn_call(kind: str, T: int) -> None:
-    """A graph-shaped attention call of T rows (full geometry heads) at depth 32,768."""
+def _attn_call(kind: str, T: int, f16: bool = False) -> None:
+    """A graph-shaped attention call of T rows (full geometry heads) at depth 32,768: full layers
+    on a head-major plane, sliding ones on a token-major ring, as the engine lays them out."""
     from muser.engine.kernels import attention as att
 
     H, KV, D, W = 32, 2, 128, (2048 if kind == "sliding" else 0)
     cap = 2048 if W else 32768 + 64
-    kp = torch.zeros(cap, KV * D, dtype=torch.float16)
-    meta = torch.tensor(att.plane_meta(kp, kp, False, KV, D, 32768 - (cap if W else 0), 0, cap if W else 32768))
+    kp = torch.zeros((cap, KV * D) if W else (KV, cap, D), dtype=torch.float16)
+    meta = torch.tensor(att.plane_meta(kp, kp, not W, KV, D, 32768 - (cap if W else 0), 0, cap if W else 32768))
     sc = att.AttnScratch(T, H, D, att.split_count(T, cap, W), "cpu")
     att.attend_triton(torch.zeros(T, H, D), torch.zeros(T, KV, D, dtype=torch.float16),
-                      torch.zeros(T, KV, D, dtype=torch.float16), False, meta, torch.tensor([32768]),
-                      W, 0.1, sc, rows_bound=cap)
+                      torch.zeros(T, KV, D, dtype=torch.float16), not W, meta, torch.tensor([32768]),
+                      W, 0.1, sc, rows_bound=cap, f16_operands=f16)
 
 
 def main(argv=None) -> int:
@@ -196,6 +198,8 @@ def main(argv=None) -> int:
     ap.add_argument("--programs", type=int, default=None, help="ring --walk: the stream-K walk on this many programs")
     ap.add_argument("--pdl", action="store_true", help="compile the launch as a GPU launch takes it: with PDL "
                     "(engine/kernels/gdc.py)")
+    ap.add_argument("--attn-pass", type=int, choices=[0, 1, 2], default=0,
+                    help="attn: the exact pass (0) or the f16 passes' statistics (1) or probabilities x V (2)")
     ap.add_argument("--dump", action="store_true")
     ap.add_argument("--grep", default=None, help="also print the whole kernel's instructions matching this regex")
     a = ap.parse_args(argv)
@@ -203,8 +207,9 @@ def main(argv=None) -> int:
         from muser.engine.kernels import gdc
 
         gdc.launch = lambda t: True
-    if a.kernel == "attn":  # fmt: full | sliding; f16 planes of the full geometry, the exact pass
-        fn, args, kw, grid = capture(lambda: _attn_call(a.fmt, a.T), 0)
+    if a.kernel == "attn":  # fmt: full | sliding; f16 planes of the full geometry; launches: partial, reduce (x2 f16)
+        f16 = a.attn_pass > 0
+        fn, args, kw, grid = capture(lambda: _attn_call(a.fmt, a.T, f16), 2 * (a.attn_pass - 1) if f16 else 0)
     else:
         fn, args, kw, grid = _matmul_launch(a)
     k, opts = compile_like_jit(fn, args, kw)

@@ -156,3 +156,17 @@ print("ok")
     p = subprocess.run([sys.executable, "-c", script, str(REPO / "tools")], env=env, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout[-2000:] + p.stderr[-2000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("attn_pass", [1, 2])
+def test_attention_f16_key_block_loop_has_no_division_and_one_ex2_a_score(tmp_path, attn_pass):
+    """The fast lane's attention passes as compiled for sm_90 (tools/sass_loop.py attn: 16 rows,
+    a full layer at depth 32,768): a 32-key block's loop has no integer division (the ring slot
+    is one conditional subtraction), forms each of a thread's 16 scores' exp with one ex2 and no
+    subnormal guard (a compare and two predicated multiplies a score otherwise), and stays within
+    330 instructions a thread (469 and 456 with both; bench/NOTES.md)."""
+    _, ops, c, loop = _sass_loop(tmp_path, "attn", "full", "16", "--attn-pass", str(attn_pass))
+    assert "I2F" not in c, ops  # an integer division's reciprocal
+    assert c.get("FSETP", 0) <= 2 and c.get("MUFU", 0) <= 18, ops  # pass 1: + the two running-max rescales
+    assert loop <= 330, ops
