@@ -69,7 +69,7 @@
 #   attn     python3 tools/device_attn.py: attention at the engine's shape, both operand kinds,
 #            against attend_ref, row invariance, decode and 16-row times at depths 64 and 32,768, and
 #            the sweeps of --attn-sweeps (default exact: the exact pass under each launch choice; none: no sweep;
-#            f16: the f16 passes under each (rows a program, keys a block, warps); splits: the f16
+#            f16: the f16 passes under each launch choice (warps, pipeline stages); splits: the f16
 #            passes under each split length); DIR/attention_before.py, when carried, timed beside
 #            it, 200 s; named before gate and speed it runs while the wide gate is computed
 #   profile  python3 tools/device_profile.py on the full Q4_K file, --profile-lanes (exact,fast):
