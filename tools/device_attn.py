@@ -91,9 +91,12 @@ def _run(mod, q, kn, vn, kp, vp, hm, ol, op, ln, cap, p0, win, f16, plane_len=Tr
 def _graph_bound(depth: int, cap: int, sliding: bool) -> int:
     """The attention grid's bound in the step graph of a session of depth + 16 positions (the
     bench's verify and decode sessions): engine/graphs.py's graph_context and plane_bound."""
-    from muser.engine.graphs import graph_context
+    from types import SimpleNamespace
 
-    return cap if sliding else max(cap, graph_context(depth + 16, CONTEXT_LENGTH))
+    from muser.engine.graphs import graph_context, plane_bound
+
+    geo = SimpleNamespace(sliding=sliding, window=cap if sliding else 0)
+    return max(cap, plane_bound(geo, graph_context(depth + 16, CONTEXT_LENGTH)))
 
 
 def _run_cold(mod, q, kn, vn, kp, vp, *rest, copies: int):
