@@ -11,7 +11,8 @@ the exact lane's exact-split tf32 dots; f16 operands: the fast lane's):
    graph over its own copy of them, as a layer's call inside a step finds its keys and values in
    DRAM; a full layer's planes at 32,768 are 34 MB, which the H100's and H200's 50 MB L2 holds),
    and with f16 operands the grid sized as the bench's step graph sizes it (`graph_*`: the
-   power-of-two context bound of a session of depth + 16 positions);
+   power-of-two context bound of a session of depth + 16 positions) and as a session opened at
+   the model's context length has it (`ctx_*`, one row);
 4. with --sweep, the f32-operand pass under each (keys per block, warps, pipeline stages): its
    invariance and its decode time, so the shipped choice is read off a table; with --sweep-f16,
    the f16-operand passes under each (rows per program, keys per block, warps, stages), the same way;
@@ -208,6 +209,10 @@ def main(argv=None) -> int:
                     r["graph_bound"] = gb
                     r[f"graph_decode_ms_{tag}"] = _time(_run(att, *one, f16, bound=gb), a.reps)
                     r[f"graph_rows16_ms_{tag}"] = _time(_run(att, *block, f16, bound=gb), a.reps)
+                    # a session opened at the model's context length (Engine.session's default)
+                    cb = _graph_bound(CONTEXT_LENGTH - 16, cap, sliding)
+                    r["ctx_bound"] = cb
+                    r[f"ctx_decode_ms_{tag}"] = _time(_run(att, *one, f16, bound=cb), a.reps)
             if before is not None:
                 for tag, f16 in (("f32ops", False), ("f16ops", True)):
                     # the same rows through both modules, bitwise (a change meant to keep the bits)
@@ -218,6 +223,12 @@ def main(argv=None) -> int:
                     r[f"before_cold_decode_ms_{tag}"] = _time(_run_cold(before, *one, f16, copies=COLD_COPIES), a.reps)
                     r[f"before_cold_rows16_ms_{tag}"] = _time(_run_cold(before, *block, f16, copies=COLD_COPIES),
                                                               a.reps)
+                    if f16:  # the step graph's grid through the other module too
+                        r[f"before_graph_decode_ms_{tag}"] = _time(_run(before, *one, f16, bound=r["graph_bound"]),
+                                                                   a.reps)
+                        r[f"before_graph_rows16_ms_{tag}"] = _time(_run(before, *block, f16, bound=r["graph_bound"]),
+                                                                   a.reps)
+                        r[f"before_ctx_decode_ms_{tag}"] = _time(_run(before, *one, f16, bound=r["ctx_bound"]), a.reps)
             print(json.dumps(r), flush=True)
             rows.append(r)
             if a.sweep_f16:

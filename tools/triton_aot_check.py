@@ -42,12 +42,14 @@ _TT = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torc
        torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg", "launch_pdl")
 # PDL kernels (engine/kernels/gdc.py) may read only these arguments before their wait: weights,
-# which no kernel writes
-PRE_WAIT_READS = {"_matvec_v3_kernel": {"qp", "hp", "sp", "dp"}}
+# and the attention step's metadata and first position, which the host uploads before the step and
+# no kernel writes (the partial kernel decides from them whether its split holds a visible key; the
+# K/V storage those addresses name is read after the wait, which this check cannot tell apart)
+PRE_WAIT_READS = {"_matvec_v3_kernel": {"qp", "hp", "sp", "dp"}, "_attn_partial": {"meta", "pos"}}
 
 
 def pdl_order(ptx: str, name: str, arg_names: list[str], scalars: frozenset[str] = frozenset()) -> str | None:
-    """None when the PTX of a PDL kernel waits (griddepcontrol.wait) before every store, async
+    """None when the PTX of a PDL kernel waits (griddepcontrol.wait) before every global store, async
     copy and atomic, and before every load whose address derives from a pointer argument other
     than PRE_WAIT_READS[name]; else what comes first. `arg_names` are the kernel's non-constexpr
     arguments in order (the PTX parameters), `scalars` those of them that are not pointers
@@ -61,7 +63,9 @@ def pdl_order(ptx: str, name: str, arg_names: list[str], scalars: frozenset[str]
     for ln in lines[:wait]:
         op = ln.split()[0] if ln.split() else ""
         regs = re.findall(r"%[a-z]+\d+", ln)
-        if op.startswith(("st.", "cp.async", "atom.", "red.")) and ".param" not in op:
+        # a store to shared memory stays inside the program (a reduction across its warps), so
+        # it may come first; global stores, async copies (a global read) and atomics may not
+        if op.startswith(("st.", "cp.async", "atom.", "red.")) and ".param" not in op and not op.startswith("st.shared"):
             return f"before the wait: {ln}"
         if op.startswith("ld.param"):
             m = re.search(r"_param_(\d+)", ln)

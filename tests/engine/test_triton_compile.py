@@ -42,8 +42,9 @@ def test_every_engine_kernel_compiles_for_sm90(tmp_path):
 
 
 def test_pdl_order_check_refuses_an_early_read_or_store(monkeypatch):
-    """tools/triton_aot_check.py's PTX check: a load through an activation pointer or any store
-    ahead of griddepcontrol.wait fails it; weight loads of the matvec pass."""
+    """tools/triton_aot_check.py's PTX check: a load through an activation pointer or any global
+    store ahead of griddepcontrol.wait fails it; weight loads of the matvec, the attention's
+    metadata and a store to the program's shared memory pass."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tool refuses the interpreter
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     from triton_aot_check import pdl_order
@@ -58,6 +59,12 @@ def test_pdl_order_check_refuses_an_early_read_or_store(monkeypatch):
     store = "\n".join(head + ("st.global.b32 [%rd4], %r1;", "griddepcontrol.wait;"))
     assert pdl_order(store, "_matvec_v3_kernel", ["x", "qp"]).startswith("before the wait: st.global")
     assert pdl_order("ld.global.b32 %r5, [%rd3];", "_gate_kernel", []) == "no griddepcontrol.wait"
+    # a program's own shared memory (a reduction across its warps) may be written first; the
+    # attention partial reads the step's metadata and position first, its K/V/q after the wait
+    shared = "\n".join(head + ("st.shared.b32 [%r9], %r1;", "griddepcontrol.wait;"))
+    assert pdl_order(shared, "_norm2_kernel", ["x", "qp"]) is None
+    assert pdl_order(ok, "_attn_partial", ["q", "meta"]) is None
+    assert pdl_order(ok, "_attn_partial", ["meta", "q"]).startswith("before the wait: ld.global")
 
 
 def _sass_loop(tmp_path, *args: str) -> tuple[str, str, dict[str, int], int]:

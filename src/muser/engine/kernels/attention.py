@@ -347,16 +347,13 @@ if HAVE_TRITON:
         # KV head: the dots' M is RG x HP lanes, lane m = row (m // HP), head (m % HP), so a key block
         # is read once for the group's rows while each lane's arithmetic is the row-alone's (a row
         # is masked off the blocks it does not see, and such a block changes none of its bits).
-        after_prior(PDL)  # gdc.py: the previous kernel done before the first read
         g = tl.program_id(1)  # KV head
         k = tl.program_id(2)  # split, counted from the launch's first
+        # the step's metadata and first position come from the host's upload before the step, which
+        # no kernel writes: which keys a program sees is known before the wait below, so a program
+        # whose split no row of its group sees (a graph's grid is sized for its bound, not for the
+        # plane's length) exits without waiting for the previous kernel and stores nothing
         ol = tl.load(meta + 0).to(tl.int32)  # positions and offsets fit int32 (asserted by the host)
-        op = tl.load(meta + 1).to(tl.int32)
-        ln = tl.load(meta + 2).to(tl.int32)
-        cap = tl.load(meta + 3).to(tl.int32)
-        kp = _plane(meta, 4, kn)  # the session's K and V storage (plane_meta)
-        vp = _plane(meta, 5, vn)
-        s_slot, s_head = _plane_strides(cap, KV, D, HEAD_MAJOR)
         p0 = tl.load(pos).to(tl.int32)
         mm = tl.arange(0, RG * HP)
         r = tl.program_id(0) * RG + mm // HP  # [M] the lane's row of this launch (row r0 + r of the call)
@@ -382,6 +379,13 @@ if HAVE_TRITON:
             l_i = tl.zeros([RG * HP], tl.float32)
             acc = tl.zeros([RG * HP, D], tl.float32)
         if a_g < b_g:
+            after_prior(PDL)  # gdc.py: the previous kernel done before the first read of K, V or q
+            op = tl.load(meta + 1).to(tl.int32)
+            ln = tl.load(meta + 2).to(tl.int32)
+            cap = tl.load(meta + 3).to(tl.int32)
+            kp = _plane(meta, 4, kn)  # the session's K and V storage (plane_meta)
+            vp = _plane(meta, 5, vn)
+            s_slot, s_head = _plane_strides(cap, KV, D, HEAD_MAJOR)
             qv = tl.load(q + (r0 + r)[:, None] * s_qt + head[:, None] * s_qh + dd[None, :], mask=hmask[:, None],
                          other=0.0)
             if PASS > 0:
