@@ -71,7 +71,9 @@ if HAVE_TRITON:
     def after_prior(PDL: tl.constexpr):
         """Wait until the previous kernel has finished (its writes visible), then let the next
         kernel's programs launch. Every PDL kernel calls it before its first read of anything a
-        kernel writes and before its first store."""
+        kernel writes and before its first store. A program with nothing to read or store may
+        exit without it (the attention partial's splits past every visible key), provided some
+        program of the launch waits, so the kernel still completes after the one before it."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
