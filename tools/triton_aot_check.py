@@ -44,14 +44,15 @@ _OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg"
 # PDL kernels (engine/kernels/gdc.py) may read only these arguments before their wait: weights,
 # and the attention step's metadata and first position, which the host uploads before the step and
 # no kernel writes (the partial kernel decides from them whether its split holds a visible key; the
-# K/V storage those addresses name is read after the wait, which this check cannot tell apart)
+# K/V storage whose addresses they hold is read after the wait: pdl_order refuses a load through a
+# value loaded before it)
 PRE_WAIT_READS = {"_matvec_v3_kernel": {"qp", "hp", "sp", "dp"}, "_attn_partial": {"meta", "pos"}}
 
 
 def pdl_order(ptx: str, name: str, arg_names: list[str], scalars: frozenset[str] = frozenset()) -> str | None:
     """None when the PTX of a PDL kernel waits (griddepcontrol.wait) before every global store, async
     copy and atomic, and before every load whose address derives from a pointer argument other
-    than PRE_WAIT_READS[name]; else what comes first. `arg_names` are the kernel's non-constexpr
+    than PRE_WAIT_READS[name] or from a value loaded before the wait; else what comes first. `arg_names` are the kernel's non-constexpr
     arguments in order (the PTX parameters), `scalars` those of them that are not pointers
     (launch values, which no kernel writes)."""
     lines = [re.sub(r"^@!?%\w+\s+", "", ln.strip()) for ln in ptx.splitlines()]  # predicates off
@@ -80,7 +81,9 @@ def pdl_order(ptx: str, name: str, arg_names: list[str], scalars: frozenset[str]
         ins = [r for r in regs if r not in outs]
         if op.startswith("ld.global") and any(r in tainted for r in ins):
             return f"before the wait: {ln}"
-        if any(r in tainted for r in ins):
+        # a value loaded before the wait may itself be an address (the attention metadata holds
+        # the K/V storage's): memory reached through it is read only after the wait
+        if op.startswith("ld.global") or any(r in tainted for r in ins):
             tainted |= outs
     return None
 

@@ -65,6 +65,10 @@ def test_pdl_order_check_refuses_an_early_read_or_store(monkeypatch):
     assert pdl_order(shared, "_norm2_kernel", ["x", "qp"]) is None
     assert pdl_order(ok, "_attn_partial", ["q", "meta"]) is None
     assert pdl_order(ok, "_attn_partial", ["meta", "q"]).startswith("before the wait: ld.global")
+    # an address read from the metadata (the K/V storage) is not followed before the wait
+    chase = "\n".join(head[:1] + ("ld.global.b64 %rd5, [%rd1+32];", "ld.global.b16 %rs1, [%rd5];",
+                                   "griddepcontrol.wait;"))
+    assert pdl_order(chase, "_attn_partial", ["meta"]).startswith("before the wait: ld.global.b16")
 
 
 def _sass_loop(tmp_path, *args: str) -> tuple[str, str, dict[str, int], int]:
