@@ -18,7 +18,7 @@
 # --reuse-gates takes a wide Gate 2 receipt of this tree and lane from an earlier call on this
 # machine or, on a bare machine, from DIR/gates/ of the carry (a receipt fetched back from one).
 # --kinds (default all three) are the speed kinds the speed and nvfp4 stages run, in that order;
-# --kind-box is each kind's time box, decode's once for each of --depths (it runs at every depth).
+# --kind-box is each kind's time box; decode runs once a depth of --depths, a box and a receipt each.
 # --kernels-lane (default --lane) is the lane the kernels stage checks; --kernels-timings-only skips
 # its invariance part (tools/device_kernels.py --no-invariance: a tree whose kernels an earlier call
 # checked; the stage's receipt then says partial); --kernels-shapes times only those full-geometry shapes. --install-tuning: the kernels stage's sweep
@@ -305,12 +305,16 @@ speed_kinds() {
     against=(--against llama.cpp --llama-bench-json "$lj"); fi
   for kind in ${KINDS//,/ }; do
     local plot=(); plot_flag $kind && plot=(--plot)
-    local d=$DEPTHS box=$KIND_BOX
-    # prefill and verify at the first depth; decode at each depth, a box for each (a deep run first
-    # prefills its context: 32,768 tokens are ~110 s of the exact lane's prefill on an H100)
-    if [ $kind = decode ]; then box=$(( KIND_BOX * $(echo "$DEPTHS" | tr ',' '\n' | wc -l) )); else d=${DEPTHS%%,*}; fi
-    run_stage "$label-$kind" $box 40 $PY -m muser bench $kind --model "$model" --device $DEV --lane $LANE --depths "$d" \
-        --reps $REPS --warmup 1 $SPEED_TOKENS --gate-receipt "$gate" --out-dir "$R" "${against[@]}" "${plot[@]}"
+    # prefill and verify at the first depth; decode at each depth, one run and receipt a depth, each
+    # in its own box (a deep run first prefills its context: 32,768 tokens are ~110 s of the exact
+    # lane's prefill on an H100), so a deadline that cuts the deep run keeps the shallower receipts
+    local ds=${DEPTHS%%,*} d
+    [ $kind = decode ] && ds=${DEPTHS//,/ }
+    for d in $ds; do  # one log a kind (run_stage appends): speed_plot reads every receipt line of it
+      run_stage "$label-$kind" $KIND_BOX 40 $PY -m muser bench $kind --model "$model" --device $DEV --lane $LANE \
+          --depths "$d" --reps $REPS --warmup 1 $SPEED_TOKENS --gate-receipt "$gate" --out-dir "$R" "${against[@]}" "${plot[@]}"
+    done
+    d=${DEPTHS%%,*}
     # verify deeper too, Muser's side alone: its figure is its own verify/decode1 ratio, and
     # llama-bench would re-fill a deep context before each repetition of pp16 and of tg1
     if [ $kind = verify ] && [ "$DEPTHS" != "$d" ]; then

@@ -136,6 +136,19 @@ def test_gates_only_records_the_speed_stage_without_running_it(tmp_path):
     assert not list((tmp_path / "work" / "out" / "receipts").glob("*-decode.json"))
 
 
+def test_decode_runs_once_a_depth_each_with_its_receipt(tmp_path):
+    """Decode at each of --depths is its own run, box and receipt (a deadline that cuts the deep
+    run keeps the shallower one's), and the stage's plot reads them all."""
+    p = run(tmp_path, "--cpu-dry", "--deadline", "300", "--kinds", "decode", "gate", "speed")
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [r.split("\t") for r in (tmp_path / "out" / "stages.tsv").read_text().splitlines()]
+    assert [r[1] for r in rows if r[0] == "speed-decode"] == ["0", "0"], rows
+    receipts = tmp_path / "work" / "out" / "receipts"
+    depths = sorted(json.loads(f.read_text())["results"]["depths"] for f in receipts.glob("*-decode.json"))
+    assert depths == [[0], [40]]  # the dry run's depths
+    assert (receipts / "plots" / "speed-tok-s-vs-depth.png").stat().st_size > 0
+
+
 def test_cpu_dry_nvfp4_fixture_is_the_q4_k_file_quantized(tmp_path):
     """With the nvfp4 stage named, the fixture stage writes the Q4_K file, then its NVFP4 form by
     `muser quantize` (nv.done carries the quantize time); a deadline too short for the gate
