@@ -31,8 +31,8 @@
 #
 # Stages, in the order given (build and fixture start in the background at t = 0; the stages
 # that need their outputs wait for them inside their own time box):
-#   build    the pinned llama.cpp, CUDA sm_90, from DIR/llama.cpp-src.tgz: llama-bench, then
-#            llama-server (-j10; ~5-6 min)
+#   build    the pinned llama.cpp, CUDA sm_90, from DIR/llama.cpp-src.tgz: llama-bench (-j14; ~6.5 min),
+#            then llama-server when the serve stage is named (~1 min more)
 #   fixture  (implied by speed, kvpack, nvfp4, profile and cli)
 #            the full geometry (tools/make_fixture.py --full: Q4_K mix, 16.75 GB) and, once that is
 #            written and when the nvfp4 stage is named, its NVFP4 form by `muser quantize FULL NV
@@ -218,17 +218,25 @@ wait_for() { while [ ! -e "$1" ] && [ "$(el)" -lt "$2" ]; do sleep 2; done; [ -e
 if has build; then
   if [ $DRY = 1 ]; then
     record build - 0 "dry run: no llama.cpp build here (llama-cpp-python is the CPU comparator)"
-  elif [ -x $SERVER ]; then  # a warm machine still holds this call's build
-    echo "llama-bench rc=0 0 s (warm)" >"$W/llama-bench.done"; echo "llama-server rc=0 0 s (warm)" >"$W/llama-server.done"
+  elif [ -x $BENCH ] && { ! has serve || [ -x $SERVER ]; }; then  # a warm machine still holds this call's build
+    echo "llama-bench rc=0 0 s (warm)" >"$W/llama-bench.done"
+    has serve && echo "llama-server rc=0 0 s (warm)" >"$W/llama-server.done"
   else
-    ( t=$(date +%s); mkdir -p $LB && tar xzf "$CARRY/llama.cpp-src.tgz" -C $LB && cd $LB/llama.cpp \
-      && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-           -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-           >"$L/llama-cmake.log" 2>&1 \
-      && cmake --build build -j14 --target llama-bench >"$L/llama-build.log" 2>&1
+    ( t=$(date +%s)
+      if [ ! -x $BENCH ]; then
+        mkdir -p $LB && tar xzf "$CARRY/llama.cpp-src.tgz" -C $LB \
+        && cmake -S $LB/llama.cpp -B $LB/llama.cpp/build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+             -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
+             -DLLAMA_USE_PREBUILT_UI=OFF >"$L/llama-cmake.log" 2>&1 \
+        && cmake --build $LB/llama.cpp/build -j14 --target llama-bench >"$L/llama-build.log" 2>&1
+      fi
       echo "llama-bench rc=$? $(( $(date +%s) - t )) s" >"$W/llama-bench.done"
-      [ -x $BENCH ] && cmake --build build -j14 --target llama-server >>"$L/llama-build.log" 2>&1
-      echo "llama-server rc=$? $(( $(date +%s) - t )) s" >"$W/llama-server.done" ) &
+      # llama-server only for the serve stage: its compile would share the host's cores with the
+      # speed stages' timings (llama-bench's and Muser's) that follow llama-bench's build
+      if has serve; then
+        [ -x $BENCH ] && cmake --build $LB/llama.cpp/build -j14 --target llama-server >>"$L/llama-build.log" 2>&1
+        echo "llama-server rc=$? $(( $(date +%s) - t )) s" >"$W/llama-server.done"
+      fi ) &
   fi
 fi
 # the stages that read the full file write it when it is absent, named or not (a bare machine)
