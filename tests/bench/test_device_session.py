@@ -276,8 +276,8 @@ def test_the_decode_kind_has_a_box_for_each_depth(tmp_path):
     """Decode runs once a depth of --depths (a deep one prefills its context first), each run with
     its own --kind-box and receipt, so a deadline that cuts the deep run keeps the shallower
     receipt (the dry run's depths are 0 and 40; the carried gate here is a stub the bench refuses,
-    so only the boxes are checked). Verify runs with
-    the comparator at the first depth in one box and alone at the deeper ones in a box of their own."""
+    so only the boxes are checked). Verify runs with the comparator at the first depth in one box
+    and alone at the deeper ones in a box of their own."""
     sha = "d" * 40
     gates = tmp_path / "carry" / "gates"
     gates.mkdir(parents=True)
