@@ -707,7 +707,7 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
     if qwide_i8.supports(w.fmt):  # the wide GEMM (prefill chunks) beside the tile: bits and times
         wide = {}
         for T in (64, big):
-            for cfg in (qwide_i8.CONFIG, (128, 64, 8, 1)):
+            for cfg in (qwide_i8.CONFIG, (128, 32, 8, 2)):
                 key = f"T{T} {list(cfg)}"
                 try:
                     out = torch.empty(T, w.n_out, device=device)

@@ -226,7 +226,7 @@ def drive(rec: Recorder) -> None:
     for fmt in wi.FORMATS:  # the integer lane's wide GEMM (prefill chunks), default and swept tilings
         n_in, n_out = 1280, 136
         w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy()))
-        for T, cfg in ((512, None), (64, None), (512, (128, 64, 8, 1)), (512, (64, 128, 8, 1))):
+        for T, cfg in ((512, None), (64, None), (512, (128, 32, 8, 2)), (512, (64, 64, 8, 1))):
             wi.matmul_wide(w, i8.Act(G.Q8_K, torch.zeros(T, n_in, dtype=torch.int8), torch.zeros(T, n_in // 256),
                                      torch.zeros(T, n_in // 32, dtype=torch.int32)), torch.empty(T, n_out), cfg)
     from muser.engine.kernels import qgemm_split as sg

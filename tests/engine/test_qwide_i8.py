@@ -55,7 +55,7 @@ def _bits(t) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fmt", [G.Q4_K, G.Q5_K], ids=lambda f: f.name)
-@pytest.mark.parametrize("n_in", [512, 1280])  # one chunk; a chunk of 4 blocks and one of 1
+@pytest.mark.parametrize("n_in", [512, 1024, 1280])  # part of a chunk; one whole chunk; a chunk of 4 blocks and one of 1
 def test_wide_gemm_is_matmul_ggml_bitwise(kw, fmt, n_in):
     qwide, i8 = kw
     raw, w = _weight(fmt, 40, n_in, 5, extreme=True)

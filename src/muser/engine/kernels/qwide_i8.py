@@ -1,6 +1,6 @@
 """The integer lane's wide GEMM for Q4_K and Q5_K weights (Triton): prefill chunks of many rows,
-`muser.quant.dot.matmul_ggml` bit for bit, one 256-block a step with two int8 dots of K = 256
-instead of eight dots of K = 32 and their CUDA-core scale combines.
+`muser.quant.dot.matmul_ggml` bit for bit, the sub-block scales inside the int8 dots' weight
+operand instead of eight dots of K = 32 a 256-block and their CUDA-core scale combines.
 
 Why: the lane's K-quant scale is per 32-element sub-block, so `qmatmul_i8` and the int8 tile
 (`qtile_i8`) run one K = 32 tensor-core product a sub-block and fold each into the block sum with
@@ -52,8 +52,14 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 FORMATS = (G.Q4_K, G.Q5_K)
 _CODE = {G.Q4_K: 2, G.Q5_K: 3}
-# (BM, BN, num_warps, num_stages): activation rows and weight rows a program
-CONFIG = (64, 64, 8, 1)
+# (BM, BN, num_warps, num_stages): activation rows and weight rows a program. A block walked as
+# four K = 64 slices keeps every operand at [64, BN] (one whole block at K = 256 held [256, BN] of
+# int32 codes, scales and products, 255 registers and 72-512 bytes of stack at (64, 64, 8, 1) and
+# (128, 64, 8, 1)). Compiled for sm_90 (Triton 3.6, ptxas): (64, 64, 8, 2) 234 registers for Q4_K
+# and 250 for Q5_K, no stack, the activation and code loads as cp.async one block ahead; (128, 32,
+# 8, 2) 254-255, no stack; BN 64 at 4 warps or BM 128 with BN 64 spill. Not yet timed on a GPU: the
+# device sweep (tools/device_kernels.py) times both beside the tile at 64 and 512 rows.
+CONFIG = (64, 64, 8, 2)
 
 
 def supports(fmt: G) -> bool:
@@ -78,11 +84,31 @@ if HAVE_TRITON:
         hi = tl.dot(bh, wv, out_dtype=tl.int32)
         return tl.dot(bl, wv, acc=hi * 64, out_dtype=tl.int32)
 
+    @triton.jit
+    def _half_block(a, wb, hb, sc0, sc1, k, j0, FMT: tl.constexpr):
+        """Two sub-blocks (j0, j0 + 1) of a 256-block, K = 64: a int8 [BM, 64] (their activations,
+        one contiguous run), wb u8 [64, BN] (their shared 32 code bytes, each loaded for both:
+        operand k < 32 the low nibble, k >= 32 the high one), hb u8 [64, BN] (Q5_K's qh bytes of
+        the same element), sc0 / sc1 [BN] their 6-bit scales. Returns (sum_k a q sh, sum_k a q sl)
+        int32 [BM, BN], the scale's two digits (sc = 8 sh + sl) in the weight operand."""
+        hi = (k >= 32)[:, None]  # [64, 1]: the second sub-block of the pair
+        q = (wb.to(tl.int32) >> tl.where(hi, 4, 0)) & 15
+        if FMT == 3:  # Q5_K: the fifth bit is bit j of qh[i] (j the sub-block, i its element), then q - 16
+            q = q + 16 * ((hb.to(tl.int32) >> tl.where(hi, j0 + 1, j0)) & 1) - 16
+        sh = tl.where(hi, (sc1 >> 3)[None, :], (sc0 >> 3)[None, :])  # [64, BN]: the scale's digits
+        sl = tl.where(hi, (sc1 & 7)[None, :], (sc0 & 7)[None, :])
+        s_h = tl.dot(a, (q * sh).to(tl.int8), out_dtype=tl.int32)
+        s_l = tl.dot(a, (q * sl).to(tl.int8), out_dtype=tl.int32)
+        return s_h, s_l
+
     @triton.jit(do_not_specialize=["T"])
     def _qwide_kernel(aq, ad, ab, y, qs, wd, wdm, wsc, wm, wqh, N, K, T, sy,
                       FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CB: tl.constexpr):
         """y [T, N] f32: program (i, j) takes activation rows i*BM.. and weight rows j*BN.. and
-        walks every chunk of CB 256-blocks."""
+        walks the 256-blocks in order, folding each chunk of CB blocks into the total at its end.
+        A block is four K = 64 slices (sub-blocks 2c, 2c + 1: one contiguous run of activations and
+        the same 32 code bytes), so no operand is wider than [64, BN] and every load is a
+        contiguous run of each row (32 code bytes, 64 activation bytes)."""
         m = tl.program_id(0) * BM + tl.arange(0, BM)  # activation rows: the fastest grid axis, so
         n = tl.program_id(1) * BN + tl.arange(0, BN)  # a weight tile's readers run together (L2)
         mmask = m < T
@@ -90,45 +116,55 @@ if HAVE_TRITON:
         tok = m.to(tl.int64)
         row = n.to(tl.int64)
         nb = K // 256
-        e = tl.arange(0, 256)  # element of a 256-block
-        byte = 32 * (e // 64) + e % 32  # its qs byte
-        shift = 4 * ((e // 32) % 2)  # low nibble for sub-blocks 2c, high for 2c + 1
-        j = e // 32  # its sub-block
+        k = tl.arange(0, 64)  # operand k of a slice: element 64c + k of the block
+        kb = k % 32  # its code byte within the slice's 32 (and its qh byte)
         j32 = tl.arange(0, 32)  # the small dots' K: sub-blocks 0..7, then zeros
         jm = j32 < 8
+        a_p = aq + tok[:, None] * K + k[None, :]  # [BM, 64]
+        w_p = qs + row[None, :] * (nb * 128) + kb[:, None]  # [64, BN]
+        h_p = wqh + row[None, :] * (nb * 32) + kb[:, None]  # [64, BN] (Q5_K)
+        s_p = wsc + row * (nb * 8)  # [BN]
+        amask = mmask[:, None]
+        wmask = nmask[None, :]
         tot = tl.zeros([BM, BN], dtype=tl.float32)
-        for c in range(0, (nb + CB - 1) // CB):
-            acc = tl.zeros([BM, BN], dtype=tl.float32)  # +0.0 (dot._chunk_sum)
-            for b in range(c * CB, tl.minimum(nb, c * CB + CB)):
-                a = tl.load(aq + tok[:, None] * K + b * 256 + e[None, :], mask=mmask[:, None], other=0)  # [BM, 256]
-                wb = tl.load(qs + row[None, :] * (nb * 128) + b * 128 + byte[:, None], mask=nmask[None, :],
-                             other=0).to(tl.int32)  # [256, BN]
-                q = (wb >> shift[:, None]) & 15
-                if FMT == 3:  # Q5_K: the fifth bit, then q - 16
-                    hb = tl.load(wqh + row[None, :] * (nb * 32) + b * 32 + (e % 32)[:, None], mask=nmask[None, :],
-                                 other=0).to(tl.int32)
-                    q = q + 16 * ((hb >> j[:, None]) & 1) - 16
-                sc = tl.load(wsc + row[None, :] * (nb * 8) + b * 8 + j[:, None], mask=nmask[None, :],
-                             other=0).to(tl.int32)  # [256, BN]: each sub-block's scale
-                s = tl.dot(a, (q * (sc >> 3)).to(tl.int8), out_dtype=tl.int32)
-                s = tl.dot(a, (q * (sc & 7)).to(tl.int8), acc=s * 8, out_dtype=tl.int32)  # sum sc q a
-                bs = tl.load(ab + tok[:, None] * (K // 32) + b * 8 + j32[None, :], mask=mmask[:, None] & jm[None, :],
-                             other=0)  # [BM, 32] int32: bsum32 of sub-blocks 0..7
-                mv = tl.load(wm + row[None, :] * (nb * 8) + b * 8 + j32[:, None], mask=nmask[None, :] & jm[:, None],
-                             other=0).to(tl.int8)  # [32, BN]: the mins (6 bits)
-                summ = _digits_dot(bs, mv, BM, BN)
-                if FMT == 3:  # the codes' offset: + 16 sum_j sc_j bsum32_j
-                    s8 = tl.load(wsc + row[None, :] * (nb * 8) + b * 8 + j32[:, None],
-                                 mask=nmask[None, :] & jm[:, None], other=0).to(tl.int8)
-                    s = s + 16 * _digits_dot(bs, s8, BM, BN)
-                a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
-                d = tl.load(wd + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
-                dm = tl.load(wdm + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
-                dd = a_d[:, None] * d[None, :]  # f32: y.d * fp16(x.d)
-                mm = (-a_d)[:, None] * dm[None, :]  # f32: -y.d * fp16(x.dmin)
-                acc = acc + (s.to(tl.float32) * dd + summ.to(tl.float32) * mm)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)  # +0.0 (dot._chunk_sum)
+        for b in range(0, nb):
+            if FMT == 3:
+                hb = tl.load(h_p + b * 32, mask=wmask, other=0)
+            else:
+                hb = 0
+            s_h = tl.zeros([BM, BN], dtype=tl.int32)
+            s_l = tl.zeros([BM, BN], dtype=tl.int32)
+            for c in range(4):
+                a = tl.load(a_p + (b * 256 + 64 * c), mask=amask, other=0)
+                wb = tl.load(w_p + (b * 128 + 32 * c), mask=wmask, other=0)
+                sc0 = tl.load(s_p + (b * 8 + 2 * c), mask=nmask, other=0).to(tl.int32)
+                sc1 = tl.load(s_p + (b * 8 + 2 * c + 1), mask=nmask, other=0).to(tl.int32)
+                h, lo = _half_block(a, wb, hb, sc0, sc1, k, 2 * c, FMT)
+                s_h += h
+                s_l += lo
+            s = s_h * 8 + s_l  # sum_j sc_j sum_k q a (|s| < 2^26: exact)
+            bs = tl.load(ab + tok[:, None] * (K // 32) + b * 8 + j32[None, :], mask=amask & jm[None, :],
+                         other=0)  # [BM, 32] int32: bsum32 of sub-blocks 0..7
+            mv = tl.load(wm + row[None, :] * (nb * 8) + b * 8 + j32[:, None], mask=wmask & jm[:, None],
+                         other=0).to(tl.int8)  # [32, BN]: the mins (6 bits)
+            summ = _digits_dot(bs, mv, BM, BN)
+            if FMT == 3:  # the codes' offset: + 16 sum_j sc_j bsum32_j
+                s8 = tl.load(wsc + row[None, :] * (nb * 8) + b * 8 + j32[:, None], mask=wmask & jm[:, None],
+                             other=0).to(tl.int8)
+                s = s + 16 * _digits_dot(bs, s8, BM, BN)
+            a_d = tl.load(ad + tok * nb + b, mask=mmask, other=0.0)
+            d = tl.load(wd + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
+            dm = tl.load(wdm + row * nb + b, mask=nmask, other=0.0).to(tl.float32)
+            dd = a_d[:, None] * d[None, :]  # f32: y.d * fp16(x.d)
+            mm = (-a_d)[:, None] * dm[None, :]  # f32: -y.d * fp16(x.dmin)
+            acc = acc + (s.to(tl.float32) * dd + summ.to(tl.float32) * mm)
+            if b % CB == CB - 1:  # a chunk's last block: its sum into the total, the next from +0.0
+                tot = tot + acc
+                acc = tl.zeros([BM, BN], dtype=tl.float32)
+        if nb % CB != 0:  # the last chunk, shorter (a full one was folded by its last block)
             tot = tot + acc
-        tl.store(y + tok[:, None] * sy + n[None, :], tot, mask=mmask[:, None] & nmask[None, :])
+        tl.store(y + tok[:, None] * sy + n[None, :], tot, mask=amask & wmask)
 
 
 def matmul_wide(w: QWeight, act, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
