@@ -88,6 +88,24 @@ def pdl_order(ptx: str, name: str, arg_names: list[str], scalars: frozenset[str]
     return None
 
 
+def resources(cubin: bytes) -> dict:
+    """Registers a thread and stack bytes of a compiled kernel, from the cubin by the cuobjdump that
+    ships with Triton (`-res-usage`): the spill check a GPU's `n_regs` gives only once loaded. An
+    empty dict when that cuobjdump is absent or prints no usage line."""
+    import subprocess
+    import tempfile
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    reg, stack = re.search(r"REG:(\d+)", out), re.search(r"STACK:(\d+)", out)
+    return {"registers": int(reg.group(1)), "stack_bytes": int(stack.group(1))} if reg and stack else {}
+
+
 class Recorder:
     def __init__(self):
         self.launches: dict[tuple, tuple] = {}
@@ -314,7 +332,7 @@ def main(argv=None) -> int:
             k = triton.compile(src, target=target, options=dict(o))
             meta = getattr(k, "metadata", None)
             r = {"kernel": name, "constexprs": {fn.arg_names[i[0]]: v for i, v in c.items()}, "options": o,
-                 "ok": True, "n_regs": getattr(k, "n_regs", None), "shared": getattr(meta, "shared", None),
+                 "ok": True, **resources(k.asm["cubin"]), "shared": getattr(meta, "shared", None),
                  "seconds": round(time.time() - t, 2)}
             if o.get("launch_pdl"):
                 args = [n for n in fn.arg_names if s.get(n) != "constexpr"]

@@ -54,11 +54,12 @@ FORMATS = (G.Q4_K, G.Q5_K)
 _CODE = {G.Q4_K: 2, G.Q5_K: 3}
 # (BM, BN, num_warps, num_stages): activation rows and weight rows a program. A block walked as
 # four K = 64 slices keeps every operand at [64, BN] (one whole block at K = 256 held [256, BN] of
-# int32 codes, scales and products, 255 registers and 72-512 bytes of stack at (64, 64, 8, 1) and
-# (128, 64, 8, 1)). Compiled for sm_90 (Triton 3.6, ptxas): (64, 64, 8, 2) 234 registers for Q4_K
-# and 250 for Q5_K, no stack, the activation and code loads as cp.async one block ahead; (128, 32,
-# 8, 2) 254-255, no stack; BN 64 at 4 warps or BM 128 with BN 64 spill. Not yet timed on a GPU: the
-# device sweep (tools/device_kernels.py) times both beside the tile at 64 and 512 rows.
+# int32 codes, scales and products: 255 registers and 72-304 bytes of stack at (64, 64, 8, 1) and
+# (128, 32, 8, 2)). Compiled for sm_90 (tools/triton_aot_check.py; bench/reports/
+# triton-aot-sm90-20261207/): (64, 64, 8, 2) 234 registers for Q4_K and 250 for Q5_K, no stack, the
+# activation and code loads as cp.async one block ahead; (128, 32, 8, 2) 254-255, no stack. Not yet
+# timed on a GPU: the device sweep (tools/device_kernels.py) times both beside the tile at 64 and
+# 512 rows.
 CONFIG = (64, 64, 8, 2)
 
 
