@@ -30,9 +30,8 @@ outputs on a row subset checked bitwise against muser.quant.dot.matmul_ggml (the
 and one row alone against the same row inside the 16- and 512-row launches (bitwise); on the
 K-quant shapes the int8 tile (kernels/qtile_i8.py, the lane's CUDA path for them) beside it: bitwise
 matmul_ggml on the row subset and bitwise the reference at 1, 16 and 512 rows (both gated), timed at
-1, 16, 64 and 512 rows, tilings swept (one-row calls split or walking their chunks) and the wide
-GEMM (kernels/qwide_i8.py) beside it at 64 and 512 rows; the fastest route per shape and row
-bucket with the reference's bits is written as DIR/i8_tuning.json (qtile_i8.load_tuning's form).
+1, 16, 64 and 512 rows, tilings swept (one-row calls split or walking their chunks); the fastest
+route per shape and row bucket with the reference's bits is written as DIR/i8_tuning.json (qtile_i8.load_tuning's form).
 
     python3 tools/device_kernels.py --out DIR [--budget 140] [--device cuda|cpu --smoke] [--lane exact|fast]
                                     [--before FILE]   (an earlier qmatvec_v3.py: its 4/16-row calls beside)
@@ -306,10 +305,8 @@ def i8_tuning_table(speed: list[dict], margin: float = 0.03) -> list[dict]:
     """The integer lane's sweep -> i8_tuning.json entries (qtile_i8.load_tuning's form): per shape
     and row bucket (8: the one-row times, 16, 64: the widest call's) the fastest of the tile's
     default, its swept tilings (one-row: split or walking its chunks; the ring's chunk groups "gN"
-    and stream-K walks "skN" as the entry's group and stream) and, for 64, the wide GEMM
-    (a tiling faster than the tile at 64 rows too), among those whose outputs were bitwise the
-    default's (the wide GEMM: the reference's). A
-    candidate replaces the default only if `margin` faster (the sweep's times are one sample)."""
+    and stream-K walks "skN" as the entry's group and stream), among those whose outputs were
+    bitwise the default's. A candidate replaces the default only if `margin` faster (the sweep's times are one sample)."""
     from muser.engine.kernels import qtile_i8
 
     table = []
@@ -346,14 +343,6 @@ def i8_tuning_table(speed: list[dict], margin: float = 0.03) -> list[dict]:
                 if stream:
                     e["stream"] = stream
                 cands.append((e, v["us"]))
-            if bucket == 64:  # the bucket starts at 17 rows: a wide tiling must also beat the tile at 64
-                wide = tr.get("wide", {})
-                for key, v in wide.items():
-                    head, _, rest = key.partition(" ")
-                    at64 = wide.get(f"T64 {rest}", {})
-                    if (head == f"T{T}" and v.get("bitwise_equal_reference") and at64.get("bitwise_equal_reference")
-                            and "T64" in tr and at64["us"] < tr["T64"]["us"]):
-                        cands.append(({"path": "wide", "config": json.loads(rest)}, v["us"]))
             best = min(cands, key=lambda c: c[1])
             if best[1] > (1.0 - margin) * default[1]:
                 best = default
@@ -702,25 +691,6 @@ def tile_part(w, x, yb, raw, rows, ref, nbytes: int, device: str) -> dict:
     t["sweep"] = sweep
     t["waves"] = waves_probe(w, acts[16], device)
     t["stream_probe"] = stream_probe(w, acts[16], device)
-    from muser.engine.kernels import qwide_i8
-
-    if qwide_i8.supports(w.fmt):  # the wide GEMM (prefill chunks) beside the tile: bits and times
-        wide = {}
-        for T in (64, big):
-            for cfg in (qwide_i8.CONFIG, (128, 32, 8, 2)):
-                key = f"T{T} {list(cfg)}"
-                try:
-                    out = torch.empty(T, w.n_out, device=device)
-                    got_w = qwide_i8.matmul_wide(w, acts[T], out, config=cfg)
-                    eq = bool(torch.equal(bits(got_w), bits(yb[:T])))
-                    sec = graph_seconds(lambda: qwide_i8.matmul_wide(w, acts[T], out, config=cfg), 3, 3)
-                    mean = float(np.mean(sec))
-                    wide[key] = {"us": mean * 1e6, "bitwise_equal_reference": eq,
-                                 "TOPS": 2.0 * T * w.n_out * w.n_in / mean / 1e12,
-                                 "over_tile": mean * 1e6 / t[f"T{T}"]["us"]}
-                except Exception as e:  # noqa: BLE001
-                    wide[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        t["wide"] = wide
     return t
 
 
@@ -866,10 +836,6 @@ def main(argv=None) -> int:
                         print("  stream-K walk (16 rows) by programs " + ", ".join(
                             f"{k}: {v.get('us', 0):.1f} us {v.get('GBps', 0):.0f} GB/s"
                             for k, v in tr["stream_probe"].items() if k.startswith("P")), flush=True)
-                    if "wide" in tr:
-                        print("  wide GEMM " + ", ".join(
-                            f"{k}: {v.get('us', 0):.1f} us {v.get('TOPS', 0):.1f} TOPS x{v.get('over_tile', 0):.2f} of the tile "
-                            f"{v.get('bitwise_equal_reference', v.get('error'))}" for k, v in tr["wide"].items()), flush=True)
             except Exception as e:  # noqa: BLE001
                 r = {"fmt": fmt, "n_out": n_out, "n_in": n_in, "error": f"{type(e).__name__}: {e}",
                      "trace": traceback.format_exc()[-2000:]}

@@ -239,14 +239,6 @@ def drive(rec: Recorder) -> None:
                 ti.matmul_ring(w, i8.Act(G.Q8_K, torch.zeros(T, n_in, dtype=torch.int8), torch.zeros(T, n_in // 256),
                                          torch.zeros(T, n_in // 32, dtype=torch.int32)), torch.empty(T, n_out), rcfg,
                                False, stream=stream, programs=2)
-    from muser.engine.kernels import qwide_i8 as wi
-
-    for fmt in wi.FORMATS:  # the integer lane's wide GEMM (prefill chunks), default and swept tilings
-        n_in, n_out = 1280, 136
-        w = repack("t", fmt, n_out, n_in, torch.from_numpy(random_bytes(fmt, n_out, n_in, 1).copy()))
-        for T, cfg in ((512, None), (64, None), (512, (128, 32, 8, 2)), (512, (64, 64, 8, 1))):
-            wi.matmul_wide(w, i8.Act(G.Q8_K, torch.zeros(T, n_in, dtype=torch.int8), torch.zeros(T, n_in // 256),
-                                     torch.zeros(T, n_in // 32, dtype=torch.int32)), torch.empty(T, n_out), cfg)
     from muser.engine.kernels import qgemm_split as sg
 
     for fmt in sg.FORMATS:  # the exact lane's K-quant GEMM: the CUDA-core rows, the 16-row and wide tiles

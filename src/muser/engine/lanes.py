@@ -20,8 +20,7 @@
   products in one fixed order. CUDA: kernels/qtile_i8.py for the K-quants (int8 tensor-core tiles with the
   operands unpacked in registers; checked bitwise against qmatmul_i8 on the device before it
   serves) on the tiling the device sweep's table (kernels/i8_tuning.json) gives each shape,
-  kernels/qwide_i8.py for the Q4_K/Q5_K prefill chunks that table routes there, kernels/qmatmul_i8.py for
-  Q8_0/Q4_0; the activations come quantized from the tail kernel that writes them (the norms
+  kernels/qmatmul_i8.py for Q8_0/Q4_0; the activations come quantized from the tail kernel that writes them (the norms
   and gates, kernels/fused.py through act_out / keep_act), a quantize launch only where no tail
   wrote them; CPU: dot.matmul_codes over codes built once
   from the repacked fields. Each output row depends only on its own input row, so the lane is
@@ -231,10 +230,6 @@ class Linear:
                 self.tile_formats = qtile_i8.FORMATS
                 for fmt, config, split, group, stream in qtile_i8.ring_routes():  # the table's ring routes, each checked
                     qtile_i8.self_check_ring(str(device), fmt, config, split, group, stream)
-                if qtile_i8.routes_wide():  # the tuning table sends some prefill calls to the wide GEMM
-                    from .kernels import qwide_i8
-
-                    qwide_i8.self_check(str(device))
 
     def stacked_ok(self, T: int, st=None) -> bool:
         """Stacked projections serve this call: on CUDA stacks of the split GEMM's layout
@@ -304,8 +299,7 @@ class Linear:
     def _i8(self, w: QWeight, act, out: torch.Tensor | None = None) -> torch.Tensor:
         """The fast lane's GEMM on CUDA (the SPEC of dot.matmul_ggml): K-quants where the int8 tile
         serves go where the tuning table routes their shape and row bucket (qtile_i8.route: the tile
-        or its ring variant on a tiling, or the wide GEMM for Q4_K/Q5_K prefill chunks), other integer formats (and
-        devices without the tile) through kernels/qmatmul_i8. Every route has the same bits."""
+        or its ring variant on a tiling), other integer formats (and devices without the tile) through kernels/qmatmul_i8. Every route has the same bits."""
         if w.fmt in self.tile_formats:
             from .kernels import qtile_i8
 

@@ -186,8 +186,7 @@ def config_for(rows: int) -> tuple[int, int, int, int]:
 
 class Route(NamedTuple):
     """Where the lane sends a call: `path` "tile" (matmul_tile with `config` and `split`; None:
-    its defaults), "ring" (matmul_ring with `config`, `split`, `group` and `stream`) or "wide"
-    (qwide_i8.matmul_wide with `config`)."""
+    its defaults) or "ring" (matmul_ring with `config`, `split`, `group` and `stream`)."""
     path: str
     config: tuple[int, int, int, int] | None = None
     split: bool | None = None
@@ -197,15 +196,13 @@ class Route(NamedTuple):
 
 # The device sweep's winners per (format, row bucket 8 / 16 / 64, n_out, n_in) (tools/device_kernels.py
 # --lane fast writes i8_tuning.json; `load_tuning` reads one); other shapes take the tile's CONFIGS.
-# Every route gives the same bits (the tile and the wide GEMM are both checked against qmatmul_i8
-# before they serve); the table changes speed only.
+# Every route gives the same bits (each ring route is checked against qmatmul_i8 before it serves);
+# the table changes speed only.
 TUNED: dict[tuple[str, int, int, int], Route] = {}
 TUNING_FILE = os.path.join(os.path.dirname(__file__), "i8_tuning.json")
 
 
 def _parse_route(e: dict) -> tuple[tuple[str, int, int, int], Route]:
-    from . import qwide_i8
-
     key = (str(e["fmt"]), int(e["rows"]), int(e["n_out"]), int(e["n_in"]))
     fmt = G[key[0]] if key[0] in G.__members__ else None
     if fmt not in FORMATS or key[1] not in CONFIGS or key[2] <= 0 or key[3] <= 0 or key[3] % 256:
@@ -224,16 +221,11 @@ def _parse_route(e: dict) -> tuple[tuple[str, int, int, int], Route]:
         config = check_ring_config(e["config"])
         stream = check_stream(e.get("stream", 0), split, key[1], config[1])
         return key, Route("ring", config, split, group, stream)
-    if path == "wide":
-        if fmt not in qwide_i8.FORMATS or key[1] != 64 or split is not None:
-            raise ValueError(f"entry {key}: the wide GEMM serves the 64-row bucket of "
-                             f"{', '.join(f.name for f in qwide_i8.FORMATS)}, without split")
-        return key, Route("wide", qwide_i8.check_config(e["config"]))
-    raise ValueError(f"entry {key}: path {path!r} (expected 'tile', 'ring' or 'wide')")
+    raise ValueError(f"entry {key}: path {path!r} (expected 'tile' or 'ring')")
 
 
 def load_tuning(path: str) -> int:
-    """Merge an i8_tuning.json (a list of {fmt, rows, n_out, n_in, path: "tile" | "ring" | "wide",
+    """Merge an i8_tuning.json (a list of {fmt, rows, n_out, n_in, path: "tile" | "ring",
     config, split (tile and ring, optional), group (ring, optional: chunks a split program),
     stream (ring, optional: the stream-K walk's programs an SM)}) into TUNED; returns the number of
     entries. Every entry is checked
@@ -260,13 +252,8 @@ def route(w: QWeight, rows: int) -> Route:
 
 def matmul(w: QWeight, act, out: torch.Tensor | None = None) -> torch.Tensor:
     """The lane's product through the table's route for this shape and row bucket (`route`): the tile
-    or its ring variant on the route's tiling, or the wide GEMM (Q4_K/Q5_K prefill chunks). Every
-    route has the same bits."""
+    or its ring variant on the route's tiling. Every route has the same bits."""
     r = route(w, act.rows)
-    if r.path == "wide":
-        from . import qwide_i8
-
-        return qwide_i8.matmul_wide(w, act, out, config=r.config)
     if r.path == "ring":
         return matmul_ring(w, act, out, config=r.config, split=r.split, group=r.group, stream=r.stream)
     return matmul_tile(w, act, out, config=r.config, split=r.split)
@@ -277,11 +264,6 @@ def ring_routes() -> list[tuple[str, tuple[int, ...], bool | None, int, int]]:
     at load)."""
     return sorted({(k[0], r.config, r.split, r.group, r.stream) for k, r in TUNED.items()
                    if r.path == "ring" and r.config is not None}, key=repr)
-
-
-def routes_wide() -> bool:
-    """Some shape of the table takes the wide GEMM (so the lane checks it at load)."""
-    return any(r.path == "wide" for r in TUNED.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1259,5 +1241,5 @@ def self_check_ring(device: str, fmt: str, config, split, group: int = 1, stream
 
 __all__ = ["matmul", "CONFIGS", "FORMATS", "MAX_GROUP", "MAX_STREAM", "RING_BYTES", "check_group", "check_stream", "sk_counters", "check_ring_config", "matmul_ring", "ring_bytes", "ring_routes", "self_check_ring", "HAVE_GLUON", "TUNED", "TUNING_FILE", "Route", "available", "check_config", "codes_ref", "config_for",
            "operand_elements",
-           "load_tuning", "route", "routes_wide",
+           "load_tuning", "route",
            "matmul_tile", "self_check", "supports"]
