@@ -271,3 +271,32 @@ def test_cuda_decode_path_with_fused_matvec(make_gguf, kernels):
     finally:
         eng.forward.linear.triton_rows = False
     assert max_dlsm(got, ref.decode(5)) <= GATE_FLOOR
+
+
+def test_the_attention_scratch_takes_a_prefill_chunk_in_one_launch(eng32):
+    """A session's attention scratch holds a verify block at any position and a whole prefill chunk
+    over an empty cache (attention.scratch_units), so that chunk's attention is one launch a pass
+    and layer (attention.row_groups); a chunk after a long context runs in groups, each within the
+    scratch, covering its rows in order."""
+    from muser.engine.kernels import attention as att
+
+    s = eng32.session(max_context=200, chunk=64)
+    sc = s._scratch()
+    units = sc.rows * sc.splits
+    assert sc.m.numel() == units * eng32.cfg.n_heads
+    for p in s.cache.planes:
+        w = p.geometry.window if p.geometry.sliding else 0
+        assert att.row_groups(64, 0, w, units) == [(0, 64)]
+        assert att.row_groups(16, p.capacity, w, units) == [(0, 16)]
+    # the full geometry (window 2,048, 512-row chunks) in a 512-position session, as `muser bench
+    # prefill` opens it: a verify-sized scratch took a sliding layer's chunk in 31 launches a pass
+    old = 16 * max(att.split_count(16, 512, w) for w in (2048, 0))
+    units = max(att.scratch_units(16, 512, 512, w) for w in (2048, 0))
+    assert (len(att.row_groups(512, 0, 2048, old)), len(att.row_groups(512, 0, 0, old))) == (31, 10)
+    assert units == 4608 and att.row_groups(512, 0, 2048, units) == att.row_groups(512, 0, 0, units) == [(0, 512)]
+    deep = att.row_groups(512, 32768, 0, units)  # a full layer's chunk after 32,768 positions
+    assert len(deep) > 1 and deep[0][0] == 0 and deep[-1][1] == 512
+    assert all(a[1] == b[0] for a, b in zip(deep, deep[1:]))
+    assert all((r1 - r0) * att.split_count(r1 - r0, 32768, 0) <= units for r0, r1 in deep)
+    with pytest.raises(AssertionError, match="too small"):
+        att.row_groups(1, 131072, 0, 16)

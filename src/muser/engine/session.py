@@ -32,7 +32,7 @@ from ..sequence import (
     non_finite_error,
 )
 from .forward import Forward
-from .kernels.attention import AttnScratch, attend_ref, attend_triton, plane_meta_of, split_count
+from .kernels.attention import AttnScratch, attend_ref, attend_triton, plane_meta_of, scratch_units
 from .rows import DeviceRow
 
 PREFILL_CHUNK = 512  # PREFILL_BATCH_TOKENS (book 10.10)
@@ -109,12 +109,19 @@ class Session(Sequence):
 
     # -- forward -------------------------------------------------------------------------------
     def _scratch(self) -> AttnScratch:
-        """Attention partials for MAX_VERIFY rows at any position, allocated once per session;
-        longer chunks run through it in groups of rows (kernels/attention.attend_triton)."""
+        """Attention partials for a verify block (MAX_VERIFY rows) at any position and for a prefill
+        chunk over an empty cache in one launch a pass (kernels/attention.scratch_units), allocated
+        once per session; chunks deeper in the context run through it in groups of rows
+        (attention.row_groups). Why a chunk's worth: the eager step is launch-bound, and in groups
+        of MAX_VERIFY-sized scratch a 512-row chunk took ~5,400 attention launches (bench/NOTES.md
+        "Prefill's attention in one launch a pass"). Full geometry, 512 rows: 4,608 units, 78 MB."""
         if self._attn_scratch is None:
-            splits = max(split_count(MAX_VERIFY, p.capacity, p.geometry.window if p.geometry.sliding else 0)
-                         for p in self.cache.planes)
-            self._attn_scratch = AttnScratch(MAX_VERIFY, self.cfg.n_heads, self.cfg.head_dim, splits, self.device)
+            chunk = min(self.chunk, self.max_context)
+            units = max(scratch_units(MAX_VERIFY, chunk, p.capacity, p.geometry.window if p.geometry.sliding else 0)
+                        for p in self.cache.planes)
+            rows = max(MAX_VERIFY, chunk)
+            self._attn_scratch = AttnScratch(rows, self.cfg.n_heads, self.cfg.head_dim, -(-units // rows),
+                                             self.device)
         return self._attn_scratch
 
     def _graph_ok(self, T: int, out_rows: str, capture: tuple[int, ...]) -> bool:

@@ -254,6 +254,31 @@ def split_count(rows: int, capacity: int, window: int) -> int:
     return _splits_over(_span(0, rows, capacity, window), split_len(window))
 
 
+def row_groups(T: int, rows_bound: int, window: int, units: int) -> list[tuple[int, int]]:
+    """The launches of a T-row call over a plane of at most `rows_bound` rows: consecutive row
+    ranges [r0, r1), each as many rows as a scratch of `units` (row, split) partials per head
+    holds at the splits a row of such a launch can touch. Only the launch count depends on it:
+    a row's splits sit at fixed absolute positions and merge in one order (module docstring)."""
+    S = split_len(window)
+
+    def per_row(g: int) -> int:  # splits per row of any launch of g consecutive rows (>= _span's)
+        return _splits_over(min(rows_bound + T, window - 1 + g) if window > 0 else rows_bound + T, S)
+
+    group = min(T, units)
+    while group > 1 and group * per_row(group) > units:
+        group = max(1, min(group - 1, units // per_row(group)))
+    assert group * per_row(group) <= units, (
+        f"attention scratch of {units} partials per head is too small for {per_row(1)} splits per row")
+    return [(r0, min(T, r0 + group)) for r0 in range(0, T, group)]
+
+
+def scratch_units(verify_rows: int, chunk: int, capacity: int, window: int) -> int:
+    """(row, split) partials per head a session's scratch holds for a plane of `capacity`: a
+    verify block of `verify_rows` at any position, and a prefill chunk of `chunk` rows over an empty
+    plane, each in one launch a pass (a chunk deeper in the context runs in row_groups)."""
+    return max(verify_rows * split_count(verify_rows, capacity, window), chunk * split_count(chunk, 0, window))
+
+
 if HAVE_TRITON:
     from .gdc import after_prior
 
@@ -555,23 +580,13 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, hea
     bs = block_len(S, f16_operands)
     units = scratch.rows * scratch.splits  # (row, split) partials per head the scratch holds
     assert scratch.m.numel() >= units * H and scratch.st_m.numel() >= units * H and scratch.o.numel() < 2**31
-
-    def per_row(g: int) -> int:  # splits per row of any launch of g consecutive rows (>= _span's)
-        return _splits_over(min(rows_bound + T, window - 1 + g) if window > 0 else rows_bound + T, S)
-
-    group = min(T, units)
-    while group > 1 and group * per_row(group) > units:
-        group = max(1, min(group - 1, units // per_row(group)))
-    assert group * per_row(group) <= units, (
-        f"attention scratch of {scratch.rows} x {scratch.splits} partials per head is too small for "
-        f"{per_row(1)} splits per row")
+    groups = row_groups(T, rows_bound, window, units)
     if out is None:
         out = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
     assert out.shape == (T, H, D) and out.dtype == torch.float32 and out.stride(2) == 1
     hp = max(16, triton.next_power_of_2(hpk))  # tl.dot's M >= 16: padded heads load q = 0
     sc = scratch
-    for r0 in range(0, T, group):
-        r1 = min(T, r0 + group)
+    for r0, r1 in groups:
         nsp = _splits_over(_span(r0, r1, rows_bound, window), S)
         for ps in ((1, 2) if f16_operands else (0,)):
             rg = ROW_GROUP_F16 if ps else ROW_GROUP_EXACT
@@ -591,7 +606,7 @@ def attend_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, hea
 __all__ = ["BLOCK", "BLOCK_EXACT", "HAVE_TRITON", "META_FIELDS", "REDUCE_CHUNK", "ROW_GROUP_EXACT", "ROW_GROUP_F16",
            "SPLIT_FULL", "SPLIT_SLIDING",
            "AttnScratch", "attend_ref", "attend_triton", "block_len", "plane_meta", "plane_meta_of", "plane_strides",
-           "split_count", "split_len"]
+           "row_groups", "scratch_units", "split_count", "split_len"]
 
 
 # --- the step's new K/V rows: rounded to the plane type once, stored into both planes once ------
