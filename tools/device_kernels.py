@@ -31,7 +31,8 @@ and one row alone against the same row inside the 16- and 512-row launches (bitw
 K-quant shapes the int8 tile (kernels/qtile_i8.py, the lane's CUDA path for them) beside it: bitwise
 matmul_ggml on the row subset and bitwise the reference at 1, 16 and 512 rows (both gated), timed at
 1, 16, 64 and 512 rows, tilings swept (one-row calls split or walking their chunks); the fastest
-route per shape and row bucket with the reference's bits is written as DIR/i8_tuning.json (qtile_i8.load_tuning's form).
+route per shape and row bucket with the reference's bits is written as DIR/i8_tuning.json
+(qtile_i8.load_tuning's form).
 
     python3 tools/device_kernels.py --out DIR [--budget 140] [--device cuda|cpu --smoke] [--lane exact|fast]
                                     [--before FILE]   (an earlier qmatvec_v3.py: its 4/16-row calls beside)
@@ -306,7 +307,8 @@ def i8_tuning_table(speed: list[dict], margin: float = 0.03) -> list[dict]:
     and row bucket (8: the one-row times, 16, 64: the widest call's) the fastest of the tile's
     default, its swept tilings (one-row: split or walking its chunks; the ring's chunk groups "gN"
     and stream-K walks "skN" as the entry's group and stream), among those whose outputs were
-    bitwise the default's. A candidate replaces the default only if `margin` faster (the sweep's times are one sample)."""
+    bitwise the default's. A candidate replaces the default only if `margin` faster (the sweep's
+    times are one sample)."""
     from muser.engine.kernels import qtile_i8
 
     table = []

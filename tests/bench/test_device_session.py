@@ -191,8 +191,8 @@ def test_the_tuning_table_takes_the_fastest_tiling_with_the_default_bits():
 def test_the_int8_table_takes_the_fastest_route_with_the_references_bits(tmp_path, monkeypatch):
     """tools/device_kernels.py --lane fast's sweep -> i8_tuning.json: per shape and row bucket the
     fastest of the tile's default and its tilings (a one-row walk as split false), among those with
-    the default's bits and more than the margin faster; the table loads (qtile_i8.load_tuning) and routes those calls; a bad entry is refused
-    with nothing taken."""
+    the default's bits and more than the margin faster; the table loads (qtile_i8.load_tuning) and
+    routes those calls; a bad entry (a retired "wide" path included) is refused with nothing taken."""
     sys.path.insert(0, str(REPO / "tools"))
     try:
         import device_kernels

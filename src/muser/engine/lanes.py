@@ -20,9 +20,9 @@
   products in one fixed order. CUDA: kernels/qtile_i8.py for the K-quants (int8 tensor-core tiles with the
   operands unpacked in registers; checked bitwise against qmatmul_i8 on the device before it
   serves) on the tiling the device sweep's table (kernels/i8_tuning.json) gives each shape,
-  kernels/qmatmul_i8.py for Q8_0/Q4_0; the activations come quantized from the tail kernel that writes them (the norms
-  and gates, kernels/fused.py through act_out / keep_act), a quantize launch only where no tail
-  wrote them; CPU: dot.matmul_codes over codes built once
+  kernels/qmatmul_i8.py for Q8_0/Q4_0; the activations come quantized from the tail kernel that
+  writes them (the norms and gates, kernels/fused.py through act_out / keep_act), a quantize
+  launch only where no tail wrote them; CPU: dot.matmul_codes over codes built once
   from the repacked fields. Each output row depends only on its own input row, so the lane is
   row-invariant by construction. F32/F16/BF16 weights: the activations are rounded to the
   vec_dot_type (f16/bf16 round-to-nearest-even, f32 as is) and the exact lane's fixed-order f32
@@ -299,7 +299,8 @@ class Linear:
     def _i8(self, w: QWeight, act, out: torch.Tensor | None = None) -> torch.Tensor:
         """The fast lane's GEMM on CUDA (the SPEC of dot.matmul_ggml): K-quants where the int8 tile
         serves go where the tuning table routes their shape and row bucket (qtile_i8.route: the tile
-        or its ring variant on a tiling), other integer formats (and devices without the tile) through kernels/qmatmul_i8. Every route has the same bits."""
+        or its ring variant on a tiling), other integer formats (and devices without the tile)
+        through kernels/qmatmul_i8. Every route has the same bits."""
         if w.fmt in self.tile_formats:
             from .kernels import qtile_i8
 

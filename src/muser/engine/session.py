@@ -113,8 +113,8 @@ class Session(Sequence):
         chunk over an empty cache in one launch a pass (kernels/attention.scratch_units), allocated
         once per session; chunks deeper in the context run through it in groups of rows
         (attention.row_groups). Why a chunk's worth: the eager step is launch-bound, and in groups
-        of MAX_VERIFY-sized scratch a 512-row chunk took ~5,400 attention launches (bench/NOTES.md
-        "Prefill's attention in one launch a pass"). Full geometry, 512 rows: 4,608 units, 78 MB."""
+        of MAX_VERIFY-sized scratch a 512-row chunk took 5,356 attention launches (bench/NOTES.md,
+        "... prefill's attention in one launch a pass"). Full geometry, 512 rows: 4,608 units, 78 MB."""
         if self._attn_scratch is None:
             chunk = min(self.chunk, self.max_context)
             units = max(scratch_units(MAX_VERIFY, chunk, p.capacity, p.geometry.window if p.geometry.sliding else 0)
