@@ -62,16 +62,22 @@ def timeline(ev: list, steps: int) -> dict:
     host preparing the next step, the read-back), each per step."""
     busy = short = long_ = 0.0
     end = None
+    prev = ""
+    where: dict = defaultdict(lambda: [0.0, 0])  # (kernel before, kernel after) -> [us, count]
     for e in ev:
         a, b = e.time_range.start, e.time_range.end
         if end is None:
             busy += b - a
             end = b
+            prev = family(e.name)
             continue
         if a > end:
             gap = a - end
             if gap >= HOST_GAP_US:
                 long_ += gap
+                w = where[(prev[:40], family(e.name)[:40])]
+                w[0] += gap
+                w[1] += 1
             else:
                 short += gap
             busy += b - a
@@ -79,9 +85,15 @@ def timeline(ev: list, steps: int) -> dict:
         elif b > end:
             busy += b - end
             end = b
+        prev = family(e.name)
+    # where the long gaps fall: between steps (after the logits' copy) or inside one (a graph
+    # part waiting for its launch), by the kernels either side of them
+    gaps = sorted(({"before": k[0], "after": k[1], "ms_per_step": round(v[0] / steps / 1e3, 4),
+                    "per_step": round(v[1] / steps, 2)} for k, v in where.items()), key=lambda r: -r["ms_per_step"])
     return {"gpu_busy_ms_per_step": round(busy / steps / 1e3, 4),
             "short_gaps_ms_per_step": round(short / steps / 1e3, 4),
-            "host_gaps_ms_per_step": round(long_ / steps / 1e3, 4)}
+            "host_gaps_ms_per_step": round(long_ / steps / 1e3, 4),
+            "host_gaps_where": gaps[:8]}
 
 
 def host_profile(step, steps: int, top: int = 30) -> list[dict]:
