@@ -7,6 +7,7 @@ between steps: bookkeeping, the logits read-back).
 
     python3 tools/device_profile.py FULL.gguf OUT [--lanes exact,fast] [--depths 0] [--rows 1,16]
                                     [--steps 8] [--gate-receipt R] [--pdl on,off] [--acts tails,separate]
+                                    [--parts "6;2,12"]
 
 Writes one `step-profile-cuda` receipt per lane into OUT and prints the per-step tables.
 """
@@ -247,6 +248,8 @@ def main() -> int:
     ap.add_argument("--acts", default="tails", help="tails and/or separate (lane fast): each projection input "
                     "quantized by the tail kernel that writes it (lanes.Linear.tail_acts) or by a quantize launch "
                     "of its own; each setting captures its own graphs")
+    ap.add_argument("--parts", default="", help="graph part splits to compare, ';'-separated, each a comma list of "
+                    "layers (engine/graphs.PART_LAYERS; empty: the shipped one); each setting captures its own graphs")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("device_profile: CUDA is not available", file=sys.stderr)
@@ -274,10 +277,17 @@ def main() -> int:
         from muser.engine.kernels import gdc
 
         acts = a.acts.split(",") if lane == "fast" else ["tails"]
-        cells = [(pdl, act, int(d), int(r)) for pdl in a.pdl.split(",") for act in acts
+        from muser.engine import graphs
+
+        parts0 = graphs.PART_LAYERS
+        part_sets = [tuple(int(x) for x in p.split(",") if x) for p in a.parts.split(";")] if a.parts else [parts0]
+        cells = [(parts, pdl, act, int(d), int(r)) for parts in part_sets for pdl in a.pdl.split(",") for act in acts
                  for d in a.depths.split(",") for r in a.rows.split(",")]
         rows0 = gdc.ROWS
-        for pdl, act, depth, rows in cells:
+        for parts, pdl, act, depth, rows in cells:
+            if graphs.PART_LAYERS != parts:
+                graphs.PART_LAYERS = parts
+                eng._graphs.clear()  # graphs captured under the other split
             if not (pdl in ("on", "off") or (pdl.isdigit() and int(pdl) >= 1)) or act not in ("tails", "separate"):
                 print(f"device_profile: --pdl {pdl!r} / --acts {act!r}: expected on, off or a row count / tails or "
                       f"separate", file=sys.stderr)
@@ -299,8 +309,9 @@ def main() -> int:
             cell["pdl"] = pdl != "off"
             cell["pdl_rows"] = pdl_rows
             cell["tail_acts"] = act == "tails"
+            cell["part_layers"] = list(parts)
             res["cells"].append(cell)
-            print(f"lane {lane} pdl {pdl} acts {act} depth {depth} rows {rows}: graph {cell.get('graph_wall_ms_per_step', 0)} ms/step "
+            print(f"lane {lane} parts {parts} pdl {pdl} acts {act} depth {depth} rows {rows}: graph {cell.get('graph_wall_ms_per_step', 0)} ms/step "
                   f"wall ({cell.get('graph_replay_ms_per_step', 0)} replayed back to back), its kernels "
                   f"{cell.get('graph_kernel_ms_per_step', 0)} ms in "
                   f"{cell.get('graph_launches_per_step', 0)} launches, {cell.get('graph_timeline', {})}; eager "
@@ -320,6 +331,7 @@ def main() -> int:
         del eng
         gdc.ENABLED = True
         gdc.ROWS = rows0
+        graphs.PART_LAYERS = parts0
         torch.cuda.empty_cache()
     return 0
 

@@ -11,6 +11,7 @@
 #                                [--kernels-shapes FMT:N_OUT:N_IN,...]
 #                                [--profile-lanes exact,fast] [--profile-depths LIST] [--profile-rows 1,16]
 #                                [--profile-modes eager,graph] [--profile-pdl on,off,N] [--profile-acts tails,separate]
+#                                [--profile-parts "6;2,12"]
 #                                [--cli-lanes exact,fast] [--counters-shape FMT:N_OUT:N_IN,...] [--counters-lanes exact,fast]
 #                                [--attn-sweeps exact,f16,splits|none]
 #                                STAGE...
@@ -79,7 +80,8 @@
 #            programmatic dependent launch (default on; on,off times both; a row count N: on for
 #            launches of up to N rows, gdc.ROWS) and, in the fast lane,
 #            --profile-acts's (tails: the tails quantize the projections' inputs, the default;
-#            tails,separate times both), 200 s; it waits for the
+#            tails,separate times both) and --profile-parts's graph splits (engine/graphs.PART_LAYERS;
+#            "6;2,12" times both; default the shipped one), 200 s; it waits for the
 #            fixture only, so named before speed it runs while the wide gate is computed
 #   counters python3 tools/device_counters.py: the projection kernels of --counters-lanes
 #            (exact,fast; the integer lane on its tuning table's routes) on --counters-shape
@@ -101,7 +103,7 @@ cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"
 DRY=0 CARRY=.device/gpubench DEADLINE=585 LLAMA_SERVER="" DEPTHS=0,8192 NVFP4_MIX=nvfp4-ggml KV_LENGTHS=2048,8192,32768
 KIND_BOX=150 KVPACK_BOX=420 REUSE_GATES=0 GATES_ONLY=0 LANE=exact KINDS=decode,prefill,verify
-STAGES=() KLANE="" KARGS=() INSTALL_TUNING=0 PLANES=exact,fast PDEPTHS="" PROWS=1,16 PMODES=eager,graph PPDL=on PACTS=tails
+STAGES=() KLANE="" KARGS=() INSTALL_TUNING=0 PLANES=exact,fast PDEPTHS="" PROWS=1,16 PMODES=eager,graph PPDL=on PACTS=tails PPARTS=""
 CLI_LANES=exact,fast CSHAPE=Q4_K:39936:6656 CLANES=exact,fast ASWEEPS=exact
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -131,6 +133,7 @@ while [ $# -gt 0 ]; do
     --profile-rows) PROWS=${2:?--profile-rows LIST}; shift ;;
     --profile-modes) PMODES=${2:?--profile-modes eager,graph}; shift ;;
     --profile-pdl) PPDL=${2:?--profile-pdl on,off,N}; shift ;;
+    --profile-parts) PPARTS=${2:?--profile-parts "SPLITS;SPLITS"}; shift ;;
     --profile-acts) PACTS=${2:?--profile-acts tails,separate}; shift ;;
     --cli-lanes) CLI_LANES=${2:?--cli-lanes LIST}; shift
                  [[ "$CLI_LANES" =~ ^(exact|fast)(,(exact|fast))*$ ]] || {
@@ -446,7 +449,7 @@ PYEOF
         record profile - 0 "no $FULL"; continue; fi
       g=$(gate_receipt q4_k_xl); gr=(); [ -n "$g" ] && gr=(--gate-receipt "$g")
       run_stage profile 200 60 $PY tools/device_profile.py "$FULL" "$R" --lanes "$PLANES" \
-          --depths "${PDEPTHS:-${DEPTHS%%,*}}" --rows "$PROWS" --modes "$PMODES" --pdl "$PPDL" --acts "$PACTS" --steps 8 "${gr[@]}" ;;
+          --depths "${PDEPTHS:-${DEPTHS%%,*}}" --rows "$PROWS" --modes "$PMODES" --pdl "$PPDL" --acts "$PACTS" --parts "$PPARTS" --steps 8 "${gr[@]}" ;;
     counters)
       if [ $DRY = 1 ]; then record counters - 0 "dry run: the hardware counters need CUDA"; continue; fi
       run_stage counters 200 60 $PY tools/device_counters.py "$R/counters" --shape "$CSHAPE" --lanes "$CLANES" ;;

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from muser.engine import Engine, StepItem
-from muser.engine.graphs import plane_storage
+from muser.engine.graphs import part_bounds, plane_storage
 from muser.engine.kernels.attention import META_FIELDS
 from muser.errors import BatchError, ContextOverflow, EmptyInput, LaneError, NonFiniteLogits, TokenOutOfRange
 from muser.gates import GATE_FLOOR, max_dlsm
@@ -240,11 +240,12 @@ def test_graph_step_of_several_sessions_on_device_metadata(tiny_gguf, kernels, k
             assert (pa.keys.float() - pb.keys.float()).abs().max() <= 1e-2
 
 
-@pytest.mark.parametrize("split", [1, 2, 3])
-def test_graph_inputs_prepared_in_two_layer_ranges_equal_one(tiny_gguf, split):
-    """A replayed graph step reserves its first graph's layers, launches it, then reserves the
-    rest (graphs.StepGraph.launch): the uploaded buffer and every plane's state afterwards are
-    those of one reservation over all layers, rings wrapped or not, several items at once."""
+@pytest.mark.parametrize("splits", [(1,), (3,), (1, 2), (1, 3), (2, 3, 9)])
+def test_graph_inputs_prepared_in_layer_ranges_equal_one(tiny_gguf, splits):
+    """A replayed graph step reserves each graph's layers, then launches it, before the next
+    graph's (graphs.StepGraph.launch over graphs.part_bounds): the uploaded buffer and every
+    plane's state afterwards are those of one reservation over all layers, rings wrapped or
+    not, several items at once, and each upload holds its range's layers (and those before) final."""
     eng = Engine.open(tiny_gguf, device="cpu", lane="exact", kv="f32")
     L = eng.cfg.n_layers
     shape = ((1, "last"), (3, "all"), (2, "last"))
@@ -258,19 +259,34 @@ def test_graph_inputs_prepared_in_two_layer_ranges_equal_one(tiny_gguf, split):
     M = META_FIELDS
     for (o, _), s in zip(ga.blocks, two):  # the storage addresses are the sessions' own
         want[o:o + M * L].reshape(L, M)[:, 3:] = plane_storage(s)
-    gb._prepare(two, toks, range(0, split))
-    head = gb.dev.numpy().copy()
-    gb._prepare(two, toks, range(split, L))
+    ranges = part_bounds(splits, L)
+    assert ranges[0][0] == 0 and ranges[-1][1] == L and len(ranges) == 1 + sum(0 < x < L for x in splits)
+    for lo, hi in ranges:
+        gb._prepare(two, toks, range(lo, hi))
+        head = gb.dev.numpy().copy()
+        for (a, b), (o, _), s in zip(gb.bounds, gb.blocks, two):
+            T = b - a
+            assert np.array_equal(head[a:b], want[a:b]) and np.array_equal(head[o:o + M * hi], want[o:o + M * hi])
+            assert [list(r[3:]) for r in head[o:o + M * L].reshape(L, M)[:hi]] == \
+                [[p.capacity, p.keys.data_ptr(), p.values.data_ptr()] for p in s.cache.planes[:hi]]
+            w = o + M * L + 1
+            assert np.array_equal(head[w:w + hi * T], want[w:w + hi * T])
     assert np.array_equal(gb.host.numpy(), want) and np.array_equal(gb.dev.numpy(), want)
-    for (a, b), (o, _), s in zip(gb.bounds, gb.blocks, two):  # the first range's layers final in its upload
-        T = b - a
-        assert np.array_equal(head[a:b], want[a:b]) and np.array_equal(head[o:o + M * split], want[o:o + M * split])
-        assert [list(r[3:]) for r in head[o:o + M * L].reshape(L, M)[:split]] == \
-            [[p.capacity, p.keys.data_ptr(), p.values.data_ptr()] for p in s.cache.planes[:split]]
-        w = o + M * L + 1
-        assert np.array_equal(head[w:w + split * T], want[w:w + split * T])
     for sa, sb in zip(one, two):
         assert [(p.state(), p.appended) for p in sa.cache.planes] == [(p.state(), p.appended) for p in sb.cache.planes]
+
+
+def test_graph_part_bounds():
+    """The step's graphs cover the layers in consecutive ranges; splits outside (0, L) drop out,
+    splits out of order are refused."""
+    assert part_bounds((2, 12), 52) == [(0, 2), (2, 12), (12, 52)]
+    assert part_bounds((2, 12), 8) == [(0, 2), (2, 8)]
+    assert part_bounds((0, 52), 52) == [(0, 52)]
+    assert part_bounds((), 4) == [(0, 4)]
+    with pytest.raises(ValueError, match="not increasing"):
+        part_bounds((12, 2), 52)
+    with pytest.raises(ValueError, match="not increasing"):
+        part_bounds((3, 3), 52)
 
 
 def test_graph_inputs_refused_before_any_layer_is_reserved(tiny_gguf):

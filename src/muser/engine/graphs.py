@@ -37,13 +37,25 @@ from .kernels.attention import META_FIELDS, AttnScratch, attend_triton, kv_round
 # The smallest context bound of a graph: sessions of up to this many positions share one set of
 # captures (the warm-up's, engine/warmup.py), whatever their own max_context.
 GRAPH_CONTEXT_MIN = 4096
-# The step is captured as two graphs sharing one pool: the first FIRST_PART_LAYERS layers, then
-# the rest. A graph launch costs host time per node (the 740-node decode step: 0.57 ms on the
-# H200 host, 20261204T151710Z-step-profile-cuda.json), and the GPU starts a graph only once its
-# launch returns: the short first part starts at once and runs while the host reserves the later
-# layers' K/V slots and launches the rest (six layers are ~1.1 ms of GPU time at one row against
-# that launch's ~0.5 ms and the reservation's few hundredths of a millisecond).
-FIRST_PART_LAYERS = 6
+# The step is captured as consecutive graphs of layers sharing one pool, split at PART_LAYERS. A
+# graph launch costs host time per node (~0.75 us a node on the H100 machine's host, ~22 nodes a
+# layer at one row), and the GPU starts a graph only once its launch returns; the host also
+# reserves each part's K/V slots before launching it. So the first part is short (the GPU starts
+# soon after the host has the step's tokens) and each part's GPU time covers the host's work for
+# the next: at one row a layer is ~0.14-0.17 ms of GPU time against ~0.035 ms of the host's
+# reservation and launch, so each part may be up to ~4x the one before it. Two layers, then ten,
+# then the rest: the split at six layers (one seam) left the last part's reservation and launch
+# (~1.4 ms for 46 layers) longer than the first part's ~1.0 ms of GPU time.
+PART_LAYERS: tuple[int, ...] = (2, 12)
+
+
+def part_bounds(splits: tuple[int, ...], n_layers: int) -> list[tuple[int, int]]:
+    """The layer ranges [a, b) of the step's graphs for split layers `splits` (increasing; those
+    outside (0, n_layers) dropped): consecutive, covering 0..n_layers."""
+    cuts = [0] + [b for b in splits if 0 < b < n_layers] + [n_layers]
+    if any(b <= a for a, b in zip(cuts, cuts[1:])):
+        raise ValueError(f"graph part splits {splits} are not increasing")
+    return list(zip(cuts, cuts[1:]))
 
 
 @contextmanager
@@ -189,6 +201,7 @@ class StepGraph:
         self.sessions: list = []  # the items' sessions while a step runs eagerly or is captured
         self.p0: list[int] = []  # each item's first position, read once a step (`_prepare`)
         self.parts: tuple | None = None  # the step's CUDA graphs, in replay order, once captured
+        self.part_layers: list[tuple[int, int]] = []  # each graph's layer range [a, b), set at capture
         self.calls = 0  # steps run, captured or not
         # prompt-shaped: some item has several rows and only its last row's logits out
         self.prompt_like = any(T > 1 and mode == "last" for T, mode, _ in shape)
@@ -198,8 +211,8 @@ class StepGraph:
     def _prepare(self, sessions: list, ids: list[np.ndarray], layers: range) -> None:
         """Reserve this step's rows in the planes of `layers` (host metadata, muser.kv) and upload.
         The range starting at layer 0 also checks every plane of every item (a refusal reserves
-        nothing) and its bound, and writes the tokens and positions; a replayed step prepares its first graph's
-        layers, launches that graph, then prepares the rest while the GPU runs it (`launch`).
+        nothing) and its bound, and writes the tokens and positions; a replayed step prepares each
+        graph's layers and launches that graph before preparing the next (`launch`).
         Each upload copies the whole buffer (a few KB): a range's layers are final in it, the
         later layers' slots are rewritten by the later upload before any graph reads them."""
         L = self.engine.cfg.n_layers
@@ -249,14 +262,10 @@ class StepGraph:
         parts = self.parts
         self.calls += 1
         if parts is not None:
-            # the first graph's layers, then the rest prepared while the GPU runs them: the host
-            # bookkeeping of the later layers leaves the step's critical path
-            split = min(FIRST_PART_LAYERS, L) if len(parts) > 1 else L
-            self._prepare(sessions, ids, range(0, split))
-            parts[0].replay()
-            if split < L:
-                self._prepare(sessions, ids, range(split, L))
-            for g in parts[1:]:
+            # each graph's layers prepared, then the graph launched: the host's bookkeeping of the
+            # later layers runs while the GPU runs the earlier ones (PART_LAYERS)
+            for (a, b), g in zip(self.part_layers, parts):
+                self._prepare(sessions, ids, range(a, b))
                 g.replay()
             return
         self._prepare(sessions, ids, range(0, L))
@@ -280,14 +289,15 @@ class StepGraph:
 
     def _capture(self) -> tuple:
         """The step recorded (not executed) as graphs of consecutive layers in one pool, replayed
-        in capture order (FIRST_PART_LAYERS)."""
+        in capture order (PART_LAYERS; the ranges kept in `part_layers`)."""
         pool = torch.cuda.graph_pool_handle()
-        split = min(FIRST_PART_LAYERS, self.engine.cfg.n_layers)
+        bounds = part_bounds(PART_LAYERS, self.engine.cfg.n_layers)
+        splits = {a for a, _ in bounds[1:]}
         parts = [torch.cuda.CUDAGraph()]
         ctx = [torch.cuda.graph(parts[0], pool=pool)]
 
         def hook(il: int) -> None:  # at the top of layer il, inside forward.run
-            if il == split and split > 0:
+            if il in splits:
                 ctx[0].__exit__(None, None, None)
                 parts.append(torch.cuda.CUDAGraph())
                 ctx[0] = torch.cuda.graph(parts[-1], pool=pool)
@@ -302,6 +312,7 @@ class StepGraph:
                 ctx[0].__exit__(None, None, None)
                 raise
             ctx[0].__exit__(None, None, None)
+        self.part_layers = bounds
         return tuple(parts)
 
     def run(self, sessions: list, ids: list[np.ndarray]) -> torch.Tensor:
