@@ -280,7 +280,13 @@ def main() -> int:
         from muser.engine import graphs
 
         parts0 = graphs.PART_LAYERS
-        part_sets = [tuple(int(x) for x in p.split(",") if x) for p in a.parts.split(";")] if a.parts else [parts0]
+        try:  # refused before any cell runs: digits only, each set increasing
+            part_sets = [tuple(int(x) for x in p.split(",") if x) for p in a.parts.split(";")] if a.parts else [parts0]
+            for ps in part_sets:
+                graphs.part_bounds(ps, eng.cfg.n_layers)
+        except ValueError as e:
+            print(f"device_profile: --parts {a.parts!r}: {e}", file=sys.stderr)
+            return 2
         cells = [(parts, pdl, act, int(d), int(r)) for parts in part_sets for pdl in a.pdl.split(",") for act in acts
                  for d in a.depths.split(",") for r in a.rows.split(",")]
         rows0 = gdc.ROWS
